@@ -1,0 +1,267 @@
+"""
+ASGI middleware
+===============
+
+.. code-block:: python
+
+    app.add_middleware(MeshMiddleware, mesh=mesh)     # FastAPI / Starlette
+    app = MeshMiddleware(app)                         # any ASGI app; Mesh.from_env()
+
+Pure ASGI (no ``BaseHTTPMiddleware``): inference paths are routed, every other
+path and every non-HTTP scope (websocket, lifespan) go to the wrapped app
+untouched. Each routed request gets a :class:`_Exchange` (starlette's per-request
+responder pattern) that reads the body under its bound, prepares it, drives the
+forward flow and relays the worker's response chunk by chunk as it arrives.
+
+A client that disconnects cancels the exchange at once: the prepare job if it
+has not started, the upstream request (its connection is closed, so the worker
+sees the disconnect), and the worker's load and lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from meshkit.adapters.drive import AsyncExchange, Final, UpstreamFailure, drive_async
+from meshkit.adapters.upstream import AiohttpUpstream, AsyncUpstream
+from meshkit.core.credentials import response_headers
+from meshkit.core.endpoints import Match, StreamFormat, shape_for_path
+from meshkit.core.sse import stream_error_event
+from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
+from meshkit.mesh import Accounting, Mesh
+
+__all__ = ["MeshMiddleware"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger("meshkit.asgi")
+
+
+class MeshMiddleware:
+    """Routes inference requests of an ASGI app to a fleet of workers.
+
+    :param app: the wrapped ASGI application (receives every other request).
+    :param mesh: the :class:`~meshkit.Mesh`; ``Mesh.from_env()`` when omitted.
+    :param upstream: the HTTP client towards workers (default: pooled aiohttp).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        mesh: Mesh | None = None,
+        *,
+        upstream: AsyncUpstream | None = None,
+    ) -> None:
+        self.app = app
+        self.mesh = mesh if mesh is not None else Mesh.from_env()
+        self.upstream = upstream or AiohttpUpstream(self.mesh.config.upstream)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                await self.app(scope, receive, self._lifespan_send(send))
+                return
+            await self.app(scope, receive, send)
+            return
+        raw = scope.get("raw_path")
+        path = raw.decode("latin-1") if raw else scope["path"]
+        if "?" in path:  # some servers put the query into raw_path
+            path = path.split("?", 1)[0]
+        try:
+            match = self.mesh.resolve(scope["method"], path)
+        except MeshError as exc:
+            await _send_error(send, exc, shape_for_path(path), self.mesh)
+            return
+        if match is None:
+            await self.app(scope, receive, send)
+            return
+        await _Exchange(self, scope, receive, send, match).run()
+
+    def _lifespan_send(self, send: Send) -> Send:
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.aclose()
+            await send(message)
+
+        return wrapped
+
+    async def aclose(self) -> None:
+        await self.upstream.aclose()
+
+
+async def _send_error(send: Send, exc: MeshError, shape: Any, mesh: Mesh) -> None:
+    mesh.reject(exc)
+    body = exc.body(shape)
+    headers = exc.headers()
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Exchange:
+    """One routed request (the per-request responder)."""
+
+    __slots__ = (
+        "acct",
+        "client_left",
+        "final",
+        "match",
+        "mw",
+        "receive",
+        "responded",
+        "scope",
+        "send",
+        "started",
+    )
+
+    def __init__(
+        self, mw: MeshMiddleware, scope: Scope, receive: Receive, send: Send, match: Match
+    ) -> None:
+        self.mw = mw
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.match = match
+        self.client_left = False
+        self.responded = False  # the final body message was sent
+        self.started = False  # a response head was sent
+        self.acct: Accounting | None = None
+        self.final: Final[AsyncExchange] | None = None
+
+    async def run(self) -> None:
+        mesh = self.mw.mesh
+        shape = self.match.endpoint.shape
+        headers: list[tuple[bytes, bytes]] = self.scope["headers"]
+        try:
+            body = await self._read_body(headers, mesh.config.bounds.max_body_bytes)
+        except MeshError as exc:
+            await _send_error(self.send, exc, shape, mesh)
+            return
+        if body is None:  # the client left while sending its body
+            return
+        task = asyncio.current_task()
+        watcher = asyncio.ensure_future(self.receive())
+        watcher.add_done_callback(lambda w: self._on_receive(w, task))
+        try:
+            await self._route(body, headers)
+        except asyncio.CancelledError:
+            if not self.client_left or task is None:
+                raise
+            # We cancelled ourselves because the client left: finish quietly.
+            task.uncancel()
+        except MeshError as exc:
+            if not self.started:
+                await _send_error(self.send, exc, shape, mesh)
+        finally:
+            watcher.cancel()
+            await self._settle()
+
+    def _on_receive(self, watcher: asyncio.Future[Message], task: asyncio.Task[Any] | None) -> None:
+        if watcher.cancelled() or self.responded:
+            return
+        if watcher.exception() is None and watcher.result().get("type") == "http.disconnect":
+            self.client_left = True
+            if task is not None:
+                task.cancel()
+
+    async def _settle(self) -> None:
+        """Release whatever is still held, exactly once (all paths end here)."""
+        final = self.final
+        if final is None:
+            return
+        if self.acct is not None:
+            if self.responded:
+                self.acct.end()
+            else:
+                self.acct.abort(client_left=self.client_left)
+        if final.exchange is not None:
+            await final.exchange.aclose()
+        if final.attempt is not None:
+            final.attempt.lease.release(ok=self.responded)
+
+    async def _read_body(self, headers: list[tuple[bytes, bytes]], limit: int) -> bytes | None:
+        if not self.match.endpoint.has_body:
+            # Drain nothing: GET/DELETE bodies are not forwarded.
+            return b""
+        for k, v in headers:
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = 0
+                if declared > limit:
+                    raise RequestTooLarge(f"request body is over {limit} bytes")
+                break
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            if chunk:
+                total += len(chunk)
+                if total > limit:
+                    # Checked while the body streams in, before it is all buffered.
+                    raise RequestTooLarge(f"request body is over {limit} bytes")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _route(self, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        mesh = self.mw.mesh
+        query = self.scope.get("query_string", b"").decode("latin-1")
+        view = await mesh.prepare_async(self.match, body, headers, query)
+        flow = mesh.forward(view, headers, self.scope["method"])
+        final = self.final = await drive_async(flow, self.mw.upstream.send)
+        send = self.send
+        if final.local is not None:
+            local = final.local
+            if final.attempt is not None:
+                self.acct = mesh.account(view, final.attempt.lease, local.status)
+                self.acct.feed(local.body)
+            hdrs = list(local.headers)
+            hdrs.append((b"content-length", str(len(local.body)).encode()))
+            self.started = True
+            await send({"type": "http.response.start", "status": local.status, "headers": hdrs})
+            self.responded = True
+            await send({"type": "http.response.body", "body": local.body})
+            return
+        exchange = final.exchange
+        if exchange is None or final.attempt is None:  # pragma: no cover - drive contract
+            raise UpstreamError("no response to relay")
+        acct = self.acct = mesh.account(view, final.attempt.lease, exchange.status)
+        out_headers = response_headers(exchange.headers)
+        self.started = True
+        await send(
+            {"type": "http.response.start", "status": exchange.status, "headers": out_headers}
+        )
+        try:
+            async for chunk in exchange.chunks():
+                acct.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamFailure:
+            # After the first byte an upstream failure cannot become an HTTP error:
+            # end the stream with an error event in its own framing.
+            tail = stream_error_event(
+                view.match.endpoint.stream_format if view.stream else StreamFormat.NONE,
+                "upstream_error",
+                "the worker failed while streaming the response",
+            )
+            self.responded = True
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": tail})
+            if self.acct is not None:
+                self.acct.abort(client_left=False)
+            return
+        self.responded = True
+        await send({"type": "http.response.body", "body": b""})

@@ -1,0 +1,209 @@
+"""
+Driving a flow
+==============
+
+The forward and fan-out flows (:mod:`meshkit.core.forward`) yield attempts and
+receive results. These two drivers, one async and one sync, are the only loops
+that run them; each adapter supplies a ``send`` that performs one attempt with
+its own HTTP client and returns an exchange (status, headers, body access).
+
+A response stays open until the flow either moves on (the driver closes it) or
+returns its attempt (the caller relays it). When the attempt asked for its body
+(``read_body``), the driver reads it (bounded) and hands it to the flow; the
+caller then relays those captured bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from meshkit.core.credentials import response_headers
+from meshkit.core.forward import Attempt, AttemptResult, Failure, ForwardFlow, LocalResponse
+
+__all__ = [
+    "AsyncExchange",
+    "Final",
+    "SyncExchange",
+    "UpstreamFailure",
+    "drive_async",
+    "drive_sync",
+]
+
+#: error and listing bodies read into memory are bounded (a worker is not trusted)
+MAX_CAPTURED_BODY = 1024 * 1024
+
+
+class UpstreamFailure(Exception):
+    """The attempt failed before (or, from ``chunks``, during) the response body."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.value)
+        self.failure = failure
+
+
+class AsyncExchange(Protocol):
+    status: int
+    headers: list[tuple[bytes, bytes]]
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def read(self, limit: int) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class SyncExchange(Protocol):
+    status: int
+    headers: list[tuple[bytes, bytes]]
+
+    def chunks(self) -> Iterator[bytes]: ...
+
+    def read(self, limit: int) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+X = TypeVar("X", AsyncExchange, SyncExchange)
+
+
+@dataclass(slots=True)
+class Final(Generic[X]):
+    """What to relay: a live exchange (with its attempt), or a local response.
+
+    ``attempt`` is set whenever a worker answered, so the caller can account for
+    it and must release its lease; ``local`` holds captured or merged bytes.
+    """
+
+    attempt: Attempt | None
+    exchange: X | None
+    local: LocalResponse | None
+
+
+def _result(
+    attempt: Attempt, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None
+) -> tuple[AttemptResult, LocalResponse | None]:
+    if body is None:
+        return AttemptResult(status=status), None
+    captured = LocalResponse(
+        status,
+        tuple((k, v) for k, v in response_headers(headers) if k != b"content-length"),
+        body,
+    )
+    return AttemptResult(status=status, headers=captured.headers, body=body), captured
+
+
+def _wants_body(attempt: Attempt, status: int) -> bool:
+    mode = attempt.read_body
+    return mode == "always" or (mode == "errors" and status >= 400)
+
+
+def _advance(
+    flow: ForwardFlow, result: AttemptResult, exchange: X | None, captured: LocalResponse | None
+) -> tuple[Attempt | Final[X], bool]:
+    """Send ``result`` into the flow: the next attempt or what to relay, and
+    whether the current exchange must be closed."""
+    try:
+        nxt = flow.send(result)
+    except StopIteration as stop:
+        final: Attempt | LocalResponse = stop.value
+        if isinstance(final, LocalResponse):
+            return Final(None, None, final), True
+        if captured is not None:
+            return Final(final, None, captured), True
+        return Final(final, exchange, None), False
+    return nxt, True
+
+
+async def drive_async(
+    flow: ForwardFlow,
+    send: Callable[[Attempt], Awaitable[AsyncExchange]],
+) -> Final[AsyncExchange]:
+    """Run ``flow`` to its end with an async ``send``."""
+    attempt: Attempt | None = None
+    exchange: AsyncExchange | None = None
+    try:
+        step: Attempt | Final[AsyncExchange] = next(flow)
+        while isinstance(step, Attempt):
+            attempt, exchange = step, None
+            if attempt.delay_s > 0:
+                await asyncio.sleep(attempt.delay_s)
+            captured = None
+            try:
+                exchange = await send(attempt)
+            except UpstreamFailure as exc:
+                result = AttemptResult.failed(exc.failure)
+            else:
+                body = None
+                if _wants_body(attempt, exchange.status):
+                    body = await _read_async(exchange)
+                result, captured = _result(attempt, exchange.status, exchange.headers, body)
+            step, done_with = _advance(flow, result, exchange, captured)
+            if done_with and exchange is not None:
+                await exchange.aclose()
+        return step
+    except BaseException:
+        # The flow owns leases until it returns; an error or a cancellation in
+        # between must not leak the current attempt's.
+        if exchange is not None:
+            await exchange.aclose()
+        if attempt is not None:
+            attempt.lease.release(ok=False)
+        raise
+    finally:
+        flow.close()
+
+
+def drive_sync(
+    flow: ForwardFlow,
+    send: Callable[[Attempt], SyncExchange],
+    sleep: Callable[[float], None] = time.sleep,
+) -> Final[SyncExchange]:
+    """Run ``flow`` to its end with a blocking ``send``."""
+    attempt: Attempt | None = None
+    exchange: SyncExchange | None = None
+    try:
+        step: Attempt | Final[SyncExchange] = next(flow)
+        while isinstance(step, Attempt):
+            attempt, exchange = step, None
+            if attempt.delay_s > 0:
+                sleep(attempt.delay_s)
+            captured = None
+            try:
+                exchange = send(attempt)
+            except UpstreamFailure as exc:
+                result = AttemptResult.failed(exc.failure)
+            else:
+                body = None
+                if _wants_body(attempt, exchange.status):
+                    body = _read_sync(exchange)
+                result, captured = _result(attempt, exchange.status, exchange.headers, body)
+            step, done_with = _advance(flow, result, exchange, captured)
+            if done_with and exchange is not None:
+                exchange.close()
+        return step
+    except BaseException:
+        if exchange is not None:
+            exchange.close()
+        if attempt is not None:
+            attempt.lease.release(ok=False)
+        raise
+    finally:
+        flow.close()
+
+
+async def _read_async(exchange: AsyncExchange) -> bytes:
+    try:
+        return await exchange.read(MAX_CAPTURED_BODY)
+    except UpstreamFailure:
+        return b""
+
+
+def _read_sync(exchange: SyncExchange) -> bytes:
+    try:
+        return exchange.read(MAX_CAPTURED_BODY)
+    except UpstreamFailure:
+        return b""

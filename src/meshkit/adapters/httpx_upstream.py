@@ -1,0 +1,122 @@
+"""
+httpx-family upstreams
+======================
+
+Attempts sent through an httpx or httpx2 transport (the two libraries share the
+transport contract: ``handle_request`` / ``handle_async_request``). Used by the
+client transports, which delegate to an inner transport of the client's own
+library, and by the WSGI middleware (a pooled ``httpx.HTTPTransport``).
+
+Transport errors are mapped once, here, to the flow's :class:`Failure` kinds:
+a connection that could not be made, or that closed before a response head, is
+``CONNECT`` (safe to move to another worker); a timeout waiting for the head is
+``TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from types import ModuleType
+from typing import Any
+
+from meshkit.adapters.drive import UpstreamFailure
+from meshkit.core.forward import Attempt, Failure
+
+__all__ = ["AsyncHttpxExchange", "SyncHttpxExchange", "failure_of", "send_async", "send_sync"]
+
+
+def failure_of(lib: ModuleType, exc: BaseException) -> Failure | None:
+    """The flow's failure kind for an httpx/httpx2 transport error (None: not one)."""
+    if isinstance(exc, lib.ConnectTimeout | lib.PoolTimeout):
+        return Failure.CONNECT
+    if isinstance(exc, lib.TimeoutException):
+        return Failure.TIMEOUT
+    if isinstance(exc, lib.TransportError):
+        return Failure.CONNECT
+    return None
+
+
+def _request(lib: ModuleType, attempt: Attempt) -> Any:
+    return lib.Request(
+        attempt.method,
+        attempt.url,
+        headers=attempt.headers,
+        content=attempt.body if attempt.body or attempt.method not in ("GET", "DELETE") else None,
+    )
+
+
+class SyncHttpxExchange:
+    __slots__ = ("_lib", "_resp", "headers", "status")
+
+    def __init__(self, lib: ModuleType, resp: Any) -> None:
+        self._lib = lib
+        self._resp = resp
+        self.status: int = resp.status_code
+        self.headers: list[tuple[bytes, bytes]] = list(resp.headers.raw)
+
+    def chunks(self) -> Iterator[bytes]:
+        try:
+            yield from self._resp.stream
+        except self._lib.HTTPError as exc:
+            raise UpstreamFailure(Failure.PROTOCOL) from exc
+
+    def read(self, limit: int) -> bytes:
+        buf = bytearray()
+        for chunk in self.chunks():
+            buf += chunk
+            if len(buf) >= limit:
+                break
+        return bytes(buf[:limit])
+
+    def close(self) -> None:
+        try:
+            self._resp.close()
+        except self._lib.HTTPError:
+            pass
+
+
+class AsyncHttpxExchange:
+    __slots__ = ("_lib", "_resp", "headers", "status")
+
+    def __init__(self, lib: ModuleType, resp: Any) -> None:
+        self._lib = lib
+        self._resp = resp
+        self.status: int = resp.status_code
+        self.headers: list[tuple[bytes, bytes]] = list(resp.headers.raw)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.stream:
+                yield chunk
+        except self._lib.HTTPError as exc:
+            raise UpstreamFailure(Failure.PROTOCOL) from exc
+
+    async def read(self, limit: int) -> bytes:
+        buf = bytearray()
+        async for chunk in self.chunks():
+            buf += chunk
+            if len(buf) >= limit:
+                break
+        return bytes(buf[:limit])
+
+    async def aclose(self) -> None:
+        try:
+            await self._resp.aclose()
+        except self._lib.HTTPError:
+            pass
+
+
+def send_sync(lib: ModuleType, transport: Any, attempt: Attempt) -> SyncHttpxExchange:
+    try:
+        resp = transport.handle_request(_request(lib, attempt))
+    except lib.TransportError as exc:
+        raise UpstreamFailure(failure_of(lib, exc) or Failure.CONNECT) from exc
+    return SyncHttpxExchange(lib, resp)
+
+
+async def send_async(lib: ModuleType, transport: Any, attempt: Attempt) -> AsyncHttpxExchange:
+    try:
+        resp = await transport.handle_async_request(_request(lib, attempt))
+    except lib.TransportError as exc:
+        raise UpstreamFailure(failure_of(lib, exc) or Failure.CONNECT) from exc
+    return AsyncHttpxExchange(lib, resp)

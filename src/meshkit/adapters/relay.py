@@ -1,0 +1,109 @@
+"""
+Relaying a response body
+========================
+
+The body of the final attempt goes to the client chunk by chunk; each chunk feeds
+the accounting. The stream's ``close()`` settles accounting and the lease exactly
+once: a stream read to its end counts as completed, one closed early (the client
+went away) as aborted. An upstream failure after the first byte ends the stream
+with one error event in its own framing.
+
+The stream classes subclass both httpx's and httpx2's byte-stream bases, so a
+client transport can hand them to either library's ``Response``; the WSGI
+middleware returns the sync one as its response iterable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+
+from meshkit.adapters.drive import UpstreamFailure
+from meshkit.adapters.httpx_upstream import AsyncHttpxExchange, SyncHttpxExchange
+from meshkit.core.endpoints import StreamFormat
+from meshkit.core.requests import RequestView
+from meshkit.core.sse import stream_error_event
+from meshkit.mesh import Accounting, MeshLease
+
+try:
+    import httpx2
+except ImportError:  # pragma: no cover
+    httpx2 = None  # type: ignore[assignment]
+
+__all__ = ["AsyncRelayStream", "Relay", "SyncRelayStream"]
+
+_SyncStream: tuple[type, ...] = (httpx.SyncByteStream,) + (
+    (httpx2.SyncByteStream,) if httpx2 else ()
+)
+_AsyncStream: tuple[type, ...] = (httpx.AsyncByteStream,) + (
+    (httpx2.AsyncByteStream,) if httpx2 else ()
+)
+
+
+class Relay:
+    """Shared by the sync and async streams: accounting and the lease, once."""
+
+    def __init__(self, view: RequestView, acct: Accounting, lease: MeshLease) -> None:
+        self.view = view
+        self.acct = acct
+        self.lease = lease
+        self.finished = False
+
+    def failed_tail(self) -> bytes:
+        fmt = self.view.match.endpoint.stream_format if self.view.stream else StreamFormat.NONE
+        self.acct.abort(client_left=False)
+        return stream_error_event(fmt, "upstream_error", "the worker failed mid-response")
+
+    def settle(self) -> None:
+        if self.finished:
+            self.acct.end()
+        else:
+            self.acct.abort(client_left=True)
+        self.lease.release(ok=self.finished)
+
+
+class SyncRelayStream(*_SyncStream):  # type: ignore[misc]
+    def __init__(self, exchange: SyncHttpxExchange, relay: Relay) -> None:
+        self._exchange = exchange
+        self._relay = relay
+
+    def __iter__(self) -> Iterator[bytes]:
+        relay = self._relay
+        try:
+            for chunk in self._exchange.chunks():
+                relay.acct.feed(chunk)
+                yield chunk
+        except UpstreamFailure:
+            tail = relay.failed_tail()
+            if tail:
+                yield tail
+            return
+        relay.finished = True
+
+    def close(self) -> None:
+        self._exchange.close()
+        self._relay.settle()
+
+
+class AsyncRelayStream(*_AsyncStream):  # type: ignore[misc]
+    def __init__(self, exchange: AsyncHttpxExchange, relay: Relay) -> None:
+        self._exchange = exchange
+        self._relay = relay
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        relay = self._relay
+        try:
+            async for chunk in self._exchange.chunks():
+                relay.acct.feed(chunk)
+                yield chunk
+        except UpstreamFailure:
+            tail = relay.failed_tail()
+            if tail:
+                yield tail
+            return
+        relay.finished = True
+
+    async def aclose(self) -> None:
+        await self._exchange.aclose()
+        self._relay.settle()

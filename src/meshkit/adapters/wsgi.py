@@ -1,0 +1,163 @@
+"""
+WSGI middleware
+===============
+
+.. code-block:: python
+
+    flask_app.wsgi_app = MeshWSGIMiddleware(flask_app.wsgi_app, mesh=mesh)
+
+Inference paths are routed; every other request goes to the wrapped app. The
+request body is read through werkzeug's bounded input stream (413 past
+``bounds.max_body_bytes``, checked while reading). The upstream is a pooled
+``httpx.HTTPTransport`` (sync, the caller's thread only). The response is an
+iterable relayed chunk by chunk; its ``close()`` — which every WSGI server calls,
+also when the client went away — settles accounting and releases the worker.
+
+Security: the path used for routing is the raw request target when the server
+provides it (``RAW_URI``/``REQUEST_URI``), else PATH_INFO re-quoted; the path
+forwarded is always rebuilt from the endpoint registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlsplit
+
+import httpx
+from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.wsgi import get_input_stream
+
+from meshkit.adapters.drive import UpstreamFailure, drive_sync
+from meshkit.adapters.httpx_upstream import SyncHttpxExchange, send_sync
+from meshkit.adapters.relay import Relay, SyncRelayStream
+from meshkit.core.credentials import response_headers
+from meshkit.core.endpoints import shape_for_path
+from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
+from meshkit.mesh import Mesh
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
+
+__all__ = ["MeshWSGIMiddleware"]
+
+
+def _status_line(status: int) -> str:
+    try:
+        return f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"{status} Unknown"
+
+
+def _str_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+
+
+def _raw_path(environ: WSGIEnvironment) -> str:
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if raw:
+        if not raw.startswith("/"):
+            raw = urlsplit(raw).path or "/"
+        return str(raw).split("?", 1)[0]
+    script = environ.get("SCRIPT_NAME", "")
+    info = environ.get("PATH_INFO", "")
+    return quote((script + info).encode("latin-1"), safe="/:@!$&'()*+,;=-._~")
+
+
+def _client_headers(environ: WSGIEnvironment) -> list[tuple[bytes, bytes]]:
+    out: list[tuple[bytes, bytes]] = []
+    for key, value in environ.items():
+        if key.startswith("HTTP_"):
+            name = key[5:].replace("_", "-").lower()
+        elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+            name = key.replace("_", "-").lower()
+        else:
+            continue
+        if value:
+            out.append((name.encode("latin-1"), str(value).encode("latin-1")))
+    return out
+
+
+class MeshWSGIMiddleware:
+    """Routes inference requests of a WSGI app to a fleet of workers.
+
+    :param app: the wrapped WSGI application.
+    :param mesh: the :class:`~meshkit.Mesh`; ``Mesh.from_env()`` when omitted.
+    :param transport: the sync transport towards workers (default: pooled
+        ``httpx.HTTPTransport``).
+    """
+
+    def __init__(
+        self, app: WSGIApplication, mesh: Mesh | None = None, *, transport: Any = None
+    ) -> None:
+        self.app = app
+        self.mesh = mesh if mesh is not None else Mesh.from_env()
+        up = self.mesh.config.upstream
+        self.transport = transport or httpx.HTTPTransport(
+            limits=httpx.Limits(
+                max_connections=up.pool_limit,
+                max_keepalive_connections=up.pool_limit_per_worker,
+                keepalive_expiry=up.idle_timeout_s,
+            )
+        )
+
+    def _error(
+        self, start_response: StartResponse, exc: MeshError, path: str
+    ) -> Iterable[bytes]:
+        self.mesh.reject(exc)
+        body = exc.body(shape_for_path(path))
+        headers = _str_headers(exc.headers())
+        headers.append(("Content-Length", str(len(body))))
+        start_response(_status_line(exc.status), headers)
+        return [body]
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        mesh = self.mesh
+        path = _raw_path(environ)
+        method = environ.get("REQUEST_METHOD", "GET").upper()
+        try:
+            match = mesh.resolve(method, path)
+        except MeshError as exc:
+            return self._error(start_response, exc, path)
+        if match is None:
+            return self.app(environ, start_response)
+        headers = _client_headers(environ)
+        try:
+            body = b""
+            if match.endpoint.has_body:
+                limit = mesh.config.bounds.max_body_bytes
+                try:
+                    stream = get_input_stream(environ, max_content_length=limit)
+                    body = stream.read(limit + 1)
+                except RequestEntityTooLarge:
+                    raise RequestTooLarge(f"request body is over {limit} bytes") from None
+                if len(body) > limit:
+                    raise RequestTooLarge(f"request body is over {limit} bytes")
+            view = mesh.prepare(match, body, headers, environ.get("QUERY_STRING", ""))
+            flow = mesh.forward(view, headers, method)
+            final = drive_sync(flow, lambda a: send_sync(httpx, self.transport, a))
+        except MeshError as exc:
+            return self._error(start_response, exc, path)
+        except UpstreamFailure:
+            return self._error(start_response, UpstreamError("the worker could not be reached"), path)
+        if final.local is not None:
+            local = final.local
+            if final.attempt is not None:
+                acct = mesh.account(view, final.attempt.lease, local.status)
+                acct.feed(local.body)
+                acct.end()
+            out = _str_headers(local.headers)
+            out.append(("Content-Length", str(len(local.body))))
+            start_response(_status_line(local.status), out)
+            return [local.body]
+        exchange: SyncHttpxExchange = final.exchange  # type: ignore[assignment]
+        lease = final.attempt.lease  # type: ignore[union-attr]
+        acct = mesh.account(view, lease, exchange.status)
+        start_response(
+            _status_line(exchange.status), _str_headers(response_headers(exchange.headers))
+        )
+        return SyncRelayStream(exchange, Relay(view, acct, lease))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.transport.close()

@@ -1,0 +1,300 @@
+"""
+Configuration
+=============
+
+One validated configuration, from keyword arguments, a TOML file
+(:meth:`MeshConfig.from_file`) or the environment (:meth:`MeshConfig.from_env`:
+``MESHKIT_CONFIG`` = a TOML path, ``MESHKIT_WORKERS`` = a comma list of URLs).
+
+Every section is a frozen dataclass; every bound has a key and a default. An
+error is a :class:`~meshkit.errors.ConfigError` that names the key at fault and,
+for files, the file (and line, where TOML says it).
+
+Security: ``api_key`` values are never echoed in errors; prefer ``api_key_env``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshkit.core.workers import Worker
+from meshkit.errors import ConfigError
+
+__all__ = [
+    "BoundsConfig",
+    "LifecycleConfig",
+    "MeshConfig",
+    "MetricsConfig",
+    "PrepareConfig",
+    "RoutingConfig",
+    "UpstreamConfig",
+    "WorkerConfig",
+]
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """The bounded prepare pool (``[prepare]``)."""
+
+    workers: int | None = None  # default: half the CPUs, minimum 1
+    queue_capacity: int = 256
+    queue_timeout_ms: int = 30_000
+    timeout_ms: int = 60_000
+    shutdown_grace_ms: int = 5_000
+    inline_threshold_bytes: int = 64 * 1024
+    max_tokenize_bytes: int = 4 * 1024 * 1024
+    workers_per_tokenizer: int = 4
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """Connections to workers (``[upstream]``)."""
+
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    pool_limit: int = 1000
+    pool_limit_per_worker: int = 256
+    # Below the workers' keep-alive (SGLang closes idle connections after 5 s):
+    # a reused connection the worker already closed fails with a reset.
+    idle_timeout_s: float = 3.0
+    max_attempts: int = 3
+    backoff_base_s: float = 0.05
+    backoff_max_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class BoundsConfig:
+    """Request bounds (``[bounds]``)."""
+
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 128
+    max_sse_line_bytes: int = 1024 * 1024
+    max_json_depth: int = 64
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Placement inputs (``[routing]``)."""
+
+    session_header: str | None = "x-session-id"
+    responses_affinity_max: int = 100_000
+    responses_affinity_ttl_s: float = 3600.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class LifecycleConfig:
+    """Worker health, breakers, sleep and drain (``[lifecycle]``)."""
+
+    health_path: str = "/health"
+    health_interval_s: float = 10.0
+    health_timeout_s: float = 5.0
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    breaker_failures: int = 5
+    breaker_open_s: float = 10.0
+    wake_wait_s: float = 30.0
+    wake_retry_after_s: float = 5.0
+    idle_sleep_s: float | None = None
+    sleep_level: int = 1
+    drain_timeout_s: float = 60.0
+    probe: bool = True
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    url: str
+    api_key: str | None = field(default=None, repr=False)
+    api_key_env: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def build(self) -> Worker:
+        key = self.api_key
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if key is None:
+                raise ConfigError(
+                    "workers.api_key_env", f"environment variable {self.api_key_env} is not set"
+                )
+        labels = {str(k): str(v) for k, v in self.labels.items()}
+        return Worker(self.url, api_key=key, labels=labels)
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "prepare": PrepareConfig,
+    "upstream": UpstreamConfig,
+    "bounds": BoundsConfig,
+    "routing": RoutingConfig,
+    "lifecycle": LifecycleConfig,
+    "metrics": MetricsConfig,
+}
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """The whole configuration; the same keys are ``Mesh(...)`` keyword arguments."""
+
+    workers: tuple[Worker, ...] = ()
+    policy: Any = "round_robin"
+    policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    tokenizer: str | None = None
+    tokenizers: Mapping[str, str] = field(default_factory=dict)
+    admin_key: str | None = field(default=None, repr=False)
+    prepare: PrepareConfig = PrepareConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    bounds: BoundsConfig = BoundsConfig()
+    routing: RoutingConfig = RoutingConfig()
+    lifecycle: LifecycleConfig = LifecycleConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @classmethod
+    def build(cls, source: str | None = None, **kwargs: Any) -> MeshConfig:
+        """Validate keyword arguments (sections as dicts or section objects)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in kwargs:
+            if key not in known:
+                raise ConfigError(key, "unknown key", source=source)
+        values: dict[str, Any] = {}
+        for key, raw in kwargs.items():
+            if key in _SECTIONS:
+                values[key] = _section(_SECTIONS[key], key, raw, source)
+            elif key == "workers":
+                values[key] = tuple(_worker(w, i, source) for i, w in enumerate(raw or ()))
+            elif key in ("tokenizer", "admin_key"):
+                if raw is not None and not isinstance(raw, str):
+                    raise ConfigError(key, "must be a string", source=source)
+                values[key] = raw
+            elif key in ("policies", "tokenizers"):
+                if not isinstance(raw, Mapping):
+                    raise ConfigError(key, "must be a table", source=source)
+                values[key] = dict(raw)
+            else:
+                values[key] = raw
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> MeshConfig:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError("MESHKIT_CONFIG", f"no such file: {p}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("toml", str(exc), source=str(p)) from None
+        return cls.build(source=str(p), **data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MeshConfig:
+        env = os.environ if environ is None else environ
+        path = env.get("MESHKIT_CONFIG")
+        config = cls.from_file(path) if path else cls()
+        urls = env.get("MESHKIT_WORKERS")
+        if urls:
+            extra = tuple(
+                _worker(parse_worker_arg(u), i, "MESHKIT_WORKERS")
+                # commas separate workers only before a scheme: label values such as
+                # mesh.apis=chat,completions contain commas too
+                for i, u in enumerate(x for x in re.split(r",(?=\s*https?://)", urls) if x.strip())
+            )
+            config = dataclasses.replace(config, workers=config.workers + extra)
+        policy = env.get("MESHKIT_POLICY")
+        if policy:
+            config = dataclasses.replace(config, policy=policy)
+        return config
+
+
+def parse_worker_arg(arg: str) -> dict[str, Any]:
+    """``URL#label=value;label=value`` (the CLI and ``MESHKIT_WORKERS`` form).
+
+    Labels are separated by ``;`` because ``mesh.apis`` values contain commas:
+    ``http://h:8000#mesh.apis=chat,completions;mesh.model=m``.
+    """
+    url, _, frag = arg.strip().partition("#")
+    labels: dict[str, str] = {}
+    for item in filter(None, frag.split(";")):
+        k, eq, v = item.partition("=")
+        if not eq:
+            raise ConfigError("workers.labels", f"label {item!r} is not key=value")
+        labels[k.strip()] = v.strip()
+    return {"url": url, "labels": labels}
+
+
+def _worker(raw: Any, index: int, source: str | None) -> Worker:
+    if isinstance(raw, Worker):
+        return raw
+    if isinstance(raw, str):
+        raw = {"url": raw}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"workers[{index}]", "must be a table, a URL or a Worker", source=source)
+    try:
+        wc: WorkerConfig = _section(WorkerConfig, f"workers[{index}]", raw, source)
+        return wc.build()
+    except ConfigError as exc:
+        if exc.source is None and source is not None:
+            raise ConfigError(exc.key, str(exc).split(": ", 1)[-1], source=source) from None
+        raise
+
+
+def _section(cls: type[Any], name: str, raw: Any, source: str | None) -> Any:
+    if isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError(name, "must be a table", source=source)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(f"{name}.{key}", "unknown key", source=source)
+        values[key] = _check(f"{name}.{key}", hints[key], value, source)
+    return cls(**values)
+
+
+def _check(key: str, hint: Any, value: Any, source: str | None) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(key, inner[0], value, source)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"must be true or false, got {value!r}", source=source)
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"must be an integer, got {value!r}", source=source)
+        if value < 0:
+            raise ConfigError(key, f"must be >= 0, got {value}", source=source)
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(key, f"must be a number, got {value!r}", source=source)
+        if value < 0:
+            raise ConfigError(key, f"must be >= 0, got {value}", source=source)
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, "must be a string", source=source)
+        return value
+    if origin in (Mapping, dict) or hint is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, "must be a table", source=source)
+        return dict(value)
+    return value

@@ -1,0 +1,86 @@
+"""
+Headers and credentials
+=======================
+
+Request headers forwarded to a worker are the client's, minus hop-by-hop headers
+and ``host``/``content-length`` (rebuilt by the client library), plus the worker's
+credentials.
+
+Credential isolation: when the chosen worker has an API key, the client's
+``authorization`` and ``x-api-key`` are dropped and the worker key is sent as
+``Authorization: Bearer``; for ``/v1/messages`` (Anthropic clients authenticate
+with ``x-api-key``) in both headers. Without a worker key, the client's
+credentials pass through unchanged: the worker is the one that checks them.
+
+Security: the worker key is only ever placed in outgoing request headers; it is
+never copied into a response, an error, a log line or a metric label.
+
+Response headers relayed to the client drop hop-by-hop headers, keep repeated
+headers (``set-cookie``) and keep ``content-encoding`` (the body is relayed as
+received, still encoded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from meshkit.core.endpoints import Api
+
+__all__ = ["HOP_BY_HOP", "request_headers", "response_headers"]
+
+Headers = list[tuple[bytes, bytes]]
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+_CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
+
+
+def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    # Headers named in Connection are hop-by-hop too (RFC 9110 §7.6.1).
+    out: set[bytes] = set()
+    for k, v in headers:
+        if k.lower() == b"connection":
+            out.update(t.strip().lower() for t in v.split(b","))
+    return frozenset(out)
+
+
+def request_headers(
+    client: Iterable[tuple[bytes, bytes]],
+    *,
+    api_key: str | None,
+    api: Api,
+    rank: int | None = None,
+) -> Headers:
+    """Headers to send to the worker. Names are lower-cased."""
+    items = [(k.lower(), v) for k, v in client]
+    drop = _DROP_REQUEST | _connection_tokens(items)
+    if api_key:
+        drop = drop | _CREDENTIALS
+    out = [(k, v) for k, v in items if k not in drop and k != b"x-data-parallel-rank"]
+    if api_key:
+        key = api_key.encode("latin-1")
+        out.append((b"authorization", b"Bearer " + key))
+        if api is Api.MESSAGES:
+            out.append((b"x-api-key", key))
+    if rank is not None:
+        out.append((b"x-data-parallel-rank", str(rank).encode()))
+    return out
+
+
+def response_headers(upstream: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """Headers to relay to the client (repeated ones kept, content-encoding kept)."""
+    items = [(k.lower(), v) for k, v in upstream]
+    drop = HOP_BY_HOP | _connection_tokens(items)
+    return [(k, v) for k, v in items if k not in drop]

@@ -1,0 +1,249 @@
+"""
+Endpoint registry
+=================
+
+Each inference API is declared once: method(s), path template, operation, the
+stream format its responses use and the error shape its clients expect. Every
+adapter resolves a request through :func:`resolve`, so every mode tells apart, in
+the same way,
+
+- an inference request (a :class:`Match`),
+- a path under an inference prefix that does not exist (404 ``unknown_endpoint``),
+- a known path with the wrong method (405 ``method_not_allowed``),
+- anything else, which is not meshkit's business (``None``: adapters pass it through).
+
+Security: the forwarded path is rebuilt from the matched template and a validated
+resource id, never copied from the client, so dot segments or encoded slashes can
+never reach a path outside this registry.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+from meshkit.errors import ErrorShape, InvalidRequest, MethodNotAllowed, UnknownEndpoint
+
+__all__ = [
+    "ENDPOINTS",
+    "Api",
+    "Endpoint",
+    "Match",
+    "Op",
+    "StreamFormat",
+    "resolve",
+]
+
+
+class Api(enum.StrEnum):
+    """The API families a worker can serve (the values of the ``mesh.apis`` label)."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    MESSAGES = "messages"
+    RESPONSES = "responses"
+    GENERATE = "generate"
+    TOKENIZE = "tokenize"
+    MODELS = "models"
+
+
+class Op(enum.StrEnum):
+    CREATE = "create"
+    COUNT_TOKENS = "count_tokens"
+    RETRIEVE = "retrieve"
+    DELETE = "delete"
+    CANCEL = "cancel"
+    INPUT_ITEMS = "input_items"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    LIST = "list"
+
+
+class StreamFormat(enum.StrEnum):
+    """How a streamed response of an endpoint is framed."""
+
+    NONE = "none"
+    OPENAI = "openai"  # data-only SSE ending in [DONE] (chat, completions)
+    RESPONSES = "responses"  # named events, terminal response.completed/failed/incomplete
+    ANTHROPIC = "anthropic"  # named events, terminal message_stop
+    GENERATE = "generate"  # SGLang /generate: data-only SSE, cumulative text
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One inference endpoint: what it is, how it streams, how its errors look."""
+
+    name: str
+    api: Api
+    op: Op
+    methods: frozenset[str]
+    template: str
+    stream_format: StreamFormat = StreamFormat.NONE
+    shape: ErrorShape = "openai"
+
+    @property
+    def has_body(self) -> bool:
+        return "POST" in self.methods
+
+    @property
+    def is_resource(self) -> bool:
+        """Retrieve/delete/cancel/input_items on a stored Response."""
+        return "{id}" in self.template
+
+    def path(self, resource_id: str | None = None) -> str:
+        """The canonical path to forward (the id has been validated by :func:`resolve`)."""
+        if resource_id is None:
+            return self.template
+        return self.template.replace("{id}", resource_id)
+
+
+def _ep(
+    name: str,
+    api: Api,
+    op: Op,
+    methods: str,
+    template: str,
+    stream: StreamFormat = StreamFormat.NONE,
+    shape: ErrorShape = "openai",
+) -> Endpoint:
+    return Endpoint(name, api, op, frozenset(methods.split("|")), template, stream, shape)
+
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    _ep("chat", Api.CHAT, Op.CREATE, "POST", "/v1/chat/completions", StreamFormat.OPENAI),
+    _ep("completions", Api.COMPLETIONS, Op.CREATE, "POST", "/v1/completions", StreamFormat.OPENAI),
+    _ep(
+        "messages",
+        Api.MESSAGES,
+        Op.CREATE,
+        "POST",
+        "/v1/messages",
+        StreamFormat.ANTHROPIC,
+        "anthropic",
+    ),
+    _ep(
+        "messages.count_tokens",
+        Api.MESSAGES,
+        Op.COUNT_TOKENS,
+        "POST",
+        "/v1/messages/count_tokens",
+        shape="anthropic",
+    ),
+    _ep("responses", Api.RESPONSES, Op.CREATE, "POST", "/v1/responses", StreamFormat.RESPONSES),
+    _ep(
+        "responses.retrieve",
+        Api.RESPONSES,
+        Op.RETRIEVE,
+        "GET",
+        "/v1/responses/{id}",
+        StreamFormat.RESPONSES,
+    ),
+    _ep("responses.delete", Api.RESPONSES, Op.DELETE, "DELETE", "/v1/responses/{id}"),
+    _ep("responses.cancel", Api.RESPONSES, Op.CANCEL, "POST", "/v1/responses/{id}/cancel"),
+    _ep(
+        "responses.input_items",
+        Api.RESPONSES,
+        Op.INPUT_ITEMS,
+        "GET",
+        "/v1/responses/{id}/input_items",
+    ),
+    _ep("generate", Api.GENERATE, Op.CREATE, "POST", "/generate", StreamFormat.GENERATE),
+    _ep("tokenize", Api.TOKENIZE, Op.TOKENIZE, "POST", "/v1/tokenize"),
+    _ep("tokenize.unversioned", Api.TOKENIZE, Op.TOKENIZE, "POST", "/tokenize"),
+    _ep("detokenize", Api.TOKENIZE, Op.DETOKENIZE, "POST", "/v1/detokenize"),
+    _ep("detokenize.unversioned", Api.TOKENIZE, Op.DETOKENIZE, "POST", "/detokenize"),
+    _ep("models", Api.MODELS, Op.LIST, "GET", "/v1/models"),
+)
+
+#: Paths at or under these belong to meshkit; anything else passes through.
+_PREFIXES: tuple[tuple[str, ErrorShape], ...] = (
+    ("/v1/chat", "openai"),
+    ("/v1/completions", "openai"),
+    ("/v1/messages", "anthropic"),
+    ("/v1/responses", "openai"),
+    ("/generate", "openai"),
+    ("/v1/tokenize", "openai"),
+    ("/tokenize", "openai"),
+    ("/v1/detokenize", "openai"),
+    ("/detokenize", "openai"),
+    ("/v1/models", "openai"),
+)
+
+_STATIC: dict[str, list[Endpoint]] = {}
+_RESOURCE: list[tuple[str, str, Endpoint]] = []  # (head, tail, endpoint) for ".../{id}..."
+for _e in ENDPOINTS:
+    if _e.is_resource:
+        _head, _tail = _e.template.split("{id}")
+        _RESOURCE.append((_head, _tail, _e))
+    else:
+        _STATIC.setdefault(_e.template, []).append(_e)
+
+_ID = re.compile(r"[A-Za-z0-9_-]{1,256}")
+MAX_RESOURCE_ID = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A request resolved to an endpoint (and, for resource operations, its id)."""
+
+    endpoint: Endpoint
+    resource_id: str | None = None
+
+    @property
+    def path(self) -> str:
+        return self.endpoint.path(self.resource_id)
+
+
+def shape_for_path(path: str) -> ErrorShape:
+    """The error shape a client of ``path`` expects (Anthropic under /v1/messages)."""
+    for prefix, shape in _PREFIXES:
+        if path == prefix or path.startswith(prefix + "/"):
+            return shape
+    return "openai"
+
+
+def _under_prefix(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p, _ in _PREFIXES)
+
+
+def _pick(candidates: list[Endpoint], method: str, path: str) -> Endpoint:
+    for e in candidates:
+        if method in e.methods:
+            return e
+    allowed = tuple(sorted({m for e in candidates for m in e.methods}))
+    raise MethodNotAllowed(f"{method} is not allowed on {path}", allowed=allowed)
+
+
+def resolve(method: str, path: str) -> Match | None:
+    """Resolve a request line to an endpoint.
+
+    :param method: the HTTP method, upper case.
+    :param path: the raw (still percent-encoded) path, without the query string.
+    :returns: a :class:`Match`, or ``None`` for a path meshkit does not own.
+    :raises UnknownEndpoint: a path under an inference prefix that is not registered.
+    :raises MethodNotAllowed: a registered path with another method.
+    :raises InvalidRequest: a resource id that is not ``[A-Za-z0-9_-]{1,256}``.
+    """
+    static = _STATIC.get(path)
+    if static is not None:
+        return Match(_pick(static, method, path))
+    if not _under_prefix(path):
+        return None
+    for head, tail, _e in _RESOURCE:
+        if not path.startswith(head):
+            continue
+        rest = path[len(head) :]
+        raw_id, sep, sub = rest.partition("/")
+        sub_path = sep + sub
+        if sub_path != tail:
+            continue
+        if len(raw_id) > 3 * MAX_RESOURCE_ID:
+            raise InvalidRequest("response id is too long", param="response_id")
+        rid = unquote(raw_id)
+        if _ID.fullmatch(rid) is None:
+            raise InvalidRequest("response id must match [A-Za-z0-9_-]{1,256}", param="response_id")
+        group = [e for h, t, e in _RESOURCE if h == head and t == tail]
+        return Match(_pick(group, method, path), rid)
+    raise UnknownEndpoint(f"no inference endpoint at {path}")

@@ -1,0 +1,248 @@
+"""
+The forward flow: placement, retries and failover as one generator
+==================================================================
+
+Written once, driven by every adapter, sync or async (the httpx ``auth_flow``
+pattern). The flow *yields* an :class:`Attempt` (where to send, which bytes, which
+headers, how long to wait first) and *receives* an :class:`AttemptResult`; it
+returns the attempt whose response the adapter must relay::
+
+    flow = mesh.forward(view, headers)
+    attempt = next(flow)
+    while True:
+        result = send(attempt)             # adapter I/O
+        try:
+            attempt = flow.send(result)    # another worker: close this response
+        except StopIteration as stop:
+            final = stop.value             # relay this response; its lease is live
+            break
+
+A connect error, a reset before any response byte, or a retryable status (408,
+429, 500, 502, 503, 504, 529) moves the request to another eligible worker, with
+the same original bytes and that worker's rank and credentials, up to
+``max_attempts`` with jittered backoff. Nothing has reached the client at that
+point, so the move is invisible. On the last attempt a worker's retryable
+*response* is relayed as is (the client's SDK will retry it); a connect error
+becomes 502 ``upstream_error`` and a timeout 504 ``upstream_timeout``.
+
+The flow takes a lease on each attempt's worker before yielding it and releases
+it itself when it moves on; the returned attempt's lease belongs to the adapter,
+which releases it when the response ends or the client leaves.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from meshkit.core.credentials import request_headers
+from meshkit.core.endpoints import Api
+from meshkit.core.payload import RankBase, rank_base, with_rank
+from meshkit.core.requests import RequestView
+from meshkit.core.workers import Candidate
+from meshkit.errors import MeshError, NoAvailableWorkers, UpstreamError, UpstreamTimeout
+
+__all__ = [
+    "RETRYABLE_STATUS",
+    "Attempt",
+    "AttemptResult",
+    "Failure",
+    "ForwardFlow",
+    "LocalResponse",
+    "Placer",
+    "RetryPolicy",
+    "build_attempt",
+    "forward_flow",
+]
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504, 529})
+
+
+class Failure(enum.Enum):
+    CONNECT = "connect"  # refused, DNS, reset before a response: safe to move
+    TIMEOUT = "timeout"  # no response head in time: the worker may be working on it
+    PROTOCOL = "protocol"  # garbage instead of an HTTP response
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptResult:
+    """What happened to one attempt, as far as the response head.
+
+    ``body`` is filled only when the attempt asked for it (``read_body``): the
+    fan-out flows read small error and listing bodies to compare or merge them.
+    """
+
+    status: int | None = None
+    failure: Failure | None = None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    body: bytes | None = None
+
+    @classmethod
+    def response(cls, status: int) -> AttemptResult:
+        return cls(status=status)
+
+    @classmethod
+    def failed(cls, failure: Failure) -> AttemptResult:
+        return cls(failure=failure)
+
+
+class Lease(Protocol):
+    """A claim on one candidate's capacity; released exactly once."""
+
+    candidate: Candidate
+
+    def release(self, *, ok: bool, status: int | None = None) -> None: ...
+
+
+class Placer(Protocol):
+    """The stateful side the flow drives (``Mesh`` implements it under its lock)."""
+
+    def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate: ...
+
+    def lease(self, cand: Candidate, view: RequestView) -> Lease: ...
+
+    def targets(self, view: RequestView) -> list[Candidate]:
+        """One candidate per origin that may hold a resource (owner first, healthy first)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_attempts: int = 3
+    backoff_base_s: float = 0.05
+    backoff_max_s: float = 1.0
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        """Jittered exponential backoff before retry number ``retry`` (1-based)."""
+        if retry <= 1:
+            # The first move goes to another worker: no reason to wait.
+            return 0.0
+        raw = min(self.backoff_base_s * (2 ** (retry - 2)), self.backoff_max_s)
+        return float(raw * (0.5 + rng.random() / 2))
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try: where to send which bytes."""
+
+    number: int
+    candidate: Candidate
+    lease: Lease
+    method: str
+    url: str
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    delay_s: float = 0.0
+    history: list[tuple[str, AttemptResult]] = field(default_factory=list)
+    #: "never", "errors" (non-2xx) or "always": read the body into the result
+    read_body: str = "never"
+
+
+@dataclass(frozen=True, slots=True)
+class LocalResponse:
+    """A response meshkit builds itself (a merged listing, a captured error)."""
+
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+
+
+ForwardFlow = Generator[Attempt, AttemptResult, "Attempt | LocalResponse"]
+
+
+def _sends_rank(cand: Candidate, api: Api) -> bool:
+    if cand.rank is None:
+        return False
+    # Messages and Responses take the rank only where the worker declares them
+    # explicitly (seed 000): an OpenAI-compatible server may reject unknown fields.
+    if api in (Api.MESSAGES, Api.RESPONSES):
+        return cand.worker.declares(api)
+    return True
+
+
+def build_attempt(
+    placer: Placer,
+    view: RequestView,
+    cand: Candidate,
+    client_headers: list[tuple[bytes, bytes]],
+    method: str,
+    number: int,
+    body: bytes,
+    rank: int | None = None,
+) -> Attempt:
+    """An attempt on ``cand`` with its credentials, rank header and a fresh lease."""
+    query = ("?" + view.query) if view.query else ""
+    headers = request_headers(client_headers, api_key=cand.worker.api_key, api=view.api, rank=rank)
+    return Attempt(
+        number=number,
+        candidate=cand,
+        lease=placer.lease(cand, view),
+        method=method,
+        url=cand.worker.url + view.match.path + query,
+        headers=headers,
+        body=body,
+    )
+
+
+def forward_flow(
+    placer: Placer,
+    view: RequestView,
+    client_headers: list[tuple[bytes, bytes]],
+    *,
+    method: str,
+    retry: RetryPolicy,
+    rng: random.Random,
+) -> ForwardFlow:
+    """The flow for one request (see the module docstring)."""
+    api = view.api
+    base: RankBase | None = None
+    tried: set[str] = set()
+    history: list[tuple[str, AttemptResult]] = []
+    last_error: MeshError | None = None
+    # An attempt whose worker answered with a retryable status: relayed as is when
+    # no other worker can take the request.
+    pending: Attempt | None = None
+    pending_status = 0
+    for number in range(max(1, retry.max_attempts)):
+        try:
+            cand = placer.place(view, exclude=frozenset(tried), attempt=number)
+        except NoAvailableWorkers:
+            if pending is not None:
+                return pending
+            if last_error is not None:
+                raise last_error from None
+            raise
+        if pending is not None:
+            pending.lease.release(ok=False, status=pending_status)
+            pending = None
+        body = view.body
+        rank = cand.rank if _sends_rank(cand, api) else None
+        if rank is not None and view.match.endpoint.has_body and body:
+            if base is None:
+                base = rank_base(body, has_rank=view.has_dp_rank)
+            body = with_rank(base, rank)
+        attempt = build_attempt(placer, view, cand, client_headers, method, number, body, rank)
+        attempt.delay_s = retry.delay(number, rng)
+        attempt.history = history
+        result = yield attempt
+        last = number + 1 >= retry.max_attempts
+        history.append((cand.key, result))
+        tried.add(cand.key)
+        if result.failure is None:
+            status = result.status or 0
+            if status not in RETRYABLE_STATUS or last:
+                return attempt
+            pending, pending_status = attempt, status
+            last_error = None
+            continue
+        attempt.lease.release(ok=False)
+        if result.failure is Failure.TIMEOUT:
+            # The worker may be running it: do not duplicate the work elsewhere.
+            raise UpstreamTimeout("the worker did not answer in time")
+        last_error = UpstreamError("the worker could not be reached")
+        if last:
+            raise last_error
+    raise UpstreamError("no attempt left")  # pragma: no cover - the loop returns or raises

@@ -1,0 +1,149 @@
+"""
+Placement
+=========
+
+Eligibility first, then the policy:
+
+1. **API**: workers whose ``mesh.apis`` serve the endpoint's API (absent = all).
+2. **Topology**: regular workers (prefill/decode pairs are placed by the PD path).
+3. **Model**: workers labelled ``mesh.model`` serve only that model; unlabelled
+   workers serve any.
+4. **Responses state**: a request that references stored state
+   (``previous_response_id``, ``conversation``, ``item_reference``) is routed only
+   when its owner is known (Responses affinity), or when every candidate shares one
+   backend or all are labelled ``mesh.responses_state=shared``. Unhealthy workers
+   count in this check, so failover cannot quietly move a conversation to a
+   backend that does not hold it (seed 000).
+5. **Health**: unhealthy workers and excluded (already tried) candidates drop out.
+
+No configured worker for the API/model is 501 ``unsupported_api``; some configured
+but none available is 503 ``no_available_workers``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Collection, Sequence
+
+from meshkit.core.endpoints import Api
+from meshkit.core.policies.base import PlacementContext, Policy
+from meshkit.core.requests import RequestView
+from meshkit.core.workers import Candidate, Fleet, Worker
+from meshkit.errors import NoAvailableWorkers, StatefulRoutingUnsupported, UnsupportedApi
+
+__all__ = ["configured_for", "eligible", "place", "state_owner_origin"]
+
+#: origin -> True when that origin may take new requests (lifecycle states)
+Admit = Callable[[Worker], bool]
+
+
+def configured_for(fleet: Fleet, view: RequestView, role: str = "regular") -> list[Worker]:
+    """Workers that serve this API, topology and model — healthy or not."""
+    api = view.api
+    model = view.model
+    out = []
+    for w in fleet.workers:
+        if w.role != role:
+            continue
+        if not w.serves(api):
+            continue
+        if model and w.model and w.model != model and api is not Api.MODELS:
+            continue
+        out.append(w)
+    return out
+
+
+def state_owner_origin(workers: Sequence[Worker]) -> str | None | bool:
+    """The single state domain of ``workers``.
+
+    :returns: the one origin they all share, ``True`` when all are labelled shared,
+        or ``None`` when there is no single state domain.
+    """
+    origins = {w.origin for w in workers}
+    if len(origins) == 1:
+        return next(iter(origins))
+    if workers and all(w.responses_state_shared for w in workers):
+        return True
+    return None
+
+
+def eligible(
+    fleet: Fleet,
+    view: RequestView,
+    *,
+    exclude: Collection[str] = (),
+    owner: str | None = None,
+    admit: Admit | None = None,
+    role: str = "regular",
+) -> list[Candidate]:
+    """The candidates a policy may choose from, or the right refusal.
+
+    :param exclude: candidate keys already tried for this request.
+    :param owner: the origin known (by Responses affinity) to hold the referenced state.
+    :param admit: lifecycle gate: False for workers that must not take new requests.
+    """
+    configured = configured_for(fleet, view, role)
+    if not configured:
+        what = f"model {view.model!r} on " if view.model and _labelled(fleet) else ""
+        raise UnsupportedApi(f"no configured worker serves {what}{view.match.endpoint.template}")
+    if view.stateful:
+        if owner is not None:
+            configured = [w for w in configured if w.origin == owner]
+            if not configured:
+                raise StatefulRoutingUnsupported(
+                    "the worker holding the referenced Responses state is no longer configured"
+                )
+        elif state_owner_origin(configured) is None:
+            raise StatefulRoutingUnsupported(
+                "this request references stored Responses state (previous_response_id, "
+                "conversation or item_reference) and the workers do not share one state "
+                "domain; label them mesh.responses_state=shared or route by response id"
+            )
+    out: list[Candidate] = []
+    for w in configured:
+        if not fleet.healthy(w) or (admit is not None and not admit(w)):
+            continue
+        for c in fleet.candidates_of(w):
+            if c.key not in exclude:
+                out.append(c)
+    if not out:
+        raise NoAvailableWorkers(
+            f"no healthy worker is available for {view.match.endpoint.template}",
+            retry_after_s=1.0,
+        )
+    return out
+
+
+def _labelled(fleet: Fleet) -> bool:
+    return any(w.model for w in fleet.workers)
+
+
+def place(
+    fleet: Fleet,
+    policy: Policy,
+    view: RequestView,
+    rng: random.Random,
+    *,
+    now: float = 0.0,
+    attempt: int = 0,
+    exclude: Collection[str] = (),
+    owner: str | None = None,
+    admit: Admit | None = None,
+) -> Candidate:
+    """Pick a candidate for ``view`` (eligibility, then the policy)."""
+    cands = eligible(fleet, view, exclude=exclude, owner=owner, admit=admit)
+    ctx = PlacementContext(
+        candidates=cands,
+        view=view,
+        load=fleet.load,
+        weight=fleet.weight,
+        rng=rng,
+        fleet=fleet.candidates,
+        fleet_version=fleet.version,
+        now=now,
+        attempt=attempt,
+    )
+    chosen = policy.select(ctx)
+    if chosen not in cands:
+        raise UnsupportedApi(f"policy {policy.name!r} chose an ineligible worker")
+    return chosen

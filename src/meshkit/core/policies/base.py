@@ -1,0 +1,122 @@
+"""
+The Policy protocol
+===================
+
+A policy picks one candidate among the eligible ones. Placement has already
+filtered by API, topology, model, health and Responses state, so a policy only
+ranks. It is pure: no clocks, sockets or threads; randomness comes from the
+``rng`` in the context so tests can seed it.
+
+A policy declares what preparation must produce for it (:class:`Needs`): nothing
+(round robin), the routing text (cache-aware), or the first ``N`` token ids
+(prefix hash). The prepare stage produces exactly that, in one job.
+
+Hooks let stateful policies learn: :meth:`Policy.on_placed` after a decision,
+:meth:`Policy.on_complete` when the response has ended (with its TTFT and usage),
+:meth:`Policy.on_removed` when a worker leaves. The ``Mesh`` calls them under its
+lock, so a policy needs no locking of its own.
+
+Writing a plugin::
+
+    from meshkit.core.policies import BasePolicy, Needs, PlacementContext
+
+    class FirstHealthy(BasePolicy):
+        name = "first_healthy"
+        def select(self, ctx: PlacementContext) -> Candidate:
+            return ctx.candidates[0]
+
+and register it under the ``meshkit.policies`` entry-point group, or pass an
+instance: ``Mesh(policy=FirstHealthy())``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from meshkit.core.requests import RequestView
+from meshkit.core.workers import Candidate, Worker
+
+__all__ = ["BasePolicy", "Completion", "Needs", "PlacementContext", "Policy"]
+
+
+@dataclass(frozen=True, slots=True)
+class Needs:
+    """What a policy reads from the request."""
+
+    text: bool = False
+    #: the number of leading token ids the policy reads (None: no tokens)
+    prefix_tokens: int | None = None
+    #: how many characters of routing text the policy reads (None: all)
+    prefix_chars: int | None = None
+
+
+@dataclass(slots=True)
+class PlacementContext:
+    """Everything a policy may read to pick a candidate."""
+
+    candidates: Sequence[Candidate]
+    view: RequestView
+    load: Mapping[str, int]
+    weight: Mapping[str, int]
+    rng: random.Random
+    #: the whole fleet's candidates (healthy or not), for stable rings
+    fleet: Sequence[Candidate] = ()
+    fleet_version: int = 0
+    now: float = 0.0
+    attempt: int = 0
+
+    def load_of(self, cand: Candidate) -> int:
+        return self.load.get(cand.key, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What the accounting learned about one finished response."""
+
+    status: int
+    ok: bool
+    ttft: float | None = None
+    duration: float | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    response_id: str | None = None
+    extra: Mapping[str, object] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+    needs: Needs
+
+    def select(self, ctx: PlacementContext) -> Candidate: ...
+
+    def on_placed(self, cand: Candidate, view: RequestView, now: float) -> None: ...
+
+    def on_complete(
+        self, cand: Candidate, view: RequestView, done: Completion, now: float
+    ) -> None: ...
+
+    def on_removed(self, worker: Worker) -> None: ...
+
+
+class BasePolicy:
+    """Convenience base: no-op hooks, no needs."""
+
+    name: str = "base"
+    needs: Needs = Needs()
+
+    def select(self, ctx: PlacementContext) -> Candidate:  # pragma: no cover
+        raise NotImplementedError
+
+    def on_placed(self, cand: Candidate, view: RequestView, now: float) -> None:
+        return None
+
+    def on_complete(self, cand: Candidate, view: RequestView, done: Completion, now: float) -> None:
+        return None
+
+    def on_removed(self, worker: Worker) -> None:
+        return None

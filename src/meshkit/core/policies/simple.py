@@ -1,0 +1,77 @@
+"""Round robin, random, power of two choices and least load."""
+
+from __future__ import annotations
+
+from meshkit.core.policies.base import BasePolicy, PlacementContext
+from meshkit.core.workers import Candidate
+
+__all__ = ["LeastLoad", "PowerOfTwo", "RandomPolicy", "RoundRobin"]
+
+
+class RoundRobin(BasePolicy):
+    """Each placement takes the next candidate of the fleet's stable order.
+
+    The cursor walks the *whole* fleet order and skips ineligible candidates, so
+    two meshes that see the same sequence of requests pick the same workers, and a
+    filtered request does not shift the rotation of the others.
+    """
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, ctx: PlacementContext) -> Candidate:
+        order = ctx.fleet or ctx.candidates
+        allowed = {c.key for c in ctx.candidates}
+        n = len(order)
+        for step in range(n):
+            cand = order[(self._next + step) % n]
+            if cand.key in allowed:
+                self._next = (self._next + step + 1) % n
+                return cand
+        return ctx.candidates[0]  # pragma: no cover - candidates is never empty
+
+
+class RandomPolicy(BasePolicy):
+    name = "random"
+
+    def select(self, ctx: PlacementContext) -> Candidate:
+        return ctx.candidates[ctx.rng.randrange(len(ctx.candidates))]
+
+
+class PowerOfTwo(BasePolicy):
+    """The less loaded (in-flight requests) of two random candidates."""
+
+    name = "power_of_two"
+
+    def select(self, ctx: PlacementContext) -> Candidate:
+        cands = ctx.candidates
+        if len(cands) == 1:
+            return cands[0]
+        a, b = ctx.rng.sample(range(len(cands)), 2)
+        ca, cb = cands[a], cands[b]
+        return ca if ctx.load_of(ca) <= ctx.load_of(cb) else cb
+
+
+class LeastLoad(BasePolicy):
+    """The candidate with the least in-flight work, weighted by prompt size.
+
+    Score = in-flight requests + in-flight prompt characters / ``chars_per_request``;
+    ties go to the fleet order, so the choice is deterministic.
+    """
+
+    name = "least_load"
+
+    def __init__(self, chars_per_request: int = 4096) -> None:
+        self.chars_per_request = max(1, chars_per_request)
+
+    def select(self, ctx: PlacementContext) -> Candidate:
+        per = self.chars_per_request
+        best = ctx.candidates[0]
+        best_score = float("inf")
+        for c in ctx.candidates:
+            score = ctx.load.get(c.key, 0) + ctx.weight.get(c.key, 0) / per
+            if score < best_score:
+                best, best_score = c, score
+        return best

@@ -1,0 +1,377 @@
+"""
+Request views
+=============
+
+A request body is parsed once (msgspec, typed structs) into a
+:class:`RequestView`: the few facts placement needs, while the body itself is
+forwarded as the client's original bytes.
+
+Validation is as permissive as the backends (seed 000's review): only the fields
+meshkit reads are typed, and only loosely. ``max_tokens`` is not required,
+``temperature`` is not capped, ``top_k: -1`` is fine, every role is accepted.
+Unusable JSON or a field meshkit reads having the wrong type is a 400.
+
+The *routing text* is the prompt in prompt order: system / instructions / tools
+first, then messages / input, so two requests sharing a system prompt and tools
+share a text prefix (seed 000's review: alphabetical order broke prefix matching).
+It is only built when the policy needs it.
+
+Responses state: ``previous_response_id``, ``conversation`` (a string or
+``{"id": ...}``) and ``item_reference`` input items (including items that are
+only ``{"id": ...}``, since ``type`` is optional on item references) mark a request
+as stateful.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from meshkit.core.endpoints import Api, Match, Op
+from meshkit.errors import InvalidRequest, UnsupportedMediaType
+
+__all__ = ["RequestView", "check_media", "parse_request"]
+
+Json = Any
+
+
+# -- typed shapes: only what routing reads; unknown fields are skipped ---------
+
+
+class _Chat(msgspec.Struct):
+    model: str | None = None
+    messages: list[Json] = []
+    tools: list[Json] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Json] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+class _Completion(msgspec.Struct):
+    model: str | None = None
+    prompt: str | list[Json] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Json] | None = None
+    user: str | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+class _Messages(msgspec.Struct):
+    model: str | None = None
+    system: str | list[Json] | None = None
+    tools: list[Json] | None = None
+    messages: list[Json] = []
+    stream: bool | None = None
+    metadata: dict[str, Json] | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+class _Responses(msgspec.Struct):
+    model: str | None = None
+    instructions: str | None = None
+    tools: list[Json] | None = None
+    input: str | list[Json] | None = None
+    stream: bool | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Json] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+class _Generate(msgspec.Struct):
+    model: str | None = None
+    text: str | list[str] | None = None
+    input_ids: list[Json] | None = None
+    stream: bool | None = None
+    rid: str | list[str] | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+class _Any(msgspec.Struct):
+    model: str | None = None
+
+
+_DECODERS: dict[Api, msgspec.json.Decoder[Any]] = {
+    Api.CHAT: msgspec.json.Decoder(_Chat),
+    Api.COMPLETIONS: msgspec.json.Decoder(_Completion),
+    Api.MESSAGES: msgspec.json.Decoder(_Messages),
+    Api.RESPONSES: msgspec.json.Decoder(_Responses),
+    Api.GENERATE: msgspec.json.Decoder(_Generate),
+}
+_ANY = msgspec.json.Decoder(_Any)
+
+
+@dataclass(slots=True)
+class RequestView:
+    """What placement knows about one request."""
+
+    match: Match
+    body: bytes = b""
+    query: str = ""
+    model: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    previous_response_id: str | None = None
+    conversation: str | None = None
+    item_references: tuple[str, ...] = ()
+    #: prompt_cache_key / safety_identifier / user, or a configured header's value
+    routing_key: str | None = None
+    #: prompt in prompt order ("" until a policy asks for text)
+    routing_text: str = ""
+    #: token ids of a prefix of the prompt, when a policy asks for tokens
+    token_ids: list[int] | None = None
+    #: prompt-size estimate (characters) used by load-weighting policies
+    prompt_weight: int = 0
+    #: the client sent data_parallel_rank itself (the body must be rebuilt once)
+    has_dp_rank: bool = False
+    #: anything adapters / later stages attach (never logged)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def api(self) -> Api:
+        return self.match.endpoint.api
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.previous_response_id or self.conversation or self.item_references)
+
+
+def check_media(content_type: str | None, content_encoding: str | None) -> None:
+    """415 unless the body is JSON in the identity encoding.
+
+    A missing content type is accepted (curl without ``-H`` and some SDK paths send
+    none); anything else must be ``application/json`` or a ``+json`` type.
+    """
+    if content_encoding:
+        enc = content_encoding.strip().lower()
+        if enc not in ("", "identity"):
+            raise UnsupportedMediaType(f"content-encoding {enc!r} is not supported; send identity")
+    if content_type:
+        mime = content_type.split(";", 1)[0].strip().lower()
+        if mime != "application/json" and not mime.endswith("+json"):
+            raise UnsupportedMediaType(f"content type {mime!r} is not JSON")
+
+
+def parse_request(match: Match, body: bytes, *, want_text: bool = False) -> RequestView:
+    """Parse ``body`` for ``match`` into a :class:`RequestView`.
+
+    :param want_text: build :attr:`RequestView.routing_text` (the policy reads it).
+    :raises InvalidRequest: unusable JSON, or a routing field of the wrong type.
+    """
+    view = RequestView(match=match, body=body)
+    ep = match.endpoint
+    if not ep.has_body or ep.op in (Op.CANCEL,):
+        return view
+    api = ep.api
+    decoder = _DECODERS.get(api) if ep.op in (Op.CREATE, Op.COUNT_TOKENS) else None
+    try:
+        if not body.strip():
+            raise InvalidRequest("request body is empty; expected a JSON object")
+        parsed = (decoder or _ANY).decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(_validation_message(exc), param=_param_of(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply") from None
+    view.model = parsed.model
+    if decoder is None:
+        return view
+    if isinstance(parsed, _Chat):
+        _chat(view, parsed, want_text)
+    elif isinstance(parsed, _Completion):
+        _completion(view, parsed, want_text)
+    elif isinstance(parsed, _Messages):
+        _messages(view, parsed, want_text)
+    elif isinstance(parsed, _Responses):
+        _responses(view, parsed, want_text)
+    elif isinstance(parsed, _Generate):
+        _generate(view, parsed, want_text)
+    view.has_dp_rank = getattr(parsed, "data_parallel_rank", msgspec.UNSET) is not msgspec.UNSET
+    if ep.op is Op.COUNT_TOKENS:
+        view.stream = False
+    return view
+
+
+def _validation_message(exc: msgspec.ValidationError) -> str:
+    return f"invalid request: {exc}"
+
+
+def _param_of(exc: msgspec.ValidationError) -> str | None:
+    text = str(exc)
+    at = text.rfind("at `$.")
+    if at < 0:
+        return None
+    return text[at + 6 :].rstrip("`").split("[", 1)[0].split(".", 1)[0] or None
+
+
+def _usage_flag(opts: dict[str, Json] | None) -> bool:
+    return bool(opts and opts.get("include_usage") is True)
+
+
+def _chat(view: RequestView, p: _Chat, want_text: bool) -> None:
+    view.stream = bool(p.stream)
+    view.include_usage = view.stream and _usage_flag(p.stream_options)
+    view.routing_key = p.prompt_cache_key or p.safety_identifier or p.user
+    parts: list[str] = []
+    if p.tools:
+        parts.append(_dumps(p.tools))
+    for m in p.messages:
+        _message_text(m, parts)
+    _set_text(view, parts, want_text)
+
+
+def _completion(view: RequestView, p: _Completion, want_text: bool) -> None:
+    view.stream = bool(p.stream)
+    view.include_usage = view.stream and _usage_flag(p.stream_options)
+    view.routing_key = p.user
+    prompt = p.prompt
+    if isinstance(prompt, str):
+        _set_text(view, [prompt], want_text)
+    elif isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            view.token_ids = list(prompt)
+            view.prompt_weight = len(prompt) * 4
+        elif isinstance(first, list):
+            view.token_ids = [x for x in first if isinstance(x, int)]
+            view.prompt_weight = sum(len(x) * 4 for x in prompt if isinstance(x, list))
+        else:
+            _set_text(view, [x for x in prompt if isinstance(x, str)], want_text)
+
+
+def _messages(view: RequestView, p: _Messages, want_text: bool) -> None:
+    view.stream = bool(p.stream)
+    meta = p.metadata or {}
+    uid = meta.get("user_id")
+    view.routing_key = uid if isinstance(uid, str) else None
+    parts: list[str] = []
+    if isinstance(p.system, str):
+        parts.append("system\n" + p.system)
+    elif p.system:
+        parts.append("system\n" + _content_text(p.system))
+    if p.tools:
+        parts.append(_dumps(p.tools))
+    for m in p.messages:
+        _message_text(m, parts)
+    _set_text(view, parts, want_text)
+
+
+def _responses(view: RequestView, p: _Responses, want_text: bool) -> None:
+    view.stream = bool(p.stream)
+    view.routing_key = p.prompt_cache_key or p.safety_identifier or p.user
+    view.previous_response_id = p.previous_response_id or None
+    conv = p.conversation
+    if isinstance(conv, dict):
+        cid = conv.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise InvalidRequest("conversation.id must be a string", param="conversation")
+        view.conversation = cid or None
+    else:
+        view.conversation = conv or None
+    if view.previous_response_id and view.conversation:
+        raise InvalidRequest(
+            "previous_response_id cannot be combined with conversation",
+            param="previous_response_id",
+        )
+    parts: list[str] = []
+    if p.instructions:
+        parts.append("instructions\n" + p.instructions)
+    if p.tools:
+        parts.append(_dumps(p.tools))
+    refs: list[str] = []
+    if isinstance(p.input, str):
+        parts.append("user\n" + p.input)
+    elif p.input:
+        for item in p.input:
+            if not isinstance(item, dict):
+                raise InvalidRequest("input items must be objects", param="input")
+            ref = _item_reference(item)
+            if ref is not None:
+                refs.append(ref)
+                continue
+            _message_text(item, parts)
+    view.item_references = tuple(refs)
+    _set_text(view, parts, want_text)
+
+
+def _item_reference(item: dict[str, Json]) -> str | None:
+    """The id of an item_reference: ``type`` is optional (null or absent) on those."""
+    kind = item.get("type")
+    item_id = item.get("id")
+    if kind == "item_reference" or (kind is None and "role" not in item and item_id is not None):
+        if not isinstance(item_id, str) or not item_id:
+            raise InvalidRequest("item_reference needs a string id", param="input")
+        return item_id
+    return None
+
+
+def _generate(view: RequestView, p: _Generate, want_text: bool) -> None:
+    view.stream = bool(p.stream)
+    if isinstance(p.text, str):
+        _set_text(view, [p.text], want_text)
+    elif isinstance(p.text, list):
+        _set_text(view, p.text[:1], want_text)
+        view.prompt_weight = sum(len(t) for t in p.text)
+    elif p.input_ids:
+        first = p.input_ids[0]
+        ids = first if isinstance(first, list) else p.input_ids
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+            raise InvalidRequest("input_ids must be token ids", param="input_ids")
+        view.token_ids = list(ids)
+        view.prompt_weight = len(ids) * 4
+
+
+def _set_text(view: RequestView, parts: list[str], want_text: bool) -> None:
+    size = sum(len(s) for s in parts)
+    view.prompt_weight = view.prompt_weight or size
+    if want_text:
+        view.routing_text = "\n".join(parts)
+
+
+def _dumps(value: Json) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def _message_text(m: Json, out: list[str]) -> None:
+    if isinstance(m, dict):
+        role = m.get("role")
+        prefix = role + "\n" if isinstance(role, str) else ""
+        content = m.get("content")
+        if content is None and m.get("type") not in (None, "message"):
+            # function_call, function_call_output, reasoning...: keep their payload
+            out.append(_dumps(m))
+            return
+        out.append(prefix + _content_text(content))
+        calls = m.get("tool_calls")
+        if calls:
+            out.append(_dumps(calls))
+    elif isinstance(m, str):
+        out.append(m)
+
+
+def _content_text(content: Json) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        chunks: list[str] = []
+        for part in content:
+            if isinstance(part, str):
+                chunks.append(part)
+            elif isinstance(part, dict):
+                text = part.get("text")
+                if isinstance(text, str):
+                    chunks.append(text)
+                else:
+                    # images, audio, files, tool results: a stable stand-in keeps
+                    # prefixes aligned without copying binary payloads.
+                    chunks.append("<" + str(part.get("type", "part")) + ">")
+        return "\n".join(chunks)
+    return ""

@@ -1,0 +1,251 @@
+"""
+Workers and the fleet
+=====================
+
+A :class:`Worker` is one inference server: a base URL, an optional API key and
+labels (as in seed 000)::
+
+    mesh.apis              comma list of chat, completions, messages, responses,
+                           generate, tokenize, models (absent = all)
+    mesh.responses_state   "shared" when Responses state is shared across workers
+    mesh.role              regular | prefill | decode
+    mesh.model             the model name it serves (absent = any)
+    mesh.dp_size           data-parallel ranks: each rank becomes its own candidate
+    mesh.bootstrap_port    prefill workers' KV bootstrap port (default 8998)
+    mesh.sleep_mode        "vllm" when the worker implements vLLM sleep mode
+
+A :class:`Candidate` is what a policy picks: a worker and, for DP-aware workers, one
+rank. Ranks of one worker share an *origin* (scheme://host:port).
+
+:class:`Fleet` holds the workers, their candidates and the in-flight load of
+each candidate. It is plain data: it holds no lock (``Mesh`` serialises access).
+
+Security: a worker's ``api_key`` never appears in ``repr``, errors or metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from meshkit.core.endpoints import Api
+from meshkit.errors import ConfigError
+
+__all__ = ["Candidate", "Fleet", "Worker"]
+
+_ROLES = frozenset({"regular", "prefill", "decode"})
+_API_NAMES = frozenset(a.value for a in Api)
+# Aliases users write in labels.
+_API_ALIASES = {"chat_completions": "chat", "completion": "completions", "message": "messages"}
+
+
+class Worker:
+    """One inference server.
+
+    :param url: base URL, ``http://host:port`` (a path prefix is kept).
+    :param api_key: the worker's own credential; when set, clients' credentials are
+        dropped and this one is sent instead. Never shown in a repr or an error.
+    :param labels: routing labels (see the module docstring).
+    """
+
+    __slots__ = (
+        "_api_key",
+        "apis",
+        "base_path",
+        "bootstrap_port",
+        "dp_size",
+        "host",
+        "id",
+        "labels",
+        "model",
+        "origin",
+        "port",
+        "responses_state_shared",
+        "role",
+        "scheme",
+        "sleep_mode",
+        "url",
+    )
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
+        parts = urlsplit(url.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError("workers.url", f"not an http(s) URL: {url!r}")
+        if parts.query or parts.fragment or parts.username or parts.password:
+            raise ConfigError("workers.url", "a worker URL takes no query, fragment or user info")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as exc:
+            raise ConfigError("workers.url", f"bad port in {url!r}") from exc
+        self.scheme = parts.scheme
+        self.host = parts.hostname
+        self.port = port
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.origin = f"{self.scheme}://{host}:{port}"
+        self.base_path = parts.path.rstrip("/")
+        self.url = self.origin + self.base_path
+        self.id = self.url
+        self._api_key = api_key or None
+        self.labels: dict[str, str] = dict(labels or {})
+        self.apis = _parse_apis(self.labels.get("mesh.apis"))
+        self.role = self.labels.get("mesh.role", "regular").strip() or "regular"
+        if self.role not in _ROLES:
+            raise ConfigError("workers.labels.mesh.role", f"unknown role {self.role!r}")
+        self.model = self.labels.get("mesh.model") or None
+        self.responses_state_shared = self.labels.get("mesh.responses_state") == "shared"
+        self.dp_size = _parse_int(self.labels, "mesh.dp_size", 1, 1, 1024)
+        self.bootstrap_port = _parse_int(self.labels, "mesh.bootstrap_port", 8998, 1, 65535)
+        self.sleep_mode = self.labels.get("mesh.sleep_mode") or None
+
+    @property
+    def api_key(self) -> str | None:
+        return self._api_key
+
+    def serves(self, api: Api) -> bool:
+        return self.apis is None or api in self.apis
+
+    def declares(self, api: Api) -> bool:
+        """True when ``mesh.apis`` names ``api`` explicitly (not merely "all")."""
+        return self.apis is not None and api in self.apis
+
+    def __repr__(self) -> str:
+        key = ", api_key=<set>" if self._api_key else ""
+        return f"Worker({self.url!r}{key}, labels={self.labels!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Worker) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+
+def _parse_apis(raw: str | None) -> frozenset[Api] | None:
+    if raw is None or not raw.strip() or raw.strip() == "*":
+        return None
+    out = set()
+    for name in raw.split(","):
+        name = _API_ALIASES.get(name.strip().lower(), name.strip().lower())
+        if not name:
+            continue
+        if name not in _API_NAMES:
+            raise ConfigError("workers.labels.mesh.apis", f"unknown API {name!r}")
+        out.add(Api(name))
+    return frozenset(out)
+
+
+def _parse_int(labels: Mapping[str, str], key: str, default: int, lo: int, hi: int) -> int:
+    raw = labels.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"workers.labels.{key}", f"not an integer: {raw!r}") from exc
+    if not lo <= value <= hi:
+        raise ConfigError(f"workers.labels.{key}", f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A placement target: a worker, and a DP rank when the worker has several."""
+
+    worker: Worker
+    rank: int | None = None
+    key: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        key = self.worker.id if self.rank is None else f"{self.worker.id}#dp{self.rank}"
+        object.__setattr__(self, "key", key)
+
+    @property
+    def origin(self) -> str:
+        return self.worker.origin
+
+
+class Fleet:
+    """Workers, their candidates, and in-flight load per candidate (no locking)."""
+
+    def __init__(self, workers: Iterable[Worker] = ()) -> None:
+        self._workers: dict[str, Worker] = {}
+        self.candidates: tuple[Candidate, ...] = ()
+        self._by_worker: dict[str, tuple[Candidate, ...]] = {}
+        #: in-flight requests per candidate key
+        self.load: dict[str, int] = {}
+        #: in-flight prompt weight (characters/tokens) per candidate key
+        self.weight: dict[str, int] = {}
+        #: worker ids that health checks / breakers currently exclude
+        self.unhealthy: set[str] = set()
+        #: a change counter policies use to rebuild derived structures (rings)
+        self.version = 0
+        for w in workers:
+            self.add(w)
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        return tuple(self._workers.values())
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def add(self, worker: Worker) -> None:
+        if worker.id in self._workers:
+            raise ConfigError("workers.url", f"duplicate worker {worker.url}")
+        self._workers[worker.id] = worker
+        if worker.dp_size > 1:
+            cands = tuple(Candidate(worker, r) for r in range(worker.dp_size))
+        else:
+            cands = (Candidate(worker),)
+        self._by_worker[worker.id] = cands
+        for c in cands:
+            self.load.setdefault(c.key, 0)
+            self.weight.setdefault(c.key, 0)
+        self._rebuild()
+
+    def remove(self, worker_id: str) -> Worker | None:
+        worker = self._workers.pop(worker_id, None)
+        if worker is None:
+            return None
+        for c in self._by_worker.pop(worker_id, ()):
+            # A removed worker's in-flight responses still release; keep counts
+            # only while non-zero so memory stays bounded by live requests.
+            if self.load.get(c.key, 0) == 0:
+                self.load.pop(c.key, None)
+                self.weight.pop(c.key, None)
+        self.unhealthy.discard(worker_id)
+        self._rebuild()
+        return worker
+
+    def candidates_of(self, worker: Worker) -> tuple[Candidate, ...]:
+        return self._by_worker.get(worker.id, ())
+
+    def _rebuild(self) -> None:
+        self.candidates = tuple(c for cs in self._by_worker.values() for c in cs)
+        self.version += 1
+
+    def acquire(self, cand: Candidate, weight: int = 0) -> None:
+        self.load[cand.key] = self.load.get(cand.key, 0) + 1
+        self.weight[cand.key] = self.weight.get(cand.key, 0) + weight
+
+    def release(self, cand: Candidate, weight: int = 0) -> None:
+        n = self.load.get(cand.key, 0) - 1
+        w = self.weight.get(cand.key, 0) - weight
+        if n < 0:
+            # Never negative: a double release is a bug upstream, not a reason to
+            # corrupt every later placement.
+            n, w = 0, 0
+        if n == 0 and cand.worker.id not in self._workers:
+            self.load.pop(cand.key, None)
+            self.weight.pop(cand.key, None)
+            return
+        self.load[cand.key] = n
+        self.weight[cand.key] = max(w, 0)
+
+    def healthy(self, worker: Worker) -> bool:
+        return worker.id not in self.unhealthy

@@ -1,0 +1,249 @@
+"""
+Errors
+======
+
+Every refusal meshkit makes is a :class:`MeshError` with an HTTP status, a stable
+machine-readable ``code``, a message and an optional retry hint. The adapter that
+caught it renders it in the shape of the API the client called, so an OpenAI SDK
+sees an OpenAI error and an Anthropic SDK an Anthropic one::
+
+    MeshError
+     ├── InvalidRequest                 400 invalid_request
+     ├── UnknownEndpoint                404 unknown_endpoint
+     ├── MethodNotAllowed               405 method_not_allowed
+     ├── RequestTooLarge                413 request_too_large
+     ├── UnsupportedMediaType           415 unsupported_media_type
+     ├── HeadersTooLarge                431 request_header_fields_too_large
+     ├── UnsupportedApi                 501 unsupported_api
+     ├── UnsupportedApiTopology         501 unsupported_api_topology
+     ├── StatefulRoutingUnsupported     501 stateful_routing_unsupported
+     ├── UpstreamError                  502 upstream_error
+     ├── Unavailable (Retry-After)
+     │    ├── PrepareQueueFull          503 prepare_queue_full
+     │    ├── NoAvailableWorkers        503 no_available_workers
+     │    ├── WorkerWaking              503 worker_waking
+     │    └── PoolUnavailable           503 prepare_pool_unavailable
+     ├── PrepareTimeout                 504 prepare_timeout
+     └── UpstreamTimeout                504 upstream_timeout
+
+Security: a message is built by meshkit from what it knows; it never quotes a
+worker's credentials, and never echoes a request body.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+import msgspec
+
+__all__ = [
+    "ConfigError",
+    "ErrorShape",
+    "HeadersTooLarge",
+    "InvalidRequest",
+    "MeshError",
+    "MethodNotAllowed",
+    "NoAvailableWorkers",
+    "PoolUnavailable",
+    "PrepareQueueFull",
+    "PrepareTimeout",
+    "RequestTooLarge",
+    "StatefulRoutingUnsupported",
+    "Unavailable",
+    "UnknownEndpoint",
+    "UnsupportedApi",
+    "UnsupportedApiTopology",
+    "UnsupportedMediaType",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "WorkerWaking",
+]
+
+ErrorShape = Literal["openai", "anthropic"]
+
+#: Retry hints above this are clamped: openai < 2.52 and anthropic ignore a longer
+#: Retry-After, and openai >= 2.52 refuses to retry at all past 120 s (PROTOCOLS.md §5).
+MAX_RETRY_AFTER_S = 60.0
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid. ``key`` names the key at fault."""
+
+    def __init__(self, key: str, message: str, *, source: str | None = None) -> None:
+        self.key = key
+        self.source = source
+        where = f" ({source})" if source else ""
+        super().__init__(f"config key {key!r}{where}: {message}")
+
+
+class MeshError(Exception):
+    """Base of every refusal meshkit answers itself."""
+
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+    openai_type: ClassVar[str] = "server_error"
+    anthropic_type: ClassVar[str] = "api_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if retry_after_s is not None:
+            retry_after_s = min(max(retry_after_s, 0.001), MAX_RETRY_AFTER_S)
+        self.retry_after_s = retry_after_s
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.status}, {self.code!r}, {self.message!r})"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Response headers that go with the error body (retry hints)."""
+        out = [(b"content-type", b"application/json")]
+        if self.retry_after_s is not None:
+            # Retry-After takes whole seconds (>= 1); retry-after-ms is read first by
+            # both SDKs and carries the precise hint.
+            out.append((b"retry-after", str(max(1, math.ceil(self.retry_after_s))).encode()))
+            out.append((b"retry-after-ms", str(max(1, round(self.retry_after_s * 1000))).encode()))
+        return out
+
+    def body(self, shape: ErrorShape = "openai") -> bytes:
+        """The JSON error body in the called API's own shape."""
+        if shape == "anthropic":
+            return msgspec.json.encode(
+                {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+            )
+        return msgspec.json.encode(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.openai_type,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }
+        )
+
+
+class InvalidRequest(MeshError):
+    status = 400
+    code = "invalid_request"
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class UnknownEndpoint(MeshError):
+    status = 404
+    code = "unknown_endpoint"
+    openai_type = "invalid_request_error"
+    anthropic_type = "not_found_error"
+
+
+class MethodNotAllowed(MeshError):
+    status = 405
+    code = "method_not_allowed"
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, allowed: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        out = super().headers()
+        if self.allowed:
+            out.append((b"allow", ", ".join(self.allowed).encode()))
+        return out
+
+
+class RequestTooLarge(MeshError):
+    status = 413
+    code = "request_too_large"
+    openai_type = "invalid_request_error"
+    anthropic_type = "request_too_large"
+
+
+class UnsupportedMediaType(MeshError):
+    status = 415
+    code = "unsupported_media_type"
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class HeadersTooLarge(MeshError):
+    status = 431
+    code = "request_header_fields_too_large"
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class UnsupportedApi(MeshError):
+    status = 501
+    code = "unsupported_api"
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class UnsupportedApiTopology(UnsupportedApi):
+    code = "unsupported_api_topology"
+
+
+class StatefulRoutingUnsupported(MeshError):
+    status = 501
+    code = "stateful_routing_unsupported"
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+
+
+class UpstreamError(MeshError):
+    status = 502
+    code = "upstream_error"
+    openai_type = "server_error"
+    anthropic_type = "api_error"
+
+
+class Unavailable(MeshError):
+    """A 503: the request may succeed later; always carries a retry hint."""
+
+    status = 503
+    code = "unavailable"
+    openai_type = "server_error"
+    anthropic_type = "overloaded_error"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+
+
+class PrepareQueueFull(Unavailable):
+    code = "prepare_queue_full"
+
+
+class NoAvailableWorkers(Unavailable):
+    code = "no_available_workers"
+
+
+class WorkerWaking(Unavailable):
+    code = "worker_waking"
+
+
+class PoolUnavailable(Unavailable):
+    code = "prepare_pool_unavailable"
+
+
+class PrepareTimeout(MeshError):
+    status = 504
+    code = "prepare_timeout"
+    openai_type = "server_error"
+    anthropic_type = "timeout_error"
+
+
+class UpstreamTimeout(MeshError):
+    status = 504
+    code = "upstream_timeout"
+    openai_type = "server_error"
+    anthropic_type = "timeout_error"

@@ -1,0 +1,476 @@
+"""
+The Mesh
+========
+
+The one object every adapter holds: the fleet and its policy, the prepare pool
+and tokenizers, Responses affinity, response accounting and metrics. Adapters
+call, in order::
+
+    match = mesh.resolve(method, path)          # None: not ours, pass through
+    view = mesh.prepare(match, body, headers, query)   # or await prepare_async(...)
+    flow = mesh.forward(view, headers, method)  # the retry/failover generator
+    ...                                         # drive it, then relay the response
+    acct = mesh.account(view, final_attempt, status)
+    acct.feed(chunk) ... acct.end() / acct.abort()
+
+State changes (placement, leases, releases) are serialised by one lock, so WSGI
+threads, sync transports and an event loop may share a Mesh. Preparation runs
+outside the lock: it is pure.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from meshkit.config import MeshConfig
+from meshkit.core.credentials import request_headers
+from meshkit.core.endpoints import Api, Match, Op, resolve
+from meshkit.core.fanout import models_flow, resource_flow
+from meshkit.core.forward import Attempt, ForwardFlow, LocalResponse, RetryPolicy, forward_flow
+from meshkit.core.placement import configured_for, place
+from meshkit.core.policies.affinity import ResponsesAffinity
+from meshkit.core.policies.base import Completion, Policy
+from meshkit.core.policies.registry import create_policy
+from meshkit.core.requests import RequestView, check_media, parse_request
+from meshkit.core.streams import StreamAccountant
+from meshkit.core.workers import Candidate, Fleet, Worker
+from meshkit.errors import MeshError, NoAvailableWorkers, RequestTooLarge
+from meshkit.metrics import RouterMetrics
+from meshkit.prepare.pool import PoolConfig, PreparePool
+from meshkit.prepare.tokenizers import TokenizerRegistry
+
+__all__ = ["Accounting", "Mesh", "MeshLease"]
+
+Headers = list[tuple[bytes, bytes]]
+
+
+def _local_flow(local: LocalResponse) -> ForwardFlow:
+    return local
+    yield  # pragma: no cover - makes this a generator
+
+
+class _NoLease:
+    """Pass-through requests hold no capacity."""
+
+    __slots__ = ("candidate",)
+
+    def __init__(self, cand: Candidate) -> None:
+        self.candidate = cand
+
+    def release(self, *, ok: bool, status: int | None = None) -> None:
+        return None
+
+
+class MeshLease:
+    """A claim on a candidate's capacity, released exactly once."""
+
+    __slots__ = ("_mesh", "_released", "candidate", "started", "weight")
+
+    def __init__(self, mesh: Mesh, cand: Candidate, weight: int, started: float) -> None:
+        self._mesh = mesh
+        self.candidate = cand
+        self.weight = weight
+        self.started = started
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self, *, ok: bool, status: int | None = None) -> None:
+        mesh = self._mesh
+        with mesh._lock:
+            if self._released:
+                return
+            self._released = True
+            mesh.fleet.release(self.candidate, self.weight)
+            load = mesh.fleet.load.get(self.candidate.key, 0)
+        mesh.metrics.active.labels(self.candidate.key).set(load)
+
+
+class Accounting:
+    """Follows one relayed response: TTFT, usage, errors; releases its lease once."""
+
+    __slots__ = ("_acct", "_done", "_mesh", "attempt_lease", "status", "view")
+
+    def __init__(self, mesh: Mesh, view: RequestView, lease: MeshLease, status: int) -> None:
+        self._mesh = mesh
+        self.view = view
+        self.attempt_lease = lease
+        self.status = status
+        streaming = view.stream and status < 400
+        self._acct = StreamAccountant(
+            view.match.endpoint.stream_format,
+            streaming=streaming,
+            started_at=lease.started,
+            max_line_bytes=mesh.config.bounds.max_sse_line_bytes,
+        )
+        self._done = False
+
+    @property
+    def accountant(self) -> StreamAccountant:
+        return self._acct
+
+    def feed(self, chunk: bytes) -> None:
+        if chunk:
+            self._acct.feed(chunk, self._mesh.clock())
+
+    def end(self) -> None:
+        """The body ended normally."""
+        self._close(completed=True)
+
+    def abort(self, *, client_left: bool = True) -> None:
+        """The client went away, or the upstream failed mid-body."""
+        if client_left and not self._done:
+            self._mesh.metrics.disconnects.inc()
+        self._close(completed=False)
+
+    def _close(self, *, completed: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        mesh = self._mesh
+        now = mesh.clock()
+        acct = self._acct
+        if completed:
+            acct.finish(now)
+        ok = completed and self.status < 400 and acct.error is None
+        lease = self.attempt_lease
+        lease.release(ok=ok, status=self.status)
+        api = self.view.api.value
+        m = mesh.metrics
+        m.requests.labels(api, str(self.status) if completed else "cancelled").inc()
+        m.duration.labels(api).observe(now - lease.started)
+        if acct.ttft is not None:
+            m.ttft.labels(api).observe(acct.ttft)
+        usage = acct.usage
+        if usage is not None:
+            m.tokens.labels("input").inc(usage.input_tokens)
+            m.tokens.labels("output").inc(usage.output_tokens)
+            m.tokens.labels("cached").inc(usage.cached_tokens)
+        if acct.error is not None:
+            m.stream_errors.labels(api).inc()
+        done = Completion(
+            status=self.status,
+            ok=ok,
+            ttft=acct.ttft,
+            duration=now - lease.started,
+            input_tokens=usage.input_tokens if usage else 0,
+            output_tokens=usage.output_tokens if usage else 0,
+            cached_tokens=usage.cached_tokens if usage else 0,
+            response_id=acct.response_id,
+        )
+        mesh._completed(lease.candidate, self.view, done, now)
+
+
+class Mesh:
+    """Routes inference requests over a fleet of workers.
+
+    :param workers: :class:`Worker` objects, URLs, or worker tables.
+    :param policy: a built-in or plugin policy name, or a :class:`Policy` instance.
+    :param tokenizer: path to a ``tokenizer.json`` for the default model.
+    :param kwargs: the other :class:`~meshkit.config.MeshConfig` keys and sections.
+
+    .. code-block:: python
+
+        mesh = Mesh(workers=[Worker("http://127.0.0.1:8001")], policy="round_robin")
+    """
+
+    def __init__(
+        self,
+        workers: Iterable[Worker | str | Mapping[str, Any]] = (),
+        policy: str | Policy = "round_robin",
+        tokenizer: str | None = None,
+        *,
+        config: MeshConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **kwargs: Any,
+    ) -> None:
+        if config is None:
+            config = MeshConfig.build(
+                workers=list(workers), policy=policy, tokenizer=tokenizer, **kwargs
+            )
+        self.config = config
+        self.clock = clock
+        self._lock = threading.RLock()
+        seed = config.routing.seed
+        self.rng = random.Random(seed)
+        self.fleet = Fleet(config.workers)
+        opts = config.policies.get(config.policy, {}) if isinstance(config.policy, str) else {}
+        self.policy: Policy = create_policy(config.policy, opts)
+        self.affinity = ResponsesAffinity(
+            max_entries=config.routing.responses_affinity_max,
+            ttl_s=config.routing.responses_affinity_ttl_s,
+        )
+        self.metrics = RouterMetrics()
+        pc = config.prepare
+        self.pool = PreparePool(
+            PoolConfig(
+                workers=pc.workers or max(1, (os.cpu_count() or 2) // 2),
+                queue_capacity=pc.queue_capacity,
+                queue_timeout_ms=pc.queue_timeout_ms,
+                timeout_ms=pc.timeout_ms,
+                shutdown_grace_ms=pc.shutdown_grace_ms,
+                inline_threshold_bytes=pc.inline_threshold_bytes,
+                max_tokenize_bytes=pc.max_tokenize_bytes,
+                workers_per_tokenizer=pc.workers_per_tokenizer,
+            ),
+            registry=self.metrics.registry,
+        )
+        self.tokenizers = TokenizerRegistry(workers_per_tokenizer=pc.workers_per_tokenizer)
+        if config.tokenizer:
+            self.tokenizers.register(None, config.tokenizer)
+        for model, path in config.tokenizers.items():
+            self.tokenizers.register(model, path)
+        self.retry = RetryPolicy(
+            max_attempts=max(1, config.upstream.max_attempts),
+            backoff_base_s=config.upstream.backoff_base_s,
+            backoff_max_s=config.upstream.backoff_max_s,
+        )
+        self._session_header = (
+            config.routing.session_header.lower().encode()
+            if config.routing.session_header
+            else None
+        )
+        #: lifecycle gate: False for a worker that must not take new requests
+        self.admit: Callable[[Worker], bool] | None = None
+        self._closed = False
+
+    # -- construction ---------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], **overrides: Any) -> Mesh:
+        """Build a Mesh from a TOML file (see ``examples/meshkit.toml``)."""
+        return cls(config=MeshConfig.from_file(path), **overrides)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Mesh:
+        """``MESHKIT_CONFIG`` (a TOML path) and/or ``MESHKIT_WORKERS`` (comma list of URLs)."""
+        return cls(config=MeshConfig.from_env(environ))
+
+    def __repr__(self) -> str:
+        return f"Mesh(workers={len(self.fleet.workers)}, policy={self.policy.name!r})"
+
+    # -- the request path -------------------------------------------------------
+
+    def resolve(self, method: str, path: str) -> Match | None:
+        """The endpoint for a request line; None when meshkit does not own the path."""
+        return resolve(method, path)
+
+    def _needs_pool(self, match: Match, body: bytes) -> bool:
+        needs = self.policy.needs
+        if needs.prefix_tokens and self.tokenizers.has_any():
+            return True
+        return len(body) > self.config.prepare.inline_threshold_bytes
+
+    def _prepare_job(self, match: Match, body: bytes) -> RequestView:
+        needs = self.policy.needs
+        want_text = needs.text or needs.prefix_tokens is not None
+        view = parse_request(match, body, want_text=want_text)
+        n = needs.prefix_tokens
+        if n and view.token_ids is None and view.routing_text:
+            tok = self.tokenizers.get(view.model)
+            if tok is not None:
+                if len(body) > self.config.prepare.max_tokenize_bytes:
+                    raise RequestTooLarge(
+                        "the prompt is larger than prepare.max_tokenize_bytes allows"
+                    )
+                view.token_ids = tok.prefix_ids(view.routing_text, n)
+        return view
+
+    def _finish_view(
+        self, view: RequestView, headers: Iterable[tuple[bytes, bytes]], query: str
+    ) -> RequestView:
+        view.query = query
+        if self._session_header is not None:
+            for k, v in headers:
+                if k.lower() == self._session_header and v:
+                    view.routing_key = v.decode("latin-1")
+                    break
+        return view
+
+    def _check(self, match: Match, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        if not match.endpoint.has_body or match.endpoint.op is Op.CANCEL:
+            return
+        ctype = cenc = None
+        for k, v in headers:
+            lk = k.lower()
+            if lk == b"content-type":
+                ctype = v.decode("latin-1")
+            elif lk == b"content-encoding":
+                cenc = v.decode("latin-1")
+        check_media(ctype, cenc)
+
+    def prepare(
+        self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]], query: str = ""
+    ) -> RequestView:
+        """Parse and prepare a request, blocking only the calling thread."""
+        headers = list(headers)
+        self._check(match, headers)
+        if self._needs_pool(match, body):
+            view = self.pool.run(lambda: self._prepare_job(match, body))
+        else:
+            view = self._prepare_job(match, body)
+        return self._finish_view(view, headers, query)
+
+    async def prepare_async(
+        self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]], query: str = ""
+    ) -> RequestView:
+        """Parse and prepare a request without blocking the event loop."""
+        headers = list(headers)
+        self._check(match, headers)
+        if self._needs_pool(match, body):
+            view = await self.pool.run_async(lambda: self._prepare_job(match, body))
+        else:
+            view = self._prepare_job(match, body)
+        return self._finish_view(view, headers, query)
+
+    def forward(self, view: RequestView, headers: Headers, method: str = "POST") -> ForwardFlow:
+        """The flow for a prepared request: forward with retries, fan out, or answer locally."""
+        local = view.extra.get("local")
+        if isinstance(local, LocalResponse):
+            return _local_flow(local)
+        ep = view.match.endpoint
+        if ep.is_resource:
+            return resource_flow(self, view, headers, method=method)
+        if ep.op is Op.LIST:
+            return models_flow(self, view, headers)
+        return forward_flow(self, view, headers, method=method, retry=self.retry, rng=self.rng)
+
+    def pass_through(
+        self, method: str, path: str, query: str, headers: Headers, body: bytes
+    ) -> Attempt:
+        """An attempt that sends a non-inference request to a healthy worker, as is.
+
+        Used by the client transports, whose base URL names no real host.
+        """
+        with self._lock:
+            healthy = [w for w in self.fleet.workers if self.fleet.healthy(w)]
+            if not healthy:
+                raise NoAvailableWorkers("no healthy worker is available")
+            worker = healthy[self.rng.randrange(len(healthy))]
+            cand = self.fleet.candidates_of(worker)[0]
+        return Attempt(
+            number=0,
+            candidate=cand,
+            lease=_NoLease(cand),
+            method=method,
+            url=worker.url + path + ("?" + query if query else ""),
+            headers=request_headers(headers, api_key=worker.api_key, api=Api.MODELS),
+            body=body,
+        )
+
+    def targets(self, view: RequestView) -> list[Candidate]:
+        """One candidate per origin for fan-out: the known owner only, else healthy first."""
+        now = self.clock()
+        with self._lock:
+            workers = configured_for(self.fleet, view)
+            if view.match.resource_id:
+                owner = self.affinity.owner(view.match.resource_id, now)
+                if owner is not None and any(w.origin == owner for w in workers):
+                    workers = [w for w in workers if w.origin == owner]
+            by_origin: dict[str, Candidate] = {}
+            for w in sorted(workers, key=lambda w: not self.fleet.healthy(w)):
+                cands = self.fleet.candidates_of(w)
+                if cands and w.origin not in by_origin:
+                    by_origin[w.origin] = cands[0]
+            return list(by_origin.values())
+
+    def account(self, view: RequestView, lease: Any, status: int) -> Accounting:
+        """Accounting for the response of the final attempt."""
+        return Accounting(self, view, lease, status)
+
+    def reject(self, error: MeshError) -> None:
+        """Count a refusal meshkit answered itself."""
+        self.metrics.rejections.labels(error.code).inc()
+
+    # -- Placer (called by the forward flow) ------------------------------------
+
+    def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate:
+        now = self.clock()
+        with self._lock:
+            owner = None
+            if view.previous_response_id:
+                owner = self.affinity.owner(view.previous_response_id, now)
+            cand = place(
+                self.fleet,
+                self.policy,
+                view,
+                self.rng,
+                now=now,
+                attempt=attempt,
+                exclude=exclude,
+                owner=owner,
+                admit=self.admit,
+            )
+            self.policy.on_placed(cand, view, now)
+            return cand
+
+    def lease(self, cand: Candidate, view: RequestView) -> MeshLease:
+        with self._lock:
+            self.fleet.acquire(cand, view.prompt_weight)
+            load = self.fleet.load.get(cand.key, 0)
+        self.metrics.active.labels(cand.key).set(load)
+        return MeshLease(self, cand, view.prompt_weight, self.clock())
+
+    def _completed(self, cand: Candidate, view: RequestView, done: Completion, now: float) -> None:
+        with self._lock:
+            if done.response_id and done.ok:
+                self.affinity.remember(done.response_id, cand.origin, now)
+            self.policy.on_complete(cand, view, done, now)
+
+    # -- fleet management -------------------------------------------------------
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        return self.fleet.workers
+
+    def add_worker(self, worker: Worker | str) -> Worker:
+        w = Worker(worker) if isinstance(worker, str) else worker
+        with self._lock:
+            self.fleet.add(w)
+        return w
+
+    def remove_worker(self, worker: Worker | str) -> Worker | None:
+        wid = worker.id if isinstance(worker, Worker) else Worker(worker).id
+        with self._lock:
+            removed = self.fleet.remove(wid)
+            if removed is not None:
+                self.policy.on_removed(removed)
+                self.affinity.forget_origin(removed.origin)
+        return removed
+
+    def set_healthy(self, worker: Worker, healthy: bool) -> None:
+        with self._lock:
+            if healthy:
+                self.fleet.unhealthy.discard(worker.id)
+            else:
+                self.fleet.unhealthy.add(worker.id)
+
+    def load_of(self, worker: Worker) -> int:
+        with self._lock:
+            return sum(self.fleet.load.get(c.key, 0) for c in self.fleet.candidates_of(worker))
+
+    def total_load(self) -> int:
+        with self._lock:
+            return sum(self.fleet.load.values())
+
+    # -- shutdown ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the prepare pool (bounded by ``prepare.shutdown_grace_ms``)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,426 @@
+"""
+The mock worker's request handling (no I/O)
+===========================================
+
+:class:`MockApp` routes a parsed :class:`~meshkit.mock.wire.Request` and answers with
+a :data:`~meshkit.mock.wire.Reply`. It owns the worker's state: the prefix cache, the
+Responses store, sleep state, the error RNG and the pre-built response templates.
+
+Order of checks for an API request: family enabled (``apis``, else 404) → API key
+(401) → for inference, sleeping (503) → JSON body (400) → data-parallel rank (400)
+→ injected error (``error_rate``) → the answer.
+
+Non-stream chat/completions answers are rendered once per distinct
+(model, token counts, rank, keep-alive) into a template; each request only splices
+a fresh fixed-width id into the pre-built bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from meshkit.mock import anthropic_api, openai_api, sglang_api
+from meshkit.mock.admin import AdminHandlers
+from meshkit.mock.cache import PrefixCache
+from meshkit.mock.config import MockConfig, MockStats
+from meshkit.mock.errors import anthropic_error, openai_error
+from meshkit.mock.responses_api import ResponseStore
+from meshkit.mock.responses_handlers import ResponsesHandlers
+from meshkit.mock.tokens import Token, Vocab, prompt_size, prompt_tokens
+from meshkit.mock.turn import Event, Turn, max_tokens
+from meshkit.mock.wire import Delayed, Reply, Request, Stream, encode, head, response
+
+__all__ = ["MockApp"]
+
+Handler = Callable[[Request], Reply]
+#: path → (stats name, API family or None, Anthropic error shape, {method: handler})
+Route = tuple[str, str | None, bool, dict[bytes, Handler]]
+
+_decode = msgspec.json.Decoder().decode
+_ID_MARK = "@@MOCKID@@"
+_ID_MARK_B = _ID_MARK.encode()
+_ID_HEX = 12
+_RESP_PREFIX = b"/v1/responses/"
+
+
+def _safe_tag(name: str) -> str:
+    tag = "".join(c for c in name if c.isalnum() or c in "-_")
+    return f"{tag}-" if tag else ""
+
+
+class MockApp:
+    """Routing, policy and per-API rendering for one mock worker."""
+
+    def __init__(self, config: MockConfig, stats: MockStats) -> None:
+        self.config = config
+        self.stats = stats
+        self.sleeping_tags: set[str] = set()
+        self.vocab = Vocab()
+        self.responses = ResponseStore()
+        self.cache = PrefixCache(config.cache_tokens) if config.cache_tokens > 0 else None
+        self._rng = random.Random(config.seed)
+        self._memo: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+        self._counter = 0
+        self._tag = _safe_tag(config.name)
+        self._fingerprint = f"fp_mock_{config.name}" if config.name else "fp_mock"
+        self._id_salt = os.urandom(3).hex()
+        name_hdr = "".join(c for c in config.name if c.isprintable()).encode("latin-1", "replace")
+        self._hdr = b"x-mock-worker: " + name_hdr + b"\r\nserver: meshkit-mock\r\n"
+        #: Header lines every response carries.
+        self.headers = self._hdr
+        key = config.api_key
+        self._keys = None if key is None else {b"Bearer " + key.encode(), key.encode()}
+        self._routes: dict[bytes, Route] = {}
+        self._responses = ResponsesHandlers(self)
+        self._add_routes()
+
+    def reset_state(self) -> None:
+        """Forget volatile state (a crashed process loses it): cache, responses, sleep."""
+        if self.cache is not None:
+            self.cache.clear()
+        self.responses.clear()
+        self.sleeping_tags.clear()
+
+    # -- routing -----------------------------------------------------------------
+
+    def route(self, path: str, family: str | None, anthropic: bool, **methods: Handler) -> None:
+        """Register ``path`` (``family`` None = not an API endpoint: no gate)."""
+        table = {m.encode(): fn for m, fn in methods.items()}
+        self._routes[path.encode()] = (path, family, anthropic, table)
+
+    def _add_routes(self) -> None:
+        r = self.route
+        r("/v1/chat/completions", "chat", False, POST=self._chat)
+        r("/v1/completions", "completions", False, POST=self._completions)
+        r("/v1/messages", "messages", True, POST=self._messages)
+        r("/v1/messages/count_tokens", "messages", True, POST=self._count_tokens)
+        r("/v1/responses", "responses", False, POST=self._responses.create)
+        r("/generate", "generate", False, POST=self._generate)
+        AdminHandlers(self).register()
+
+    def handle(self, req: Request) -> Reply:
+        """Answer one request."""
+        route = self._routes.get(req.path)
+        counts = self.stats.requests_total
+        if route is None:
+            name = req.path.decode("latin-1")
+            counts[name] = counts.get(name, 0) + 1
+            if req.path.startswith(_RESP_PREFIX):
+                gate = self._gate(req, "responses", False)
+                return gate if gate is not None else self._responses.resource(req)
+            return self.error(req, 404, f"Not found: {name}")
+        name, family, anthropic, methods = route
+        counts[name] = counts.get(name, 0) + 1
+        if family is not None:
+            gate = self._gate(req, family, anthropic)
+            if gate is not None:
+                return gate
+        fn = methods.get(req.method)
+        if fn is None:
+            return self.error(req, 405, "Method not allowed", anthropic=anthropic)
+        return fn(req)
+
+    def _gate(self, req: Request, family: str, anthropic: bool) -> bytes | None:
+        if family != "models":
+            self.stats.record(req)
+        apis = self.config.apis
+        if apis is not None and family not in apis:
+            return self.error(req, 404, f"this worker does not serve {family}", anthropic=anthropic)
+        if self._keys is not None:
+            given = req.header(b"authorization")
+            if given is None or given not in self._keys:
+                given = req.header(b"x-api-key")
+            if given is None or given not in self._keys:
+                return self.error(req, 401, "Invalid API key", anthropic=anthropic)
+        return None
+
+    # -- rendering helpers -------------------------------------------------------
+
+    def error(
+        self,
+        req: Request,
+        status: int,
+        message: str,
+        *,
+        anthropic: bool = False,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> bytes:
+        """An error response in the API's shape."""
+        if anthropic:
+            body = anthropic_error(status, message, self.new_id("req_"))
+        else:
+            body = openai_error(status, message, param=param, code=code)
+        return response(status, encode(body), self._hdr, req.keep_alive)
+
+    def json(self, req: Request, obj: Any, status: int = 200, rank: int | None = None) -> bytes:
+        """A JSON response with the worker's headers."""
+        return response(status, encode(obj), self._extra(rank), req.keep_alive)
+
+    def plain(
+        self, req: Request, status: int = 200, body: bytes = b"", ctype: bytes = b"text/plain"
+    ) -> bytes:
+        """A non-JSON response (empty body = no content type)."""
+        return response(status, body, self._hdr, req.keep_alive, ctype)
+
+    def new_id(self, prefix: str) -> str:
+        self._counter += 1
+        return f"{prefix}{self._id_salt}{self._counter:0{_ID_HEX}x}"
+
+    def _extra(self, rank: int | None) -> bytes:
+        if rank is None:
+            return self._hdr
+        return self._hdr + b"x-mock-dp-rank: %d\r\n" % rank
+
+    def parse(self, req: Request) -> dict[str, Any] | None:
+        """The JSON object body, or ``None`` when it is not one."""
+        try:
+            body = _decode(req.body)
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            return None
+        return body if isinstance(body, dict) else None
+
+    # -- inference common path ---------------------------------------------------
+
+    def prelude(self, req: Request, anthropic: bool) -> tuple[dict[str, Any], int | None] | bytes:
+        cfg = self.config
+        if self.sleeping_tags:
+            return self.error(req, 503, "The worker is sleeping", anthropic=anthropic)
+        body = self.parse(req)
+        if body is None:
+            return self.error(
+                req, 400, "The request body is not a JSON object", anthropic=anthropic
+            )
+        rank: int | None = None
+        raw = body.get("data_parallel_rank")
+        if raw is None:
+            raw = body.get("routed_dp_rank")
+        if raw is not None:
+            if not isinstance(raw, int) or isinstance(raw, bool):
+                return self.error(
+                    req, 400, "data_parallel_rank must be an integer", anthropic=anthropic
+                )
+            rank = raw
+        else:
+            hdr = req.header(b"x-data-parallel-rank")
+            if hdr is not None:
+                try:
+                    rank = int(hdr)
+                except ValueError:
+                    rank = None
+        if rank is not None and not 0 <= rank < cfg.dp_size:
+            msg = f"data parallel rank {rank} out of range [0, {cfg.dp_size})"
+            return self.error(req, 400, msg, anthropic=anthropic, param="data_parallel_rank")
+        self.stats.last_dp_rank = rank
+        if cfg.error_rate > 0.0 and self._rng.random() < cfg.error_rate:
+            self.stats.injected_errors += 1
+            return self.error(req, cfg.fail_status, "Injected failure", anthropic=anthropic)
+        return body, rank
+
+    def prompt(self, *values: Any) -> list[Token] | int:
+        """The prompt's tokens when the cache model needs them, else just their count."""
+        return prompt_tokens(*values) if self.cache is not None else prompt_size(*values)
+
+    def turn(
+        self,
+        body: dict[str, Any],
+        prompt: list[Token] | int,
+        max_out: int | None,
+        rank: int | None,
+    ) -> Turn:
+        """Account a generation: prompt size, prefix-cache hit, output length."""
+        cached = 0
+        cache = self.cache
+        p = prompt if isinstance(prompt, int) else len(prompt)
+        if cache is not None and not isinstance(prompt, int):
+            hashes = cache.block_hashes(prompt)
+            cached = cache.lookup(hashes, p)
+            cache.insert(hashes)
+        stats = self.stats
+        stats.prompt_tokens_total += p
+        stats.cached_tokens_total += cached
+        n = self.config.output_tokens
+        truncated = max_out is not None and max_out < n
+        if truncated:
+            n = max(max_out or 0, 0)
+        model = body.get("model")
+        return Turn(
+            model=model if isinstance(model, str) else self.config.model,
+            prompt_tokens=p,
+            cached_tokens=cached,
+            output_tokens=n,
+            truncated=truncated,
+            rank=rank,
+            fingerprint=self._fingerprint,
+            created=int(time.time()),
+        )
+
+    def first_delay(self, t: Turn) -> float:
+        cfg = self.config
+        return (cfg.prefill_ms_per_token * t.uncached_tokens + cfg.first_token_ms) / 1000.0
+
+    def total_delay(self, t: Turn) -> float:
+        """Seconds until the last token: prefill + first token + per-token gaps."""
+        return self.first_delay(t) + self.config.per_token_ms * max(t.output_tokens - 1, 0) / 1000.0
+
+    def _complete(self, req: Request, data: bytes, t: Turn) -> Reply:
+        """A non-stream answer, delayed by the simulated generation time."""
+        delay = self.total_delay(t)
+        return Delayed(delay, data, req.keep_alive) if delay > 0.0 else data
+
+    def complete_json(self, req: Request, obj: Any, t: Turn) -> Reply:
+        return self._complete(
+            req, response(200, encode(obj), self._extra(t.rank), req.keep_alive), t
+        )
+
+    def stream(self, req: Request, events: list[Event], t: Turn | None) -> Stream:
+        """A chunked SSE answer; token events carry the generation delays."""
+        first = 0.0 if t is None else self.first_delay(t)
+        per = self.config.per_token_ms / 1000.0
+        out: list[tuple[float, bytes]] = []
+        seen = False
+        for is_token, data in events:
+            delay = 0.0
+            if is_token:
+                delay = per if seen else first
+                seen = True
+            out.append((delay, data))
+        if not seen and first > 0.0 and out:
+            out[-1] = (first, out[-1][1])
+        extra = self._extra(None if t is None else t.rank)
+        hd = head(200, b"text/event-stream", extra, req.keep_alive, None)
+        return Stream(hd, out, req.keep_alive, self.config.crash_after_chunks)
+
+    def _openai_fast(self, req: Request, t: Turn, chat: bool) -> bytes:
+        """Pre-built non-stream chat/completions bytes with a fresh id spliced in."""
+        key = (
+            chat,
+            t.model,
+            t.prompt_tokens,
+            t.cached_tokens,
+            t.output_tokens,
+            t.truncated,
+            t.rank,
+            req.keep_alive,
+        )
+        tpl = self._memo.get(key)
+        if tpl is None:
+            prefix = ("chatcmpl-" if chat else "cmpl-") + self._tag + self._id_salt
+            render = openai_api.chat_body if chat else openai_api.completion_body
+            body = encode(render(t, prefix + _ID_MARK))
+            pre, _, post = body.partition(_ID_MARK_B)
+            length = len(pre) + _ID_HEX + len(post)
+            tpl = (
+                head(200, b"application/json", self._extra(t.rank), req.keep_alive, length) + pre,
+                post,
+            )
+            if len(self._memo) >= 4096:
+                self._memo.clear()
+            self._memo[key] = tpl
+        self._counter += 1
+        return tpl[0] + b"%012x" % self._counter + tpl[1]
+
+    # -- OpenAI ------------------------------------------------------------------
+
+    def _chat(self, req: Request) -> Reply:
+        pre = self.prelude(req, False)
+        if isinstance(pre, bytes):
+            return pre
+        body, rank = pre
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return self.error(req, 400, "'messages' must be a list", param="messages")
+        t = self.turn(
+            body,
+            self.prompt(messages),
+            max_tokens(body, "max_completion_tokens", "max_tokens"),
+            rank,
+        )
+        if body.get("stream") is True:
+            rid = "chatcmpl-" + self._tag + self.new_id("")
+            return self.stream(req, openai_api.chat_events(t, rid, _include_usage(body)), t)
+        return self._complete(req, self._openai_fast(req, t, True), t)
+
+    def _completions(self, req: Request) -> Reply:
+        pre = self.prelude(req, False)
+        if isinstance(pre, bytes):
+            return pre
+        body, rank = pre
+        prompt = body.get("prompt")
+        if prompt is None:
+            return self.error(req, 400, "'prompt' is required", param="prompt")
+        t = self.turn(body, self.prompt(prompt), max_tokens(body, "max_tokens"), rank)
+        if body.get("stream") is True:
+            rid = "cmpl-" + self._tag + self.new_id("")
+            return self.stream(req, openai_api.completion_events(t, rid, _include_usage(body)), t)
+        return self._complete(req, self._openai_fast(req, t, False), t)
+
+    # -- Anthropic ---------------------------------------------------------------
+
+    def _messages(self, req: Request) -> Reply:
+        pre = self.prelude(req, True)
+        if isinstance(pre, bytes):
+            return pre
+        body, rank = pre
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return self.error(req, 400, "messages: Field required", anthropic=True)
+        tokens = self.prompt(body.get("system"), messages)
+        t = self.turn(body, tokens, max_tokens(body, "max_tokens"), rank)
+        mid = self.new_id("msg_")
+        if body.get("stream") is True:
+            return self.stream(req, anthropic_api.message_events(t, mid), t)
+        return self.complete_json(req, anthropic_api.message_body(t, mid), t)
+
+    def _count_tokens(self, req: Request) -> Reply:
+        body = self.parse(req)
+        if body is None:
+            return self.error(req, 400, "The request body is not a JSON object", anthropic=True)
+        size = prompt_size(body.get("system"), body.get("messages"))
+        return self.json(req, {"input_tokens": size})
+
+    # -- SGLang / vLLM extras ----------------------------------------------------
+
+    def _generate(self, req: Request) -> Reply:
+        pre = self.prelude(req, False)
+        if isinstance(pre, bytes):
+            return pre
+        body, rank = pre
+        max_out = max_tokens(body.get("sampling_params"), "max_new_tokens")
+        text, ids, rid = body.get("text"), body.get("input_ids"), body.get("rid")
+        batch: list[Any] | None = None
+        if isinstance(text, list):
+            batch = text
+        elif isinstance(ids, list) and ids and isinstance(ids[0], list):
+            batch = ids
+        if batch is None:
+            t = self.turn(body, self.prompt(text if text is not None else ids), max_out, rank)
+            gid = rid if isinstance(rid, str) else self.new_id("")
+            if body.get("stream") is True:
+                return self.stream(req, sglang_api.generate_events(t, gid, self.vocab), t)
+            return self.complete_json(req, sglang_api.generate_body(t, gid, self.vocab), t)
+        if body.get("stream") is True:
+            return self.error(req, 400, "the mock worker does not stream batched /generate")
+        rids = rid if isinstance(rid, list) else [None] * len(batch)
+        results: list[dict[str, Any]] = []
+        longest: Turn | None = None
+        for item, item_rid in zip(batch, rids, strict=False):
+            t = self.turn(body, self.prompt(item), max_out, rank)
+            gid = item_rid if isinstance(item_rid, str) else self.new_id("")
+            results.append(sglang_api.generate_body(t, gid, self.vocab))
+            if longest is None or t.uncached_tokens > longest.uncached_tokens:
+                longest = t
+        if longest is None:
+            return self.error(req, 400, "empty batch")
+        return self.complete_json(req, results, longest)
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True

@@ -1,0 +1,106 @@
+"""
+``python -m meshkit.mock``: run a mock worker from the command line
+====================================================================
+
+::
+
+    python -m meshkit.mock --port 9001 --name w1 --apis chat,completions \
+        --first-token-ms 20 --per-token-ms 5 --cache-tokens 4096
+
+Prints ``meshkit mock worker <name> listening on <url>`` once bound, then serves
+until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from meshkit.mock.config import API_NAMES, MockConfig
+from meshkit.mock.loop import new_event_loop
+from meshkit.mock.server import MockWorker
+
+__all__ = ["build_parser", "run_mock_worker"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = MockConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m meshkit.mock", description="meshkit mock inference worker"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port")
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--apis", default=None, help=f"comma list of {','.join(sorted(API_NAMES))}")
+    p.add_argument("--first-token-ms", type=float, default=d.first_token_ms)
+    p.add_argument("--per-token-ms", type=float, default=d.per_token_ms)
+    p.add_argument("--output-tokens", type=int, default=d.output_tokens)
+    p.add_argument("--dp-size", type=int, default=d.dp_size)
+    p.add_argument("--error-rate", type=float, default=d.error_rate)
+    p.add_argument("--fail-status", type=int, default=d.fail_status)
+    p.add_argument("--crash-after-chunks", type=int, default=None)
+    p.add_argument("--cache-tokens", type=int, default=d.cache_tokens)
+    p.add_argument("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token)
+    p.add_argument("--sleep-mode", action="store_true")
+    p.add_argument("--wake-ms", type=float, default=d.wake_ms)
+    p.add_argument("--name", default=d.name)
+    p.add_argument("--seed", type=int, default=d.seed)
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> MockConfig:
+    apis = None
+    if ns.apis:
+        apis = frozenset(a.strip() for a in ns.apis.split(",") if a.strip())
+    return MockConfig(
+        model=ns.model,
+        api_key=ns.api_key,
+        apis=apis,
+        first_token_ms=ns.first_token_ms,
+        per_token_ms=ns.per_token_ms,
+        output_tokens=ns.output_tokens,
+        dp_size=ns.dp_size,
+        error_rate=ns.error_rate,
+        fail_status=ns.fail_status,
+        crash_after_chunks=ns.crash_after_chunks,
+        cache_tokens=ns.cache_tokens,
+        prefill_ms_per_token=ns.prefill_ms_per_token,
+        sleep_mode=ns.sleep_mode,
+        wake_ms=ns.wake_ms,
+        name=ns.name,
+        seed=ns.seed,
+    )
+
+
+async def _serve(worker: MockWorker) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await worker.start()
+    print(f"meshkit mock worker {worker.config.name} listening on {worker.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await worker.stop()
+
+
+def run_mock_worker(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), serve until SIGINT/SIGTERM; exit code."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        config = config_from_args(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+    worker = MockWorker(config, host=ns.host, port=ns.port)
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(_serve(worker))
+    except OSError as exc:
+        print(f"meshkit mock worker: {exc}", file=sys.stderr)
+        return 1
+    return 0

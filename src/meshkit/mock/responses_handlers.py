@@ -1,0 +1,135 @@
+"""
+OpenAI Responses API endpoints of the mock worker
+=================================================
+
+* ``POST /v1/responses``: non-stream, stream, ``background`` (returns
+  ``in_progress``, completes after the simulated generation time),
+  ``previous_response_id`` (404 unless this worker created it; the previous
+  conversation is prepended to the prompt), ``store: false`` (not retrievable).
+* ``GET /v1/responses/{id}`` (``?stream=true&starting_after=N`` replays the events),
+  ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (only background
+  responses, as the API says; others → 400) and ``GET /v1/responses/{id}/input_items``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from meshkit.mock import responses_api
+from meshkit.mock.responses_api import StoredResponse
+from meshkit.mock.tokens import Token, prompt_tokens
+from meshkit.mock.turn import Turn, max_tokens
+from meshkit.mock.wire import Reply, Request
+
+if TYPE_CHECKING:
+    from meshkit.mock.app import MockApp
+
+__all__ = ["ResponsesHandlers"]
+
+_RESP_PREFIX = b"/v1/responses/"
+_POST, _GET, _DELETE = b"POST", b"GET", b"DELETE"
+
+
+class ResponsesHandlers:
+    """Responses endpoints for one :class:`~meshkit.mock.app.MockApp`."""
+
+    def __init__(self, app: MockApp) -> None:
+        self.app = app
+        self.store = app.responses
+
+    def create(self, req: Request) -> Reply:
+        pre = self.app.prelude(req, False)
+        if isinstance(pre, bytes):
+            return pre
+        body, rank = pre
+        context: list[Token] = []
+        prev_id = body.get("previous_response_id")
+        if prev_id is not None:
+            prev = self.store.get(prev_id) if isinstance(prev_id, str) else None
+            if prev is None:
+                msg = f"Previous response with id '{prev_id}' not found."
+                return self.app.error(
+                    req, 404, msg, param="previous_response_id", code="previous_response_not_found"
+                )
+            context = prev.context
+        new_input = prompt_tokens(body.get("input"))
+        tokens = prompt_tokens(body.get("instructions")) + context + new_input
+        t = self.app.turn(body, tokens, max_tokens(body, "max_output_tokens"), rank)
+        rid, msg_id = self.app.new_id("resp_"), self.app.new_id("msg_")
+        resp = responses_api.build_response(t, rid, msg_id, body)
+        stored: StoredResponse | None = None
+        if body.get("store") is not False:
+            items = responses_api.normalize_input(
+                body.get("input"), lambda kind: self.app.new_id(f"{kind}_")
+            )
+            out_words: list[Token] = [w.strip() for w in t.pieces]
+            stored = StoredResponse(resp, items, context + new_input + out_words)
+            stored.background = body.get("background") is True
+            self.store.put(rid, stored)
+        if body.get("stream") is True:
+            return self.app.stream(req, responses_api.response_events(resp, t.pieces), t)
+        if stored is not None and stored.background:
+            return self._background(req, stored, t, msg_id, body)
+        return self.app.complete_json(req, resp, t)
+
+    def _background(
+        self, req: Request, stored: StoredResponse, t: Turn, msg_id: str, body: dict[str, Any]
+    ) -> bytes:
+        final = stored.response
+        pending = responses_api.build_response(t, final["id"], msg_id, body, status="in_progress")
+        stored.response = pending
+        delay = self.app.total_delay(t)
+
+        def finish() -> None:
+            stored.timer = None
+            if stored.response["status"] == "in_progress":
+                stored.response = final
+
+        stored.timer = asyncio.get_running_loop().call_later(delay, finish)
+        return self.app.json(req, pending, rank=t.rank)
+
+    def resource(self, req: Request) -> Reply:
+        rid, _, sub = req.path[len(_RESP_PREFIX) :].decode("latin-1").partition("/")
+        stored = self.store.get(rid)
+        if stored is None:
+            return self.app.error(
+                req, 404, f"Response with id '{rid}' not found.", param="response_id"
+            )
+        method = req.method
+        if sub == "" and method == _GET:
+            params = req.params()
+            if (params.get("stream") or ["false"])[-1].lower() == "true":
+                return self._replay(req, stored, params)
+            return self.app.json(req, stored.response)
+        if sub == "" and method == _DELETE:
+            self.store.pop(rid)
+            return self.app.json(req, {"id": rid, "object": "response", "deleted": True})
+        if sub == "cancel" and method == _POST:
+            if not stored.background:
+                msg = "Only responses created with background=true can be cancelled."
+                return self.app.error(req, 400, msg)
+            if stored.response["status"] in ("in_progress", "queued"):
+                if stored.timer is not None:
+                    stored.timer.cancel()
+                    stored.timer = None
+                stored.response = {**stored.response, "status": "cancelled"}
+            return self.app.json(req, stored.response)
+        if sub == "input_items" and method == _GET:
+            return self.app.json(req, responses_api.list_input_items(stored, req.params()))
+        return self.app.error(
+            req, 404 if sub not in ("", "cancel", "input_items") else 405, "Not found"
+        )
+
+    def _replay(self, req: Request, stored: StoredResponse, params: dict[str, list[str]]) -> Reply:
+        resp = stored.response
+        if resp["status"] not in ("completed", "incomplete"):
+            return self.app.json(req, resp)
+        text = resp["output"][0]["content"][0]["text"] if resp["output"] else ""
+        events = responses_api.response_events(resp, tuple(w + " " for w in text.split()))
+        try:
+            after = int((params.get("starting_after") or ["-1"])[-1])
+        except ValueError:
+            after = -1
+        events = events[after + 1 :] if after >= 0 else events
+        return self.app.stream(req, events, None)

@@ -1,0 +1,345 @@
+"""
+The mock worker's HTTP/1.1 server
+=================================
+
+A raw :class:`asyncio.Protocol` per connection, parsing with
+``httptools.HttpRequestParser``: keep-alive, pipelining (answers stay in order),
+``Content-Length`` and chunked request bodies, ``Expect: 100-continue``, chunked
+streaming responses with write back-pressure.
+
+Complete answers (:class:`bytes`) are written from inside the parser callback, with
+no task and no await: that is the hot path. Delayed answers and streams run as one
+task per connection; a client that goes away cancels it and counts in
+``stats.disconnects``.
+
+:meth:`MockWorker.kill` simulates a crash: the listening socket and every connection
+close abruptly and the worker's volatile state (prefix cache, stored responses, sleep
+state) is lost; :meth:`MockWorker.start` then binds the **same** port again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+from collections import deque
+from typing import cast
+
+import httptools
+
+from meshkit.mock.app import MockApp
+from meshkit.mock.config import MockConfig, MockStats
+from meshkit.mock.wire import Delayed, Request, Stream, chunk, response
+
+__all__ = ["MockWorker"]
+
+log = logging.getLogger(__name__)
+
+_BAD_REQUEST = (
+    b'{"error":{"message":"bad HTTP request","type":"invalid_request_error",'
+    b'"param":null,"code":null}}'
+)
+_INTERNAL = (
+    b'{"error":{"message":"mock worker error","type":"server_error","param":null,"code":null}}'
+)
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+
+
+class _Conn(asyncio.Protocol):
+    """One client connection."""
+
+    __slots__ = (
+        "_aborted",
+        "_app",
+        "_body",
+        "_busy",
+        "_closed",
+        "_drain",
+        "_headers",
+        "_loop",
+        "_parser",
+        "_pending",
+        "_stats",
+        "_task",
+        "_transport",
+        "_url",
+        "_worker",
+    )
+
+    def __init__(self, worker: MockWorker) -> None:
+        self._worker = worker
+        self._app = worker.app
+        self._stats = worker.stats
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._busy = False
+        self._pending: deque[Request] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._aborted = False
+        self._drain: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        self._worker._conns.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._worker._conns.discard(self)
+        task = self._task
+        if task is not None and not task.done():
+            if not self._aborted:
+                self._stats.disconnects += 1
+            task.cancel()
+        self._wake_writer()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            if self._transport is not None and not self._busy:
+                self._transport.write(response(400, _BAD_REQUEST, self._app.headers, False))
+            self.close()
+
+    def pause_writing(self) -> None:
+        if self._drain is None:
+            self._drain = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        waiter, self._drain = self._drain, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- httptools callbacks -------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._body = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+        if (
+            len(name) == 6
+            and name.lower() == b"expect"
+            and value.lower() == b"100-continue"
+            and self._transport is not None
+            and not self._busy
+        ):
+            self._transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parser = self._parser
+        req = Request(
+            parser.get_method(),
+            self._url,
+            self._headers,
+            b"".join(self._body),
+            parser.should_keep_alive(),
+        )
+        if self._busy:
+            self._pending.append(req)
+        else:
+            self._dispatch(req)
+
+    # -- answering -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close gracefully (buffered bytes are still sent)."""
+        self._aborted = True
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        """Close abruptly (buffered bytes are dropped)."""
+        self._aborted = True
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _dispatch(self, req: Request) -> None:
+        transport = self._transport
+        if transport is None or self._closed or transport.is_closing():
+            return
+        try:
+            reply = self._app.handle(req)
+        except Exception:
+            log.exception("mock worker: error answering %r", req.path)
+            reply = response(500, _INTERNAL, self._app.headers, False)
+            req.keep_alive = False
+        if isinstance(reply, bytes):
+            transport.write(reply)
+            if not req.keep_alive:
+                transport.close()
+            return
+        self._busy = True
+        self._task = self._loop.create_task(self._run(reply))
+
+    async def _run(self, reply: Delayed | Stream) -> None:
+        stats = self._stats
+        stats.in_flight += 1
+        done = False
+        try:
+            if isinstance(reply, Delayed):
+                try:
+                    await asyncio.sleep(reply.delay)
+                finally:
+                    if reply.before is not None:
+                        reply.before()
+                if self._transport is not None and not self._closed:
+                    self._transport.write(reply.data)
+                    done = True
+            else:
+                done = await self._stream(reply)
+        except asyncio.CancelledError:
+            done = False
+        finally:
+            stats.in_flight -= 1
+            self._task = None
+            self._busy = False
+        if not done or self._closed:
+            return
+        if not reply.keep_alive:
+            self.close()
+            return
+        while self._pending and not self._busy and not self._closed:
+            self._dispatch(self._pending.popleft())
+
+    async def _stream(self, s: Stream) -> bool:
+        """Write ``s``; ``False`` when the connection was crashed on purpose."""
+        transport = self._transport
+        assert transport is not None
+        stats = self._stats
+        stats.active_streams += 1
+        try:
+            transport.write(s.head)
+            crash = s.crash_after
+            if crash is not None and crash <= 0:
+                await self._crash()
+                return False
+            buf: list[bytes] = []
+            for sent, (delay, data) in enumerate(s.events, 1):
+                if delay > 0.0:
+                    if buf:
+                        transport.write(b"".join(buf))
+                        buf.clear()
+                    if self._drain is not None:
+                        await self._drain
+                    await asyncio.sleep(delay)
+                    if self._closed:
+                        return False
+                buf.append(chunk(data))
+                if crash is not None and sent >= crash:
+                    transport.write(b"".join(buf))
+                    await self._crash()
+                    return False
+            buf.append(_LAST_CHUNK)
+            transport.write(b"".join(buf))
+            return True
+        finally:
+            stats.active_streams -= 1
+
+    async def _crash(self) -> None:
+        transport = self._transport
+        assert transport is not None
+        self._stats.crashes += 1
+        self._aborted = True
+        for _ in range(200):
+            if self._closed or transport.get_write_buffer_size() == 0:
+                break
+            await asyncio.sleep(0.005)
+        self.abort()
+
+
+class MockWorker:
+    """An OpenAI + Anthropic + Responses + SGLang-compatible mock inference worker.
+
+    Start and stop it inside a running event loop::
+
+        worker = MockWorker(MockConfig(name="w1"))
+        await worker.start()
+        ...  # worker.url, worker.stats
+        await worker.stop()
+    """
+
+    def __init__(
+        self, config: MockConfig | None = None, *, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        self.config = config if config is not None else MockConfig()
+        self.host = host
+        self.port = port
+        self.stats = MockStats()
+        self.app = MockApp(self.config, self.stats)
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[_Conn] = set()
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` (the bound port once started)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    async def start(self) -> None:
+        """Bind and listen (again on the same port after :meth:`kill` or :meth:`stop`)."""
+        if self._server is not None:
+            raise RuntimeError("mock worker already running")
+        loop = asyncio.get_running_loop()
+        for attempt in range(100):
+            try:
+                self._server = await loop.create_server(
+                    lambda: _Conn(self), self.host, self.port, reuse_address=True, backlog=1024
+                )
+                break
+            except OSError as exc:
+                # A just-closed listening socket can linger for a loop iteration.
+                if exc.errno != errno.EADDRINUSE or self.port == 0 or attempt == 99:
+                    raise
+                await asyncio.sleep(0.02)
+        assert self._server is not None
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop listening and close every connection (in-flight answers are dropped)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        for conn in list(self._conns):
+            conn.close()
+        await server.wait_closed()
+        await asyncio.sleep(0)
+
+    def kill(self) -> None:
+        """Simulate a crash: close the listener and abort every connection, drop state."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for conn in list(self._conns):
+            conn.abort()
+        self.app.reset_state()
+
+    async def __aenter__(self) -> MockWorker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

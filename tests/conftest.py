@@ -1,0 +1,68 @@
+"""Shared fixtures: mock workers on 127.0.0.1 and the four embedding modes."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import MODE_CLASSES, MODES, Mode  # noqa: E402
+
+from meshkit import Mesh  # noqa: E402
+from meshkit.mock import MockConfig, MockWorkerThread  # noqa: E402
+
+
+@pytest.fixture
+def mock_factory() -> Iterator[Callable[..., MockWorkerThread]]:
+    """Start mock workers (``mock_factory(name="w0", ...)``); all stop at teardown."""
+    started: list[MockWorkerThread] = []
+
+    def make(**kw: Any) -> MockWorkerThread:
+        t = MockWorkerThread(MockConfig(**kw))
+        t.start()
+        started.append(t)
+        return t
+
+    yield make
+    for t in started:
+        t.stop()
+
+
+@pytest.fixture
+def mesh_factory() -> Iterator[Callable[..., Mesh]]:
+    made: list[Mesh] = []
+
+    def make(*args: Any, **kw: Any) -> Mesh:
+        kw.setdefault("routing", {"seed": 7})
+        m = Mesh(*args, **kw)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+
+
+@pytest.fixture(params=MODES)
+def mode_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def run_mode(mode_name: str) -> Iterator[Callable[[Mesh], Mode]]:
+    """``run_mode(mesh)`` embeds ``mesh`` the way this test's mode does."""
+    opened: list[Mode] = []
+
+    def start(mesh: Mesh) -> Mode:
+        m = MODE_CLASSES[mode_name](mesh)
+        opened.append(m)
+        return m
+
+    yield start
+    for m in opened:
+        m.close()

@@ -1,0 +1,321 @@
+"""The four ways meshkit is embedded, behind one test interface.
+
+Each :class:`Mode` takes a Mesh and gives a plain HTTP client (``request`` /
+``stream``) and SDK clients that reach the mesh the way a user would: through a
+real uvicorn server (ASGI), a real werkzeug server (WSGI), or an httpx2 client
+with the sync or async transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import uvicorn
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+from werkzeug.serving import make_server
+
+from meshkit import AsyncMeshTransport, Mesh, MeshMiddleware, MeshTransport, MeshWSGIMiddleware
+
+MODES = ("asgi", "wsgi", "transport", "async_transport")
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: httpx2.Headers
+    body: bytes
+
+    def json(self) -> Any:
+        import json
+
+        return json.loads(self.body)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _host_app(scope: Any, receive: Any, send: Any) -> None:
+    """The wrapped app: answers its own routes, proving pass-through."""
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    body = b"host app: " + scope["path"].encode()
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"x-host-app", b"1")]}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def _wsgi_host_app(environ: Any, start_response: Any) -> list[bytes]:
+    start_response("200 OK", [("x-host-app", "1")])
+    return [b"host app: " + environ["PATH_INFO"].encode()]
+
+
+class UvicornThread:
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class WerkzeugThread:
+    def __init__(self, app: Any) -> None:
+        self.server = make_server("127.0.0.1", 0, app, threaded=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        return f"http://127.0.0.1:{self.server.server_port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.thread.join(10)
+
+
+class Mode:
+    """A running embedding of one Mesh."""
+
+    name: str
+    base_url: str = "http://mesh.invalid"
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    # plain HTTP -----------------------------------------------------------------
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
+        raise NotImplementedError
+
+    @contextmanager
+    def stream(
+        self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None
+    ) -> Iterator[Iterator[bytes]]:
+        raise NotImplementedError
+        yield iter(())
+
+    # SDKs --------------------------------------------------------------------------
+    def openai(self, **kw: Any) -> openai.OpenAI:
+        raise NotImplementedError
+
+    def anthropic(self, **kw: Any) -> anthropic.Anthropic:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _ServerMode(Mode):
+    def __init__(self, mesh: Mesh) -> None:
+        super().__init__(mesh)
+        self.client = httpx2.Client(base_url=self.base_url, timeout=30)
+
+    def request(self, method, path, *, json=None, content=None, headers=None):  # type: ignore[no-untyped-def]
+        r = self.client.request(method, path, json=json, content=content, headers=headers)
+        return Reply(r.status_code, r.headers, r.content)
+
+    @contextmanager
+    def stream(self, method, path, *, json=None, headers=None):  # type: ignore[no-untyped-def]
+        with self.client.stream(method, path, json=json, headers=headers) as r:
+            yield r.iter_raw()
+
+    def openai(self, **kw: Any) -> openai.OpenAI:
+        kw.setdefault("api_key", "client-key")
+        return openai.OpenAI(base_url=self.base_url + "/v1", **kw)
+
+    def anthropic(self, **kw: Any) -> anthropic.Anthropic:
+        kw.setdefault("api_key", "client-key")
+        return anthropic.Anthropic(base_url=self.base_url, **kw)
+
+
+class AsgiMode(_ServerMode):
+    name = "asgi"
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.middleware = MeshMiddleware(_host_app, mesh=mesh)
+        self.server = UvicornThread(self.middleware)
+        self.base_url = self.server.__enter__()
+        super().__init__(mesh)
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.__exit__()
+
+
+class WsgiMode(_ServerMode):
+    name = "wsgi"
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.middleware = MeshWSGIMiddleware(_wsgi_host_app, mesh=mesh)
+        self.server = WerkzeugThread(self.middleware)
+        self.base_url = self.server.__enter__()
+        super().__init__(mesh)
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.__exit__()
+        self.middleware.close()
+
+
+class TransportMode(Mode):
+    name = "transport"
+
+    def __init__(self, mesh: Mesh) -> None:
+        super().__init__(mesh)
+        self.transport = MeshTransport(mesh)
+        self.client = httpx2.Client(transport=self.transport, base_url=self.base_url, timeout=30)
+
+    def request(self, method, path, *, json=None, content=None, headers=None):  # type: ignore[no-untyped-def]
+        r = self.client.request(method, path, json=json, content=content, headers=headers)
+        return Reply(r.status_code, r.headers, r.content)
+
+    @contextmanager
+    def stream(self, method, path, *, json=None, headers=None):  # type: ignore[no-untyped-def]
+        with self.client.stream(method, path, json=json, headers=headers) as r:
+            yield r.iter_raw()
+
+    def openai(self, **kw: Any) -> openai.OpenAI:
+        kw.setdefault("api_key", "client-key")
+        return openai.OpenAI(
+            base_url=self.base_url + "/v1",
+            http_client=httpx2.Client(transport=MeshTransport(self.mesh)),
+            **kw,
+        )
+
+    def anthropic(self, **kw: Any) -> anthropic.Anthropic:
+        kw.setdefault("api_key", "client-key")
+        return anthropic.Anthropic(
+            base_url=self.base_url,
+            http_client=httpx2.Client(transport=MeshTransport(self.mesh)),
+            **kw,
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class AsyncTransportMode(Mode):
+    """The async transport, driven from a background event loop (a portal)."""
+
+    name = "async_transport"
+
+    def __init__(self, mesh: Mesh) -> None:
+        super().__init__(mesh)
+        self._cm = start_blocking_portal()
+        self.portal: BlockingPortal = self._cm.__enter__()
+        self.transport = AsyncMeshTransport(mesh)
+        self.client = httpx2.AsyncClient(
+            transport=self.transport, base_url=self.base_url, timeout=30
+        )
+
+    def request(self, method, path, *, json=None, content=None, headers=None):  # type: ignore[no-untyped-def]
+        async def go() -> Reply:
+            r = await self.client.request(
+                method, path, json=json, content=content, headers=headers
+            )
+            return Reply(r.status_code, r.headers, r.content)
+
+        return self.portal.call(go)
+
+    @contextmanager
+    def stream(self, method, path, *, json=None, headers=None):  # type: ignore[no-untyped-def]
+        req = self.client.build_request(method, path, json=json, headers=headers)
+        resp = self.portal.call(lambda: self.client.send(req, stream=True))
+        it = resp.aiter_raw()
+
+        def chunks() -> Iterator[bytes]:
+            while True:
+                try:
+                    yield self.portal.call(it.__anext__)
+                except StopAsyncIteration:
+                    return
+
+        try:
+            yield chunks()
+        finally:
+            self.portal.call(resp.aclose)
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        return self.portal.call(fn)
+
+    def async_openai(self, **kw: Any) -> openai.AsyncOpenAI:
+        kw.setdefault("api_key", "client-key")
+        return openai.AsyncOpenAI(
+            base_url=self.base_url + "/v1",
+            http_client=httpx2.AsyncClient(transport=AsyncMeshTransport(self.mesh)),
+            **kw,
+        )
+
+    def async_anthropic(self, **kw: Any) -> anthropic.AsyncAnthropic:
+        kw.setdefault("api_key", "client-key")
+        return anthropic.AsyncAnthropic(
+            base_url=self.base_url,
+            http_client=httpx2.AsyncClient(transport=AsyncMeshTransport(self.mesh)),
+            **kw,
+        )
+
+    def close(self) -> None:
+        self.portal.call(self.client.aclose)
+        self._cm.__exit__(None, None, None)
+
+
+MODE_CLASSES: dict[str, type[Mode]] = {
+    "asgi": AsgiMode,
+    "wsgi": WsgiMode,
+    "transport": TransportMode,
+    "async_transport": AsyncTransportMode,
+}
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``pred`` (a condition, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+__all__ = ["MODES", "MODE_CLASSES", "Mode", "Reply", "asyncio", "httpx", "wait_until"]
