@@ -1,0 +1,709 @@
+"""
+Stream accounting
+=================
+
+A :class:`StreamAccountant` watches a response body go by and learns, without
+ever holding the response up, what the router needs once it has ended: when the
+first output token arrived (TTFT), the token usage, whether the upstream reported
+an error, whether the stream reached its terminal event, and (for the Responses
+API) the id of the stored response, which later requests pin to.
+
+It is pure: no clocks, sockets or threads. The caller passes the current time with
+every :meth:`~StreamAccountant.feed`, so the time of the first token is the ``now``
+of the call whose bytes completed the first-token event.
+
+Theory of operation
+-------------------
+
+Framing
+    Bytes are fed in whatever pieces the network delivered, down to one byte at a
+    time. Line endings (``\\r\\n``, and a bare ``\\r`` too) are normalised to
+    ``\\n`` on the way in (a trailing ``\\r`` is held back until the next piece
+    shows whether it starts a ``\\r\\n``), so one ``bytes.find(b"\\n\\n")``
+    locates every event boundary. Only the unterminated tail is kept between
+    calls, and the search resumes where it stopped, so a byte-at-a-time feed stays
+    linear. Events are split into ``event:`` / ``data:`` lines (comments dropped,
+    several ``data:`` lines joined with ``\\n``) and handed to the handler of the
+    stream format.
+
+Laziness
+    JSON is decoded only when an event can change what is known. Named events
+    (Responses, Anthropic) are told apart by their ``event:`` line, so text deltas
+    are never decoded. OpenAI chunks are decoded until the first token; after it,
+    a chunk is decoded only if its bytes hold an ``"error"`` key, and a chunk with
+    a non-null ``"usage"`` is just kept: it is decoded when
+    :attr:`~StreamAccountant.usage` is read.
+    SGLang ``/generate`` repeats ``meta_info`` in every chunk, so only the last raw
+    chunk (per batch index) is kept, for the same lazy decode. Responses lifecycle
+    events are decoded against a struct naming only ``id``, ``usage`` and ``error``,
+    so the (possibly large) output they repeat is skipped, not built.
+
+Bounds and failure
+    An event (or a non-streaming body) longer than ``max_line_bytes`` sets
+    :attr:`~StreamAccountant.overflow` and stops all parsing; malformed JSON is
+    counted in :attr:`~StreamAccountant.malformed` and skipped. Nothing here raises
+    on what an upstream sends. After the terminal event, further bytes are ignored.
+    At :meth:`~StreamAccountant.finish`, complete lines of an event the server
+    never closed with a blank line still count; a line cut mid-way does not.
+
+Non-streaming bodies
+    They are buffered (within the same bound) and decoded once, in
+    :meth:`~StreamAccountant.finish`; ``done`` then means the body was one whole
+    JSON document. A streaming request that was answered with a plain JSON body
+    (typically an error) is accounted the same way.
+
+Errors are reported as a short code or type (``rate_limit_exceeded``,
+``overloaded_error``), never as message text, which may quote the prompt.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from meshkit.core.endpoints import StreamFormat
+
+__all__ = ["StreamAccountant", "Usage"]
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token usage of one response."""
+
+    #: total prompt/input tokens (Anthropic: input + cache creation + cache read)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    #: input tokens served from the prefix cache
+    cached_tokens: int = 0
+
+
+# Looked up through the module so tests can count decodes.
+_decode = msgspec.json.decode
+# msgspec raises RecursionError, not DecodeError, on very deep nesting.
+_DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
+
+
+class _LifecycleResponse(msgspec.Struct):
+    id: Any = None
+    usage: Any = None
+    error: Any = None
+
+
+class _Lifecycle(msgspec.Struct):
+    response: _LifecycleResponse | None = None
+
+
+class _Indexed(msgspec.Struct):
+    index: Any = 0
+
+
+_lifecycle_decoder = msgspec.json.Decoder(_Lifecycle)
+_index_decoder = msgspec.json.Decoder(_Indexed)
+
+_DONE = b"[DONE]"
+_BOM = b"\xef\xbb\xbf"
+# After a "usage" key: a non-null value never starts with "n", and whitespace
+# around ":" is legal JSON.
+_NON_NULL = re.compile(rb"\s*:\s*[^\sn]")
+# Codes are identifiers; anything with spaces could be message text.
+_CODE = re.compile(r"[\w.:-]{1,64}", re.ASCII)
+
+_DELTA_OUTPUT = (
+    "content",
+    "refusal",
+    "tool_calls",
+    "reasoning_content",
+    "reasoning",
+    "function_call",
+)
+
+_R_FIRST = frozenset(
+    {
+        b"response.output_text.delta",
+        b"response.refusal.delta",
+        b"response.function_call_arguments.delta",
+        b"response.reasoning_text.delta",
+        b"response.reasoning_summary_text.delta",
+    }
+)
+_R_TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.incomplete"})
+_R_START = frozenset({b"response.created", b"response.queued", b"response.in_progress"})
+
+_ANTHROPIC_USAGE = (
+    "input_tokens",
+    "cache_creation_input_tokens",
+    "cache_read_input_tokens",
+    "output_tokens",
+)
+
+_Handler = Callable[[bytes | None, bytes, float], None]
+_HANDLERS = {
+    StreamFormat.OPENAI: "_on_openai",
+    StreamFormat.RESPONSES: "_on_responses",
+    StreamFormat.ANTHROPIC: "_on_anthropic",
+    StreamFormat.GENERATE: "_on_generate",
+}
+
+
+def _int(v: object) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v if v > 0 else 0
+    if isinstance(v, float) and v.is_integer() and v > 0:
+        return int(v)
+    return 0
+
+
+def _code(err: object, default: str) -> str:
+    """A short, identifier-like error code from an error object, else ``default``."""
+    if isinstance(err, dict):
+        for key in ("code", "type"):
+            v = err.get(key)
+            if isinstance(v, str) and _CODE.fullmatch(v):
+                return v
+        v = err.get("code")
+        if isinstance(v, int) and not isinstance(v, bool):
+            return str(v)
+    return default
+
+
+def _usage_from(u: object) -> Usage | None:
+    """Usage from any of the shapes: OpenAI, Responses, Anthropic or SGLang meta_info."""
+    if not isinstance(u, dict):
+        return None
+    if "prompt_tokens" in u or "completion_tokens" in u:
+        details = u.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            cached = _int(details.get("cached_tokens"))
+        else:
+            cached = _int(u.get("cached_tokens"))  # SGLang meta_info
+        return Usage(_int(u.get("prompt_tokens")), _int(u.get("completion_tokens")), cached)
+    if "input_tokens" in u or "output_tokens" in u:
+        # Responses has no cache_* fields and counts cached tokens inside
+        # input_tokens; Anthropic counts them apart. One sum serves both.
+        read = _int(u.get("cache_read_input_tokens"))
+        details = u.get("input_tokens_details")
+        cached = read or (_int(details.get("cached_tokens")) if isinstance(details, dict) else 0)
+        total = _int(u.get("input_tokens")) + _int(u.get("cache_creation_input_tokens")) + read
+        return Usage(total, _int(u.get("output_tokens")), cached)
+    return None
+
+
+def _usage_set(payload: bytes) -> bool:
+    """Whether a chunk may hold a non-null ``usage`` (false positives only cost a decode)."""
+    # Servers put usage last, so searching from the end finds it at once.
+    i = payload.rfind(b'"usage"')
+    while i >= 0:
+        if _NON_NULL.match(payload, i + 7) is not None:
+            return True
+        i = payload.rfind(b'"usage"', 0, i)
+    return False
+
+
+def _batch_index(payload: bytes) -> int:
+    try:
+        return _int(_index_decoder.decode(payload).index)
+    except _DECODE_ERRORS:
+        return 0  # counted as malformed when the usage is read
+
+
+def _add(a: Usage, b: Usage) -> Usage:
+    return Usage(
+        a.input_tokens + b.input_tokens,
+        a.output_tokens + b.output_tokens,
+        a.cached_tokens + b.cached_tokens,
+    )
+
+
+def _delta_has_output(d: object) -> bool:
+    return isinstance(d, dict) and any(d.get(k) for k in _DELTA_OUTPUT)
+
+
+def _choices_have_output(choices: object, key: str) -> bool:
+    if not isinstance(choices, list):
+        return False
+    for c in choices:
+        if not isinstance(c, dict):
+            continue
+        text = c.get("text")
+        if (isinstance(text, str) and text) or _delta_has_output(c.get(key)):
+            return True
+    return False
+
+
+def _body_has_output(item: dict[str, Any]) -> bool:
+    """Whether a complete (non-streamed) body of any format carries output."""
+    if _choices_have_output(item.get("choices"), "message"):
+        return True
+    # Responses `output`, Anthropic `content`, SGLang `output_ids`; a Response
+    # also has a `text` key, but it is a config object, hence the type checks.
+    for key in ("output", "content", "output_ids"):
+        v = item.get(key)
+        if isinstance(v, list) and v:
+            return True
+    text = item.get("text")
+    return isinstance(text, str) and bool(text)
+
+
+class StreamAccountant:
+    """Feed it the response body bytes as they arrive; it tells first-token time,
+    usage, errors and the end.
+
+    :param fmt: the stream format of the endpoint; :attr:`StreamFormat.NONE` is
+        accounted as a non-streaming body.
+    :param streaming: whether the response is a stream (the request asked for one).
+    :param started_at: the time the request was sent, for :attr:`ttft`.
+    :param max_line_bytes: the longest SSE event (or non-streaming body) parsed.
+    """
+
+    __slots__ = (
+        "_anthropic_usage",
+        "_buf",
+        "_cr",
+        "_events",
+        "_gen_raw",
+        "_gen_usage",
+        "_handler",
+        "_scan",
+        "_sse",
+        "_stopped",
+        "_usage",
+        "_usage_raw",
+        "done",
+        "error",
+        "first_token_at",
+        "fmt",
+        "malformed",
+        "max_line_bytes",
+        "overflow",
+        "response_id",
+        "started_at",
+        "streaming",
+    )
+
+    def __init__(
+        self,
+        fmt: StreamFormat,
+        *,
+        streaming: bool,
+        started_at: float,
+        max_line_bytes: int = 1 << 20,
+    ) -> None:
+        self.fmt = fmt
+        self.streaming = streaming
+        self.started_at = started_at
+        self.max_line_bytes = max_line_bytes
+        #: time of the first output token (None if never)
+        self.first_token_at: float | None = None
+        #: short error type/code seen in the stream or body
+        self.error: str | None = None
+        #: a terminal event was seen (non-streaming: the body was a JSON document)
+        self.done = False
+        #: an event or body exceeded max_line_bytes; parsing stopped there
+        self.overflow = False
+        #: data payloads (or bodies) that were not a JSON object
+        self.malformed = 0
+        #: the Responses API id of the stored response
+        self.response_id: str | None = None
+        self._sse = streaming and fmt is not StreamFormat.NONE
+        self._buf = bytearray()
+        self._scan = 0
+        self._cr = False
+        self._stopped = False
+        self._events = 0
+        self._usage: Usage | None = None
+        self._usage_raw: bytes | None = None
+        self._gen_raw: dict[int, bytes] = {}
+        self._gen_usage: dict[int, Usage] = {}
+        self._anthropic_usage = [0, 0, 0, 0]
+        self._handler: _Handler = getattr(self, _HANDLERS.get(fmt, "_on_ignored"))
+
+    # -- results ---------------------------------------------------------------
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: ``first_token_at - started_at``."""
+        if self.first_token_at is None:
+            return None
+        return self.first_token_at - self.started_at
+
+    @property
+    def usage(self) -> Usage | None:
+        """The token usage reported so far (the last report wins)."""
+        if self._usage_raw is not None:
+            raw, self._usage_raw = self._usage_raw, None
+            obj = self._json(raw)
+            if obj is not None:
+                self._usage = _usage_from(obj.get("usage")) or self._usage
+        if self._gen_raw:
+            for idx, raw in self._gen_raw.items():
+                obj = self._json(raw)
+                u = _usage_from(obj.get("meta_info")) if obj is not None else None
+                if u is not None:
+                    self._gen_usage[idx] = u
+            self._gen_raw.clear()
+            self._sum_generate()
+        return self._usage
+
+    # -- input -----------------------------------------------------------------
+
+    def feed(self, data: bytes, now: float) -> None:
+        """Account the next piece of the body, received at ``now``."""
+        if self._stopped or not data:
+            return
+        if not self._sse:
+            if len(self._buf) + len(data) > self.max_line_bytes:
+                self._set_overflow()
+            else:
+                self._buf += data
+            return
+        if self._cr:
+            data = b"\r" + data
+            self._cr = False
+        if data.endswith(b"\r"):
+            # Maybe the first half of a CRLF: the next piece decides.
+            data = data[:-1]
+            self._cr = True
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        pending = self._buf
+        if pending:
+            pending += data
+            if pending.find(b"\n\n", self._scan) < 0:
+                self._scan = len(pending) - 1
+                # The tail may end in the first "\n" of its terminator.
+                if len(pending) > self.max_line_bytes + 1:
+                    self._set_overflow()
+                return
+            data = bytes(pending)
+            pending.clear()
+            self._consume(data, self._scan, now)
+        else:
+            self._consume(data, 0, now)
+
+    def finish(self, now: float) -> None:
+        """The body has ended at ``now`` (a non-streaming body is decoded here)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        tail = bytes(self._buf)
+        self._buf.clear()
+        if not self._sse:
+            self._finish_body(tail, now)
+            return
+        if self._cr:
+            tail += b"\n"
+            self._cr = False
+        if self._events == 0 and tail.lstrip()[:1] in (b"{", b"["):
+            self._finish_body(tail, now)
+            return
+        # Be lenient with a server that closed without the final blank line:
+        # every complete line it sent still counts.
+        cut = tail.rfind(b"\n")
+        if cut >= 0:
+            self._stopped = False
+            self._consume(tail[:cut] + b"\n\n", 0, now)
+            self._stopped = True
+            self._buf.clear()
+
+    # -- framing ---------------------------------------------------------------
+
+    def _consume(self, buf: bytes, scan: int, now: float) -> None:
+        start = 0
+        limit = self.max_line_bytes
+        while True:
+            end = buf.find(b"\n\n", scan)
+            if end < 0:
+                break
+            if end - start > limit:
+                self._set_overflow()
+                return
+            self._event(buf[start:end], now)
+            if self._stopped:
+                return
+            start = scan = end + 2
+        tail = len(buf) - start
+        if tail:
+            if tail > limit + 1:
+                self._set_overflow()
+                return
+            self._buf += buf[start:]
+            self._scan = tail - 1
+        else:
+            self._scan = 0
+
+    def _event(self, ev: bytes, now: float) -> None:
+        name: bytes | None = None
+        nl = ev.find(b"\n")
+        # Fast paths for the two shapes real servers send.
+        if nl < 0 and ev.startswith(b"data:"):
+            payload = ev[6:] if ev.startswith(b" ", 5) else ev[5:]
+        elif (
+            ev.startswith(b"event:")
+            and ev.startswith(b"data:", nl + 1)
+            and ev.find(b"\n", nl + 1) < 0
+        ):
+            name = ev[7:nl] if ev.startswith(b" ", 6) else ev[6:nl]
+            payload = ev[nl + 7 :] if ev.startswith(b" ", nl + 6) else ev[nl + 6 :]
+        else:
+            parts: list[bytes] = []
+            for line in ev.split(b"\n"):
+                if not line or line.startswith(b":"):
+                    continue
+                field, _, value = line.partition(b":")
+                if field.startswith(_BOM):
+                    field = field[3:]
+                if value.startswith(b" "):
+                    value = value[1:]
+                if field == b"data":
+                    parts.append(value)
+                elif field == b"event":
+                    name = value
+            if not parts:
+                return  # SSE dispatches no event without data
+            payload = parts[0] if len(parts) == 1 else b"\n".join(parts)
+        self._events += 1
+        self._handler(name or None, payload, now)
+
+    # -- format handlers ---------------------------------------------------------
+
+    def _on_ignored(self, name: bytes | None, payload: bytes, now: float) -> None:
+        return None
+
+    def _on_openai(self, name: bytes | None, payload: bytes, now: float) -> None:
+        if payload.startswith(_DONE):
+            self._set_done()
+            return
+        if self.first_token_at is not None and payload.find(b'"error"') < 0:
+            if _usage_set(payload):
+                self._usage_raw = payload
+            return
+        obj = self._json(payload)
+        if obj is None:
+            return
+        u = _usage_from(obj.get("usage"))
+        if u is not None:
+            self._usage = u
+            self._usage_raw = None
+        if self.first_token_at is None and _choices_have_output(obj.get("choices"), "delta"):
+            self.first_token_at = now
+        err = obj.get("error")
+        if err is not None:
+            self.error = _code(err, "error")
+            self._set_done()
+
+    def _on_responses(self, name: bytes | None, payload: bytes, now: float) -> None:
+        obj: dict[str, Any] | None = None
+        if name is None or name == b"message":
+            if payload.startswith(_DONE):
+                self._set_done()
+                return
+            obj = self._json(payload)
+            if obj is None:
+                return
+            kind = obj.get("type")
+            if not isinstance(kind, str):
+                self._bare_error(obj)
+                return
+            name = kind.encode()
+        if name in _R_FIRST:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            return
+        terminal = name in _R_TERMINAL
+        if terminal or (name in _R_START and self.response_id is None):
+            rid: Any = None
+            usage: Any = None
+            err: Any = None
+            if obj is not None:
+                resp = obj.get("response")
+                if isinstance(resp, dict):
+                    rid, usage, err = resp.get("id"), resp.get("usage"), resp.get("error")
+            else:
+                try:
+                    ev = _lifecycle_decoder.decode(payload)
+                except _DECODE_ERRORS:
+                    self.malformed += 1
+                else:
+                    if ev.response is not None:
+                        r = ev.response
+                        rid, usage, err = r.id, r.usage, r.error
+            if (
+                isinstance(rid, str)
+                and rid
+                and (self.response_id is None or name == b"response.completed")
+            ):
+                self.response_id = rid
+            if terminal:
+                u = _usage_from(usage)
+                if u is not None:
+                    self._usage = u
+                if name == b"response.failed":
+                    self.error = _code(err, "failed")
+                self._set_done()
+            return
+        if name == b"error":
+            if obj is None:
+                obj = self._json(payload)
+            if obj is None:
+                self.error = "error"
+            else:
+                # The spec's event is flat; tolerate a nested error object too.
+                nested = obj.get("error")
+                self.error = _code(nested if isinstance(nested, dict) else obj, "error")
+            self._set_done()
+        elif payload.startswith(_DONE):
+            self._set_done()
+
+    def _on_anthropic(self, name: bytes | None, payload: bytes, now: float) -> None:
+        obj: dict[str, Any] | None = None
+        if name is None or name == b"message":
+            if payload.startswith(_DONE):
+                self._set_done()
+                return
+            obj = self._json(payload)
+            if obj is None:
+                return
+            kind = obj.get("type")
+            if not isinstance(kind, str):
+                self._bare_error(obj)
+                return
+            name = kind.encode()
+        if name == b"content_block_delta":
+            if self.first_token_at is None:
+                self.first_token_at = now
+        elif name == b"message_start":
+            obj = obj if obj is not None else self._json(payload)
+            if obj is not None:
+                msg = obj.get("message")
+                if isinstance(msg, dict):
+                    self._anthropic_update(msg.get("usage"))
+        elif name == b"message_delta":
+            obj = obj if obj is not None else self._json(payload)
+            if obj is not None:
+                self._anthropic_update(obj.get("usage"))
+        elif name == b"message_stop":
+            self._set_done()
+        elif name == b"error":
+            obj = obj if obj is not None else self._json(payload)
+            self.error = _code(obj.get("error") if obj is not None else None, "error")
+            self._set_done()
+
+    def _anthropic_update(self, u: object) -> None:
+        if not isinstance(u, dict):
+            return
+        # message_delta usage is cumulative and its input/cache fields optional:
+        # a field that is present replaces the earlier value, one that is not keeps it.
+        parts = self._anthropic_usage
+        for i, key in enumerate(_ANTHROPIC_USAGE):
+            v = u.get(key)
+            if v is not None:
+                parts[i] = _int(v)
+        self._usage = Usage(parts[0] + parts[1] + parts[2], parts[3], parts[2])
+
+    def _on_generate(self, name: bytes | None, payload: bytes, now: float) -> None:
+        if payload.startswith(_DONE):
+            self._set_done()
+            return
+        if self.first_token_at is not None and payload.find(b'"error"') < 0:
+            # Only a batch carries an index; its usage is summed over the items.
+            idx = _batch_index(payload) if b'"index"' in payload else 0
+            self._gen_raw[idx] = payload
+            return
+        obj = self._json(payload)
+        if obj is None:
+            return
+        idx = _int(obj.get("index"))
+        u = _usage_from(obj.get("meta_info"))
+        if u is not None:
+            self._gen_raw.pop(idx, None)
+            self._gen_usage[idx] = u
+            self._sum_generate()
+        if self.first_token_at is None:
+            text, ids = obj.get("text"), obj.get("output_ids")
+            if (isinstance(text, str) and text) or (isinstance(ids, list) and ids):
+                self.first_token_at = now
+        err = obj.get("error")
+        if err is not None:
+            self.error = _code(err, "error")
+            self._set_done()
+
+    def _sum_generate(self) -> None:
+        total: Usage | None = None
+        for u in self._gen_usage.values():
+            total = u if total is None else _add(total, u)
+        if total is not None:
+            self._usage = total
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _bare_error(self, obj: dict[str, Any]) -> None:
+        """A payload without a type: an OpenAI-style ``{"error": ...}`` ends the stream."""
+        err = obj.get("error")
+        if err is not None:
+            self.error = _code(err, "error")
+            self._set_done()
+
+    def _finish_body(self, body: bytes, now: float) -> None:
+        if not body.strip():
+            return
+        try:
+            obj = _decode(body)
+        except _DECODE_ERRORS:
+            self.malformed += 1
+            return
+        if isinstance(obj, dict):
+            items: list[Any] = [obj]
+        elif isinstance(obj, list):
+            items = obj  # SGLang /generate answers a batch with a list
+        else:
+            self.malformed += 1
+            return
+        self.done = True
+        total: Usage | None = None
+        output = False
+        for item in items:
+            if not isinstance(item, dict):
+                continue
+            err = item.get("error")
+            if err is None and item.get("object") == "error":
+                err = item  # older vLLM: a flat error object
+            if err is not None and self.error is None:
+                self.error = _code(err, "error")
+            u = _usage_from(item.get("usage")) or _usage_from(item.get("meta_info"))
+            if u is not None:
+                total = u if total is None else _add(total, u)
+            output = output or _body_has_output(item) or (u is not None and u.output_tokens > 0)
+        if total is not None:
+            self._usage = total
+        if output:
+            self.first_token_at = now
+        if self.fmt is StreamFormat.RESPONSES and isinstance(obj, dict):
+            rid = obj.get("id")
+            if isinstance(rid, str) and rid:
+                self.response_id = rid
+
+    def _json(self, payload: bytes) -> dict[str, Any] | None:
+        try:
+            obj = _decode(payload)
+        except _DECODE_ERRORS:
+            self.malformed += 1
+            return None
+        if not isinstance(obj, dict):
+            self.malformed += 1
+            return None
+        return obj
+
+    def _set_done(self) -> None:
+        self.done = True
+        self._stopped = True
+        self._buf.clear()
+
+    def _set_overflow(self) -> None:
+        self.overflow = True
+        self._stopped = True
+        self._cr = False
+        self._buf.clear()
