@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from harness import MODE_CLASSES, MODES, Mode  # noqa: E402
-
-from meshkit import Mesh  # noqa: E402
-from meshkit.mock import MockConfig, MockWorkerThread  # noqa: E402
+from harness import MODE_CLASSES, MODES, Mode
+from meshkit import Mesh
+from meshkit.mock import MockConfig, MockWorkerThread
 
 
 @pytest.fixture

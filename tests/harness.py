@@ -59,9 +59,7 @@ async def _host_app(scope: Any, receive: Any, send: Any) -> None:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
     body = b"host app: " + scope["path"].encode()
-    await send(
-        {"type": "http.response.start", "status": 200, "headers": [(b"x-host-app", b"1")]}
-    )
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"x-host-app", b"1")]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -251,9 +249,7 @@ class AsyncTransportMode(Mode):
 
     def request(self, method, path, *, json=None, content=None, headers=None):  # type: ignore[no-untyped-def]
         async def go() -> Reply:
-            r = await self.client.request(
-                method, path, json=json, content=content, headers=headers
-            )
+            r = await self.client.request(method, path, json=json, content=content, headers=headers)
             return Reply(r.status_code, r.headers, r.content)
 
         return self.portal.call(go)

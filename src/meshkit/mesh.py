@@ -31,7 +31,14 @@ from meshkit.config import MeshConfig
 from meshkit.core.credentials import request_headers
 from meshkit.core.endpoints import Api, Match, Op, resolve
 from meshkit.core.fanout import models_flow, resource_flow
-from meshkit.core.forward import Attempt, ForwardFlow, LocalResponse, RetryPolicy, forward_flow
+from meshkit.core.forward import (
+    Attempt,
+    ForwardFlow,
+    Lease,
+    LocalResponse,
+    RetryPolicy,
+    forward_flow,
+)
 from meshkit.core.placement import configured_for, place
 from meshkit.core.policies.affinity import ResponsesAffinity
 from meshkit.core.policies.base import Completion, Policy
@@ -57,10 +64,11 @@ def _local_flow(local: LocalResponse) -> ForwardFlow:
 class _NoLease:
     """Pass-through requests hold no capacity."""
 
-    __slots__ = ("candidate",)
+    __slots__ = ("candidate", "started")
 
     def __init__(self, cand: Candidate) -> None:
         self.candidate = cand
+        self.started = 0.0
 
     def release(self, *, ok: bool, status: int | None = None) -> None:
         return None
@@ -98,7 +106,7 @@ class Accounting:
 
     __slots__ = ("_acct", "_done", "_mesh", "attempt_lease", "status", "view")
 
-    def __init__(self, mesh: Mesh, view: RequestView, lease: MeshLease, status: int) -> None:
+    def __init__(self, mesh: Mesh, view: RequestView, lease: Lease, status: int) -> None:
         self._mesh = mesh
         self.view = view
         self.attempt_lease = lease
@@ -381,9 +389,18 @@ class Mesh:
                     by_origin[w.origin] = cands[0]
             return list(by_origin.values())
 
-    def account(self, view: RequestView, lease: Any, status: int) -> Accounting:
+    def account(self, view: RequestView, lease: Lease, status: int) -> Accounting:
         """Accounting for the response of the final attempt."""
         return Accounting(self, view, lease, status)
+
+    def account_local(
+        self, view: RequestView, attempt: Attempt | None, local: LocalResponse
+    ) -> None:
+        """Account for a response meshkit built itself (a merged or captured body)."""
+        if attempt is not None:
+            acct = self.account(view, attempt.lease, local.status)
+            acct.feed(local.body)
+            acct.end()
 
     def reject(self, error: MeshError) -> None:
         """Count a refusal meshkit answered itself."""

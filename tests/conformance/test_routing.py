@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 import pytest
-from harness import wait_until
 
+from harness import wait_until
 from meshkit import Worker
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
@@ -42,26 +42,63 @@ def _err(reply: Any) -> tuple[int, str | None]:
 REJECTIONS: list[Any] = [
     pytest.param("POST", "/v1/chat/completionz", CHAT, {}, (404, "unknown_endpoint"), id="404"),
     pytest.param("GET", "/v1/chat/completions", None, {}, (405, "method_not_allowed"), id="405"),
-    pytest.param("POST", "/v1/chat/completions", b"{not json", {}, (400, "invalid_request"),
-                 id="400-json"),
-    pytest.param("POST", "/v1/chat/completions", {"model": 3, "messages": []}, {},
-                 (400, "invalid_request"), id="400-type"),
-    pytest.param("POST", "/v1/chat/completions", b"model=m", {"content-type": "text/plain"},
-                 (415, "unsupported_media_type"), id="415-type"),
-    pytest.param("POST", "/v1/chat/completions", CHAT, {"content-encoding": "gzip"},
-                 (415, "unsupported_media_type"), id="415-encoding"),
-    pytest.param("POST", "/v1/messages", {"model": "m", "max_tokens": 5, "messages": []}, {},
-                 (501, "invalid_request_error"), id="501-anthropic-shape"),
-    pytest.param("POST", "/v1/responses",
-                 {"model": "m", "input": "hi", "previous_response_id": "resp_1"}, {},
-                 (501, "stateful_routing_unsupported"), id="501-state"),
-    pytest.param("POST", "/v1/responses",
-                 {"model": "m", "input": [{"id": "msg_1"}]}, {},
-                 (501, "stateful_routing_unsupported"), id="501-bare-item-reference"),
-    pytest.param("GET", "/v1/responses/bad%2Fid", None, {}, (400, "invalid_request"),
-                 id="400-resource-id"),
-    pytest.param("POST", "/v1/chat/completions", b"x" * 5000, {}, (413, "request_too_large"),
-                 id="413"),
+    pytest.param(
+        "POST", "/v1/chat/completions", b"{not json", {}, (400, "invalid_request"), id="400-json"
+    ),
+    pytest.param(
+        "POST",
+        "/v1/chat/completions",
+        {"model": 3, "messages": []},
+        {},
+        (400, "invalid_request"),
+        id="400-type",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/chat/completions",
+        b"model=m",
+        {"content-type": "text/plain"},
+        (415, "unsupported_media_type"),
+        id="415-type",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/chat/completions",
+        CHAT,
+        {"content-encoding": "gzip"},
+        (415, "unsupported_media_type"),
+        id="415-encoding",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/messages",
+        {"model": "m", "max_tokens": 5, "messages": []},
+        {},
+        (501, "invalid_request_error"),
+        id="501-anthropic-shape",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/responses",
+        {"model": "m", "input": "hi", "previous_response_id": "resp_1"},
+        {},
+        (501, "stateful_routing_unsupported"),
+        id="501-state",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/responses",
+        {"model": "m", "input": [{"id": "msg_1"}]},
+        {},
+        (501, "stateful_routing_unsupported"),
+        id="501-bare-item-reference",
+    ),
+    pytest.param(
+        "GET", "/v1/responses/bad%2Fid", None, {}, (400, "invalid_request"), id="400-resource-id"
+    ),
+    pytest.param(
+        "POST", "/v1/chat/completions", b"x" * 5000, {}, (413, "request_too_large"), id="413"
+    ),
 ]
 
 
@@ -172,9 +209,7 @@ def test_stream_is_relayed_intact(mock_factory: Any, mesh_factory: Any, run_mode
     events = [e for e in relayed.split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]"
     payloads = [json.loads(e[6:]) for e in events[:-1]]
-    text = "".join(
-        c["choices"][0]["delta"].get("content") or "" for c in payloads if c["choices"]
-    )
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in payloads if c["choices"])
     assert text.split() == [f"tok{i}" for i in range(12)]
     assert payloads[-1]["usage"]["completion_tokens"] == 12
     assert wait_until(lambda: mesh.total_load() == 0)
@@ -262,9 +297,7 @@ def test_models_is_the_union_of_the_workers(
     assert wait_until(lambda: mesh.total_load() == 0)
 
 
-def test_responses_resource_operations(
-    mock_factory: Any, mesh_factory: Any, run_mode: Any
-) -> None:
+def test_responses_resource_operations(mock_factory: Any, mesh_factory: Any, run_mode: Any) -> None:
     mocks = _fleet(mock_factory, 3)
     mesh = mesh_factory(workers=[Worker(m.url) for m in mocks])
     mode = run_mode(mesh)
@@ -280,9 +313,11 @@ def test_responses_resource_operations(
     assert items.status == 200
     assert items.json()["object"] == "list"
     owner_mock = next(m for m in mocks if m.worker.config.name == owner)
-    assert "limit=5" in owner_mock.worker.stats.last_query if hasattr(
-        owner_mock.worker.stats, "last_query"
-    ) else True
+    assert (
+        "limit=5" in owner_mock.worker.stats.last_query
+        if hasattr(owner_mock.worker.stats, "last_query")
+        else True
+    )
     cancel = mode.request("POST", f"/v1/responses/{rid}/cancel")
     assert cancel.status == 400  # only background responses can be cancelled
     gone = mode.request("DELETE", f"/v1/responses/{rid}")
@@ -302,7 +337,8 @@ def test_previous_response_id_follows_its_owner(
     rid, owner = first.json()["id"], first.headers["x-mock-worker"]
     for _ in range(3):
         nxt = mode.request(
-            "POST", "/v1/responses",
+            "POST",
+            "/v1/responses",
             json={"model": "m", "input": "more", "previous_response_id": rid},
         )
         assert nxt.status == 200, nxt.body

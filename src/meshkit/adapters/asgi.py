@@ -26,12 +26,19 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from meshkit.adapters.drive import AsyncExchange, Final, UpstreamFailure, drive_async
+from meshkit.adapters.drive import (
+    Answered,
+    AsyncExchange,
+    Final,
+    Relayed,
+    UpstreamFailure,
+    drive_async,
+)
 from meshkit.adapters.upstream import AiohttpUpstream, AsyncUpstream
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import Match, StreamFormat, shape_for_path
 from meshkit.core.sse import stream_error_event
-from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
+from meshkit.errors import MeshError, RequestTooLarge
 from meshkit.mesh import Accounting, Mesh
 
 __all__ = ["MeshMiddleware"]
@@ -173,7 +180,7 @@ class _Exchange:
                 task.cancel()
 
     async def _settle(self) -> None:
-        """Release whatever is still held, exactly once (all paths end here)."""
+        """Release whatever is still held, exactly once (every path ends here)."""
         final = self.final
         if final is None:
             return
@@ -182,9 +189,10 @@ class _Exchange:
                 self.acct.end()
             else:
                 self.acct.abort(client_left=self.client_left)
-        if final.exchange is not None:
+        if isinstance(final, Relayed):
             await final.exchange.aclose()
         if final.attempt is not None:
+            # Idempotent: a no-op when accounting released it already.
             final.attempt.lease.release(ok=self.responded)
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]], limit: int) -> bytes | None:
@@ -224,11 +232,9 @@ class _Exchange:
         flow = mesh.forward(view, headers, self.scope["method"])
         final = self.final = await drive_async(flow, self.mw.upstream.send)
         send = self.send
-        if final.local is not None:
+        if isinstance(final, Answered):
             local = final.local
-            if final.attempt is not None:
-                self.acct = mesh.account(view, final.attempt.lease, local.status)
-                self.acct.feed(local.body)
+            mesh.account_local(view, final.attempt, local)
             hdrs = list(local.headers)
             hdrs.append((b"content-length", str(len(local.body)).encode()))
             self.started = True
@@ -237,13 +243,14 @@ class _Exchange:
             await send({"type": "http.response.body", "body": local.body})
             return
         exchange = final.exchange
-        if exchange is None or final.attempt is None:  # pragma: no cover - drive contract
-            raise UpstreamError("no response to relay")
         acct = self.acct = mesh.account(view, final.attempt.lease, exchange.status)
-        out_headers = response_headers(exchange.headers)
         self.started = True
         await send(
-            {"type": "http.response.start", "status": exchange.status, "headers": out_headers}
+            {
+                "type": "http.response.start",
+                "status": exchange.status,
+                "headers": response_headers(exchange.headers),
+            }
         )
         try:
             async for chunk in exchange.chunks():
@@ -252,16 +259,14 @@ class _Exchange:
         except UpstreamFailure:
             # After the first byte an upstream failure cannot become an HTTP error:
             # end the stream with an error event in its own framing.
+            fmt = view.match.endpoint.stream_format if view.stream else StreamFormat.NONE
             tail = stream_error_event(
-                view.match.endpoint.stream_format if view.stream else StreamFormat.NONE,
-                "upstream_error",
-                "the worker failed while streaming the response",
+                fmt, "upstream_error", "the worker failed while streaming the response"
             )
+            acct.abort(client_left=False)
             self.responded = True
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": tail})
-            if self.acct is not None:
-                self.acct.abort(client_left=False)
             return
         self.responded = True
         await send({"type": "http.response.body", "body": b""})

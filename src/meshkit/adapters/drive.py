@@ -25,8 +25,10 @@ from meshkit.core.credentials import response_headers
 from meshkit.core.forward import Attempt, AttemptResult, Failure, ForwardFlow, LocalResponse
 
 __all__ = [
+    "Answered",
     "AsyncExchange",
     "Final",
+    "Relayed",
     "SyncExchange",
     "UpstreamFailure",
     "drive_async",
@@ -67,20 +69,27 @@ class SyncExchange(Protocol):
     def close(self) -> None: ...
 
 
-X = TypeVar("X", AsyncExchange, SyncExchange)
+X = TypeVar("X")
 
 
 @dataclass(slots=True)
-class Final(Generic[X]):
-    """What to relay: a live exchange (with its attempt), or a local response.
+class Relayed(Generic[X]):
+    """A worker's response to relay; the caller now owns the attempt's lease."""
 
-    ``attempt`` is set whenever a worker answered, so the caller can account for
-    it and must release its lease; ``local`` holds captured or merged bytes.
-    """
+    attempt: Attempt
+    exchange: X
+
+
+@dataclass(slots=True)
+class Answered:
+    """Bytes to answer with: captured from a worker (``attempt`` set, its lease
+    still held) or built by meshkit (a merged listing, a local answer)."""
 
     attempt: Attempt | None
-    exchange: X | None
-    local: LocalResponse | None
+    local: LocalResponse
+
+
+Final = Relayed[X] | Answered
 
 
 def _result(
@@ -111,10 +120,12 @@ def _advance(
     except StopIteration as stop:
         final: Attempt | LocalResponse = stop.value
         if isinstance(final, LocalResponse):
-            return Final(None, None, final), True
+            return Answered(None, final), True
         if captured is not None:
-            return Final(final, None, captured), True
-        return Final(final, exchange, None), False
+            return Answered(final, captured), True
+        if exchange is None:  # pragma: no cover - a flow returns only answered attempts
+            raise RuntimeError("the flow returned an attempt that got no response") from None
+        return Relayed(final, exchange), False
     return nxt, True
 
 

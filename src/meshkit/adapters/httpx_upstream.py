@@ -15,6 +15,7 @@ a connection that could not be made, or that closed before a response head, is
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
@@ -54,6 +55,11 @@ class SyncHttpxExchange:
         self.status: int = resp.status_code
         self.headers: list[tuple[bytes, bytes]] = list(resp.headers.raw)
 
+    @property
+    def stream(self) -> Any:
+        """The inner response's own byte stream (relayed untouched on pass-through)."""
+        return self._resp.stream
+
     def chunks(self) -> Iterator[bytes]:
         try:
             yield from self._resp.stream
@@ -69,10 +75,8 @@ class SyncHttpxExchange:
         return bytes(buf[:limit])
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(self._lib.HTTPError):
             self._resp.close()
-        except self._lib.HTTPError:
-            pass
 
 
 class AsyncHttpxExchange:
@@ -83,6 +87,10 @@ class AsyncHttpxExchange:
         self._resp = resp
         self.status: int = resp.status_code
         self.headers: list[tuple[bytes, bytes]] = list(resp.headers.raw)
+
+    @property
+    def stream(self) -> Any:
+        return self._resp.stream
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
@@ -100,10 +108,8 @@ class AsyncHttpxExchange:
         return bytes(buf[:limit])
 
     async def aclose(self) -> None:
-        try:
+        with contextlib.suppress(self._lib.HTTPError):
             await self._resp.aclose()
-        except self._lib.HTTPError:
-            pass
 
 
 def send_sync(lib: ModuleType, transport: Any, attempt: Attempt) -> SyncHttpxExchange:

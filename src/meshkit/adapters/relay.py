@@ -19,12 +19,11 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 
-from meshkit.adapters.drive import UpstreamFailure
-from meshkit.adapters.httpx_upstream import AsyncHttpxExchange, SyncHttpxExchange
+from meshkit.adapters.drive import AsyncExchange, SyncExchange, UpstreamFailure
 from meshkit.core.endpoints import StreamFormat
 from meshkit.core.requests import RequestView
 from meshkit.core.sse import stream_error_event
-from meshkit.mesh import Accounting, MeshLease
+from meshkit.mesh import Accounting
 
 try:
     import httpx2
@@ -44,10 +43,9 @@ _AsyncStream: tuple[type, ...] = (httpx.AsyncByteStream,) + (
 class Relay:
     """Shared by the sync and async streams: accounting and the lease, once."""
 
-    def __init__(self, view: RequestView, acct: Accounting, lease: MeshLease) -> None:
+    def __init__(self, view: RequestView, acct: Accounting) -> None:
         self.view = view
         self.acct = acct
-        self.lease = lease
         self.finished = False
 
     def failed_tail(self) -> bytes:
@@ -56,15 +54,15 @@ class Relay:
         return stream_error_event(fmt, "upstream_error", "the worker failed mid-response")
 
     def settle(self) -> None:
+        # Accounting releases the lease, exactly once.
         if self.finished:
             self.acct.end()
         else:
             self.acct.abort(client_left=True)
-        self.lease.release(ok=self.finished)
 
 
 class SyncRelayStream(*_SyncStream):  # type: ignore[misc]
-    def __init__(self, exchange: SyncHttpxExchange, relay: Relay) -> None:
+    def __init__(self, exchange: SyncExchange, relay: Relay) -> None:
         self._exchange = exchange
         self._relay = relay
 
@@ -87,7 +85,7 @@ class SyncRelayStream(*_SyncStream):  # type: ignore[misc]
 
 
 class AsyncRelayStream(*_AsyncStream):  # type: ignore[misc]
-    def __init__(self, exchange: AsyncHttpxExchange, relay: Relay) -> None:
+    def __init__(self, exchange: AsyncExchange, relay: Relay) -> None:
         self._exchange = exchange
         self._relay = relay
 

@@ -30,19 +30,14 @@ from typing import Any
 
 import httpx
 
-from meshkit.adapters.drive import Final, UpstreamFailure, drive_async, drive_sync
-from meshkit.adapters.httpx_upstream import (
-    AsyncHttpxExchange,
-    SyncHttpxExchange,
-    send_async,
-    send_sync,
-)
+from meshkit.adapters.drive import Answered, UpstreamFailure, drive_async, drive_sync
+from meshkit.adapters.httpx_upstream import send_async, send_sync
 from meshkit.adapters.relay import AsyncRelayStream, Relay, SyncRelayStream
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import Match, shape_for_path
 from meshkit.core.forward import Attempt
 from meshkit.core.requests import RequestView
-from meshkit.errors import MeshError, RequestTooLarge
+from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
 from meshkit.mesh import Mesh
 
 try:  # httpx2 is a dependency; keep the module importable if a user removed it
@@ -81,27 +76,28 @@ class _Common:
         if inner is not None:
             self._inner[type(inner).__module__.split(".", 1)[0]] = inner
 
-    def _resolve(self, request: Any) -> tuple[str, str, Match | None]:
-        path, query = _split(request)
-        return path, query, self.mesh.resolve(request.method, path)
+    def _limits(self, lib: ModuleType) -> Any:
+        up = self.mesh.config.upstream
+        return lib.Limits(
+            max_connections=up.pool_limit,
+            max_keepalive_connections=up.pool_limit_per_worker,
+            keepalive_expiry=up.idle_timeout_s,
+        )
 
-    def _check_size(self, body: bytes) -> None:
+    def _begin(self, request: Any, body: bytes) -> tuple[str, str, Match | None]:
+        path, query = _split(request)
+        match = self.mesh.resolve(request.method, path)
         limit = self.mesh.config.bounds.max_body_bytes
         if len(body) > limit:
             raise RequestTooLarge(f"request body is over {limit} bytes")
+        return path, query, match
 
-    def _pass_through(self, request: Any, path: str, query: str) -> Attempt:
-        return self.mesh.pass_through(
-            request.method, path, query, list(request.headers.raw), request.content
-        )
+    def _pass_through(self, request: Any, path: str, query: str, body: bytes) -> Attempt:
+        return self.mesh.pass_through(request.method, path, query, list(request.headers.raw), body)
 
-    def _local(self, lib: ModuleType, final: Final[Any], view: RequestView) -> Any:
+    def _answer(self, lib: ModuleType, final: Answered, view: RequestView) -> Any:
+        self.mesh.account_local(view, final.attempt, final.local)
         local = final.local
-        assert local is not None
-        if final.attempt is not None:
-            acct = self.mesh.account(view, final.attempt.lease, local.status)
-            acct.feed(local.body)
-            acct.end()
         return lib.Response(local.status, headers=list(local.headers), content=local.body)
 
 
@@ -119,28 +115,23 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
     def _transport(self, lib: ModuleType) -> Any:
         t = self._inner.get(lib.__name__)
         if t is None:
-            up = self.mesh.config.upstream
-            t = self._inner[lib.__name__] = lib.HTTPTransport(
-                limits=lib.Limits(
-                    max_connections=up.pool_limit,
-                    max_keepalive_connections=up.pool_limit_per_worker,
-                    keepalive_expiry=up.idle_timeout_s,
-                ),
-            )
+            t = self._inner[lib.__name__] = lib.HTTPTransport(limits=self._limits(lib))
         return t
 
     def handle_request(self, request: Any) -> Any:
         lib = _lib_of(request)
         transport = self._transport(lib)
         mesh = self.mesh
-        path, query, view = "", "", None
+        path = ""
         try:
-            path, query, match = self._resolve(request)
             body = request.read()
-            self._check_size(body)
+            path, query, match = self._begin(request, body)
             if match is None:
-                attempt = self._pass_through(request, path, query)
-                return self._plain(lib, send_sync(lib, transport, attempt), attempt)
+                attempt = self._pass_through(request, path, query, body)
+                plain = send_sync(lib, transport, attempt)
+                return lib.Response(
+                    plain.status, headers=response_headers(plain.headers), stream=plain.stream
+                )
             headers = list(request.headers.raw)
             view = mesh.prepare(match, body, headers, query)
             flow = mesh.forward(view, headers, request.method)
@@ -148,24 +139,17 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
         except MeshError as exc:
             return _error_response(lib, exc, path, mesh)
         except UpstreamFailure:
-            return _error_response(lib, _unreachable(), path, mesh)
-        if final.local is not None:
-            return self._local(lib, final, view)
-        assert final.exchange is not None and final.attempt is not None
-        exchange: SyncHttpxExchange = final.exchange  # type: ignore[assignment]
-        lease = final.attempt.lease
-        acct = mesh.account(view, lease, exchange.status)
-        stream = SyncRelayStream(exchange, Relay(view, acct, lease))  # type: ignore[arg-type]
-        return lib.Response(
-            exchange.status, headers=response_headers(exchange.headers), stream=stream
-        )
-
-    def _plain(self, lib: ModuleType, exchange: SyncHttpxExchange, attempt: Attempt) -> Any:
-        attempt.lease.release(ok=True)
+            return _error_response(
+                lib, UpstreamError("the worker could not be reached"), path, mesh
+            )
+        if isinstance(final, Answered):
+            return self._answer(lib, final, view)
+        exchange, lease = final.exchange, final.attempt.lease
+        relay = Relay(view, mesh.account(view, lease, exchange.status))
         return lib.Response(
             exchange.status,
             headers=response_headers(exchange.headers),
-            stream=exchange._resp.stream,
+            stream=SyncRelayStream(exchange, relay),
         )
 
     def close(self) -> None:
@@ -182,33 +166,22 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
     def _transport(self, lib: ModuleType) -> Any:
         t = self._inner.get(lib.__name__)
         if t is None:
-            up = self.mesh.config.upstream
-            t = self._inner[lib.__name__] = lib.AsyncHTTPTransport(
-                limits=lib.Limits(
-                    max_connections=up.pool_limit,
-                    max_keepalive_connections=up.pool_limit_per_worker,
-                    keepalive_expiry=up.idle_timeout_s,
-                ),
-            )
+            t = self._inner[lib.__name__] = lib.AsyncHTTPTransport(limits=self._limits(lib))
         return t
 
     async def handle_async_request(self, request: Any) -> Any:
         lib = _lib_of(request)
         transport = self._transport(lib)
         mesh = self.mesh
-        path, query, view = "", "", None
+        path = ""
         try:
-            path, query, match = self._resolve(request)
             body = await request.aread()
-            self._check_size(body)
+            path, query, match = self._begin(request, body)
             if match is None:
-                attempt = self._pass_through(request, path, query)
-                exchange = await send_async(lib, transport, attempt)
-                attempt.lease.release(ok=True)
+                attempt = self._pass_through(request, path, query, body)
+                plain = await send_async(lib, transport, attempt)
                 return lib.Response(
-                    exchange.status,
-                    headers=response_headers(exchange.headers),
-                    stream=exchange._resp.stream,
+                    plain.status, headers=response_headers(plain.headers), stream=plain.stream
                 )
             headers = list(request.headers.raw)
             view = await mesh.prepare_async(match, body, headers, query)
@@ -217,24 +190,19 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
         except MeshError as exc:
             return _error_response(lib, exc, path, mesh)
         except UpstreamFailure:
-            return _error_response(lib, _unreachable(), path, mesh)
-        if final.local is not None:
-            return self._local(lib, final, view)
-        assert final.exchange is not None and final.attempt is not None
-        exchange_a: AsyncHttpxExchange = final.exchange  # type: ignore[assignment]
-        lease = final.attempt.lease
-        acct = mesh.account(view, lease, exchange_a.status)
-        stream = AsyncRelayStream(exchange_a, Relay(view, acct, lease))  # type: ignore[arg-type]
+            return _error_response(
+                lib, UpstreamError("the worker could not be reached"), path, mesh
+            )
+        if isinstance(final, Answered):
+            return self._answer(lib, final, view)
+        exchange, lease = final.exchange, final.attempt.lease
+        relay = Relay(view, mesh.account(view, lease, exchange.status))
         return lib.Response(
-            exchange_a.status, headers=response_headers(exchange_a.headers), stream=stream
+            exchange.status,
+            headers=response_headers(exchange.headers),
+            stream=AsyncRelayStream(exchange, relay),
         )
 
     async def aclose(self) -> None:
         for t in self._inner.values():
             await t.aclose()
-
-
-def _unreachable() -> MeshError:
-    from meshkit.errors import UpstreamError
-
-    return UpstreamError("the worker could not be reached")

@@ -29,8 +29,8 @@ import httpx
 from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
-from meshkit.adapters.drive import UpstreamFailure, drive_sync
-from meshkit.adapters.httpx_upstream import SyncHttpxExchange, send_sync
+from meshkit.adapters.drive import Answered, UpstreamFailure, drive_sync
+from meshkit.adapters.httpx_upstream import send_sync
 from meshkit.adapters.relay import Relay, SyncRelayStream
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import shape_for_path
@@ -102,9 +102,7 @@ class MeshWSGIMiddleware:
             )
         )
 
-    def _error(
-        self, start_response: StartResponse, exc: MeshError, path: str
-    ) -> Iterable[bytes]:
+    def _error(self, start_response: StartResponse, exc: MeshError, path: str) -> Iterable[bytes]:
         self.mesh.reject(exc)
         body = exc.body(shape_for_path(path))
         headers = _str_headers(exc.headers())
@@ -140,24 +138,22 @@ class MeshWSGIMiddleware:
         except MeshError as exc:
             return self._error(start_response, exc, path)
         except UpstreamFailure:
-            return self._error(start_response, UpstreamError("the worker could not be reached"), path)
-        if final.local is not None:
+            unreachable = UpstreamError("the worker could not be reached")
+            return self._error(start_response, unreachable, path)
+        if isinstance(final, Answered):
             local = final.local
-            if final.attempt is not None:
-                acct = mesh.account(view, final.attempt.lease, local.status)
-                acct.feed(local.body)
-                acct.end()
+            mesh.account_local(view, final.attempt, local)
             out = _str_headers(local.headers)
             out.append(("Content-Length", str(len(local.body))))
             start_response(_status_line(local.status), out)
             return [local.body]
-        exchange: SyncHttpxExchange = final.exchange  # type: ignore[assignment]
-        lease = final.attempt.lease  # type: ignore[union-attr]
+        exchange = final.exchange
+        lease = final.attempt.lease
         acct = mesh.account(view, lease, exchange.status)
         start_response(
             _status_line(exchange.status), _str_headers(response_headers(exchange.headers))
         )
-        return SyncRelayStream(exchange, Relay(view, acct, lease))  # type: ignore[no-any-return]
+        return SyncRelayStream(exchange, Relay(view, acct))
 
     def close(self) -> None:
         self.transport.close()

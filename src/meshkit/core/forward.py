@@ -93,6 +93,7 @@ class Lease(Protocol):
     """A claim on one candidate's capacity; released exactly once."""
 
     candidate: Candidate
+    started: float
 
     def release(self, *, ok: bool, status: int | None = None) -> None: ...
 
