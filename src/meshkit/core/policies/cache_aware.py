@@ -1,0 +1,233 @@
+"""
+Cache-aware placement
+=====================
+
+``cache_aware`` keeps an approximate :class:`~meshkit.core.policies.radix.RadixTree`
+per model of the routing texts it sent to each worker origin (DP ranks of one
+origin share one KV cache, so the origin is the tenant), and sends a request to
+the worker that most likely still holds the longest prefix of it.
+
+Selection, for the eligible candidates:
+
+1. The match rate of an origin is ``matched characters / len(text)``.
+2. If the best rate exceeds ``cache_threshold``, the candidates above the
+   threshold are tried in order: first those within ``match_slack_chars`` of the
+   best match (about one KV block: a few more matching characters do not justify
+   a longer queue), least loaded first; then the others by descending match. The
+   first one that is not *hot* wins. A candidate is hot when its in-flight load
+   exceeds both ``balance_rel_threshold`` times the mean load and the mean plus
+   ``balance_abs_threshold``. The gate is per candidate: a hot best match spills
+   to the next-best match (or to the least loaded), while a moderately loaded
+   best match keeps its requests. The slack matters for shared system prompts:
+   without it, a request that happens to share two more characters with one
+   worker's history (``"user: H"``) pins a whole tenant to that worker.
+3. Otherwise (a cache miss) the least-loaded candidate wins. Ties go to a hash of
+   the whole text, not to the fleet order, so misses spread over all idle
+   replicas instead of all landing on the first one (sglang#32983).
+
+:meth:`CacheAware.on_placed` inserts the text for the chosen origin with the
+caller's ``now``. Each model's tree has one character budget, ``max_tree_size``,
+shared by all workers; inserts beyond it evict least recently used leaves.
+:meth:`CacheAware.sweep` lets a caller enforce the budget and, with ``ttl_s``,
+forget prefixes idle for longer than that. :meth:`CacheAware.on_removed` forgets
+a worker's origin everywhere.
+
+The model name comes from the client, so the number of trees is capped too
+(``max_models``, least recently used first): memory stays below
+``max_models * max_tree_size`` characters whatever clients send.
+
+.. code-block:: toml
+
+    policy = "cache_aware"
+    [policies.cache_aware]
+    cache_threshold = 0.3
+    max_tree_size = 2000000
+    match_chars = 65536
+
+.. autoclass:: CacheAware
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
+from meshkit.core.policies.radix import RadixTree
+from meshkit.core.requests import RequestView
+from meshkit.core.workers import Candidate, Worker
+from meshkit.errors import ConfigError
+
+__all__ = ["CacheAware", "least_loaded"]
+
+
+def _spread_key(digest: bytes, cand: Candidate) -> bytes:
+    # Rendezvous hashing: each (text, candidate) pair gets its own rank, so equal
+    # loads are broken differently for different texts yet the same way each time.
+    return hashlib.blake2b(digest + cand.key.encode("utf-8"), digest_size=8).digest()
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def least_loaded(cands: Sequence[Candidate], loads: Sequence[int], text: str) -> Candidate:
+    """The least-loaded candidate; ties are spread by a hash of ``text``."""
+    low = min(loads)
+    ties = [c for c, load in zip(cands, loads, strict=True) if load == low]
+    if len(ties) == 1:
+        return ties[0]
+    digest = _digest(text)
+    return min(ties, key=lambda c: _spread_key(digest, c))
+
+
+class CacheAware(BasePolicy):
+    """Route to the worker whose prefix cache most likely holds the prompt.
+
+    :param cache_threshold: the match rate (0-1) above which the cache wins over load.
+    :param balance_abs_threshold: a candidate is hot only when its load exceeds the
+        mean by more than this many requests...
+    :param balance_rel_threshold: ...and is more than this many times the mean.
+    :param max_tree_size: characters per model tree, shared by all workers.
+    :param match_chars: read, match and insert at most this many leading characters
+        (``None``: the whole text). Bounds the CPU spent on very long prompts.
+    :param match_slack_chars: matches this close to the best count as equally good.
+    :param max_models: how many model trees to keep (least recently used dropped).
+    :param ttl_s: :meth:`sweep` forgets tenancies idle for longer (``None``: never).
+    """
+
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 4,
+        balance_rel_threshold: float = 1.2,
+        max_tree_size: int = 8_000_000,
+        match_chars: int | None = None,
+        match_slack_chars: int = 64,
+        max_models: int = 32,
+        ttl_s: float | None = None,
+    ) -> None:
+        key = "policies.cache_aware."
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ConfigError(key + "cache_threshold", "must be in [0, 1]")
+        if balance_abs_threshold < 0:
+            raise ConfigError(key + "balance_abs_threshold", "must be >= 0")
+        if not balance_rel_threshold >= 1.0:
+            raise ConfigError(key + "balance_rel_threshold", "must be >= 1.0")
+        if max_tree_size < 1:
+            raise ConfigError(key + "max_tree_size", "must be >= 1")
+        if match_chars is not None and match_chars < 1:
+            raise ConfigError(key + "match_chars", "must be >= 1 or unset")
+        if match_slack_chars < 0:
+            raise ConfigError(key + "match_slack_chars", "must be >= 0")
+        if max_models < 1:
+            raise ConfigError(key + "max_models", "must be >= 1")
+        if ttl_s is not None and not ttl_s > 0:
+            raise ConfigError(key + "ttl_s", "must be > 0 or unset")
+        self.cache_threshold = float(cache_threshold)
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = float(balance_rel_threshold)
+        self.max_tree_size = max_tree_size
+        self.match_chars = match_chars
+        self.match_slack_chars = match_slack_chars
+        self.max_models = max_models
+        self.ttl_s = ttl_s
+        self.needs = Needs(text=True, prefix_chars=match_chars)
+        self._trees: OrderedDict[str, RadixTree] = OrderedDict()
+
+    # -- placement ---------------------------------------------------------------
+
+    def _text(self, view: RequestView) -> str:
+        text = view.routing_text
+        return text[: self.match_chars] if self.match_chars is not None else text
+
+    def is_hot(self, load: int, mean: float) -> bool:
+        """The per-candidate spill gate."""
+        return load > self.balance_rel_threshold * mean and load > mean + self.balance_abs_threshold
+
+    def select(self, ctx: PlacementContext) -> Candidate:
+        cands = ctx.candidates
+        if len(cands) == 1:
+            return cands[0]
+        text = self._text(ctx.view)
+        loads = [ctx.load_of(c) for c in cands]
+        tree = self._trees.get(ctx.view.model or "")
+        if text and tree is not None:
+            matched = tree.match(text, {c.origin for c in cands})
+            best = max(matched.values(), default=0)
+            if best / len(text) > self.cache_threshold:
+                picked = self._by_match(cands, loads, text, matched, best)
+                if picked is not None:
+                    return picked
+        return least_loaded(cands, loads, text)
+
+    def _by_match(
+        self,
+        cands: Sequence[Candidate],
+        loads: Sequence[int],
+        text: str,
+        matched: dict[str, int],
+        best: int,
+    ) -> Candidate | None:
+        floor = self.cache_threshold * len(text)
+        near = best - self.match_slack_chars
+        digest = _digest(text)
+        ranked = []
+        for i, c in enumerate(cands):
+            m = matched.get(c.origin, 0)
+            if m > floor:
+                # Near-best matches rank by load alone; farther ones by match first.
+                ranked.append(
+                    (m < near, 0 if m >= near else -m, loads[i], _spread_key(digest, c), i)
+                )
+        ranked.sort()
+        mean = sum(loads) / len(cands)
+        for *_, i in ranked:
+            if not self.is_hot(loads[i], mean):
+                return cands[i]
+        return None
+
+    # -- learning ----------------------------------------------------------------
+
+    def tree(self, model: str | None) -> RadixTree | None:
+        """The tree of ``model`` (``None`` until something was placed for it)."""
+        return self._trees.get(model or "")
+
+    def on_placed(self, cand: Candidate, view: RequestView, now: float) -> None:
+        text = self._text(view)
+        if not text:
+            return
+        model = view.model or ""
+        tree = self._trees.get(model)
+        if tree is None:
+            tree = self._trees[model] = RadixTree(self.max_tree_size)
+            while len(self._trees) > self.max_models:
+                self._trees.popitem(last=False)
+        else:
+            self._trees.move_to_end(model)
+        tree.insert(text, cand.origin, now)
+
+    def on_removed(self, worker: Worker) -> None:
+        for model, tree in list(self._trees.items()):
+            tree.remove_tenant(worker.origin)
+            if not tree.node_count:
+                del self._trees[model]
+
+    def sweep(self, now: float) -> int:
+        """Enforce every budget and expire idle tenancies (with ``ttl_s``).
+
+        Meant for a periodic caller; inserts already keep each tree in budget.
+
+        :returns: the number of characters freed.
+        """
+        freed = 0
+        for model, tree in list(self._trees.items()):
+            if self.ttl_s is not None:
+                freed += tree.sweep(now - self.ttl_s)
+            freed += tree.evict_to(self.max_tree_size)
+            if not tree.node_count:
+                del self._trees[model]
+        return freed

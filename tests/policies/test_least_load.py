@@ -1,0 +1,46 @@
+"""least_load: in-flight requests weighted by in-flight prompt size."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from meshkit.core.policies import LeastLoad, create_policy
+
+
+def test_fewest_in_flight_requests_wins(kit: SimpleNamespace) -> None:
+    cs = kit.cands(3)
+    load = {cs[0].key: 3, cs[1].key: 1, cs[2].key: 2}
+    assert create_policy("least_load").select(kit.ctx(cs, load=load)) == cs[1]
+
+
+def test_prompt_weight_counts(kit: SimpleNamespace) -> None:
+    cs = kit.cands(2)
+    load = {cs[0].key: 1, cs[1].key: 1}
+    # One long prompt in flight weighs more than a short one.
+    weight = {cs[0].key: 40_000, cs[1].key: 100}
+    assert LeastLoad().select(kit.ctx(cs, load=load, weight=weight)) == cs[1]
+    # 2 short requests (score 2.0) vs 1 request with 8k characters (score 1 + 2 = 3.0).
+    load = {cs[0].key: 2, cs[1].key: 1}
+    weight = {cs[0].key: 200, cs[1].key: 8192}
+    assert LeastLoad().select(kit.ctx(cs, load=load, weight=weight)) == cs[0]
+    assert (
+        LeastLoad(chars_per_request=1 << 20).select(kit.ctx(cs, load=load, weight=weight)) == cs[1]
+    )
+
+
+def test_ties_go_to_fleet_order_and_unknown_keys_are_idle(kit: SimpleNamespace) -> None:
+    cs = kit.cands(4)
+    assert LeastLoad().select(kit.ctx(cs)) == cs[0]
+    load = {cs[0].key: 1, cs[1].key: 1}
+    assert LeastLoad().select(kit.ctx(cs, load=load)) == cs[2]
+    assert LeastLoad(chars_per_request=0).chars_per_request == 1
+
+
+def test_it_balances_a_stream_of_placements(kit: SimpleNamespace) -> None:
+    cs = kit.cands(5)
+    p = LeastLoad()
+    load: dict[str, int] = {}
+    for _ in range(50):
+        got = p.select(kit.ctx(cs, load=load))
+        load[got.key] = load.get(got.key, 0) + 1
+    assert sorted(load.values()) == [10] * 5

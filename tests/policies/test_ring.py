@@ -1,0 +1,124 @@
+"""The consistent-hash ring and bounded-load picking."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshkit.core.policies.ring import HashRing, bounded_load_pick, hash_bytes, hash_token_ids
+
+KEYS = [hash_bytes(b"key-%d" % i) for i in range(10_000)]
+
+
+def _keys(n: int, start: int = 1) -> list[str]:
+    return [f"http://127.0.0.1:{9000 + i}" for i in range(start, start + n)]
+
+
+def _assign(ring: HashRing) -> list[str | None]:
+    return [ring.owner(p) for p in KEYS]
+
+
+def test_hash_is_stable_across_processes_and_releases() -> None:
+    # Pinned values: a change here re-shuffles every deployed mesh's placement.
+    assert hash_bytes(b"") == int.from_bytes(bytes.fromhex("e4a6a0577479b2b4"), "big")
+    assert hash_token_ids([1, 2, 3]) == hash_bytes(b"t:1,2,3")
+
+
+def test_join_moves_at_most_its_share() -> None:
+    for n in (4, 8):
+        before = _assign(HashRing(_keys(n)))
+        after = _assign(HashRing(_keys(n + 1)))
+        moved = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+        assert len(moved) / len(KEYS) <= 1 / (n + 1) + 0.03
+        # Only the newcomer gains keys: nothing shuffles between old members.
+        assert {b for _, b in moved} == {_keys(1, n + 1)[0]}
+
+
+def test_leave_moves_only_the_leavers_keys() -> None:
+    n = 8
+    keys = _keys(n)
+    before = _assign(HashRing(keys))
+    gone = keys[3]
+    after = _assign(HashRing([k for k in keys if k != gone]))
+    moved = [a for a, b in zip(before, after, strict=True) if a != b]
+    assert set(moved) == {gone}
+    assert len(moved) / len(KEYS) <= 1 / n + 0.03
+
+
+def test_distribution_is_even_with_150_virtual_nodes() -> None:
+    for n in (3, 4, 6, 8, 16):
+        counts = Counter(_assign(HashRing(_keys(n), virtual_nodes=150)))
+        assert len(counts) == n
+        mean = len(KEYS) / n
+        assert max(counts.values()) / mean <= 1.3, (n, counts)
+
+
+def test_walk_yields_each_owner_once() -> None:
+    ring = HashRing(_keys(5), virtual_nodes=20)
+    for p in KEYS[:200]:
+        order = list(ring.walk(p))
+        assert sorted(order) == sorted(_keys(5))
+    assert len(ring) == 5
+    assert _keys(1)[0] in ring
+    assert "http://elsewhere:1" not in ring
+    assert list(HashRing([]).walk(1)) == []
+    assert HashRing([]).owner(1) is None
+
+
+def _cands(n: int) -> list[SimpleNamespace]:
+    # bounded_load_pick only reads ``key``.
+    return [SimpleNamespace(key=k) for k in _keys(n)]
+
+
+def test_bounded_load_skips_an_overloaded_candidate() -> None:
+    cands = _cands(4)
+    ring = HashRing([c.key for c in cands])
+    point = KEYS[0]
+    order = list(ring.walk(point))
+    first = order[0]
+    assert bounded_load_pick(ring, point, cands, {}, 1.25).key == first  # type: ignore[arg-type]
+    hot = {first: 10}
+    # total 10, n 4: bound ceil(1.25 * 11 / 4) = 4; the owner at 10 is skipped.
+    assert bounded_load_pick(ring, point, cands, hot, 1.25).key == order[1]  # type: ignore[arg-type]
+    # Strict affinity ignores load.
+    assert bounded_load_pick(ring, point, cands, hot, None).key == first  # type: ignore[arg-type]
+
+
+def test_bounded_load_skips_ineligible_and_unknown_members() -> None:
+    cands = _cands(4)
+    ring = HashRing([c.key for c in cands])
+    point = KEYS[1]
+    order = list(ring.walk(point))
+    eligible = [c for c in cands if c.key != order[0]]
+    assert bounded_load_pick(ring, point, eligible, {}, 1.25).key == order[1]  # type: ignore[arg-type]
+    # A candidate the ring has never seen is still placeable.
+    stranger = SimpleNamespace(key="http://127.0.0.1:9999")
+    got = bounded_load_pick(ring, point, [stranger], {}, 1.25)  # type: ignore[list-item]
+    assert got is stranger
+
+
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=12), st.integers(0, 2**64 - 1))
+def test_bounded_load_never_refuses_everyone(loads: list[int], point: int) -> None:
+    cands = _cands(len(loads))
+    ring = HashRing([c.key for c in cands], virtual_nodes=10)
+    load = {c.key: n for c, n in zip(cands, loads, strict=True)}
+    got = bounded_load_pick(ring, point, cands, load, 1.25)  # type: ignore[arg-type]
+    total = sum(loads)
+    bound = math.ceil(1.25 * (total + 1) / len(loads))
+    # The pick is within the bound: somebody always fits.
+    assert load[got.key] + 1 <= bound
+    # ... and it is the first on the ring that fits.
+    for key in ring.walk(point):
+        if load[key] + 1 <= bound:
+            assert key == got.key
+            break
+
+
+def test_virtual_nodes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="virtual_nodes"):
+        HashRing(_keys(2), virtual_nodes=0)
