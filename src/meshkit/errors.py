@@ -96,6 +96,8 @@ class MeshError(Exception):
         self.message = message
         self.param = param
         if retry_after_s is not None:
+            if retry_after_s != retry_after_s:  # NaN: keep the header renderable
+                retry_after_s = 1.0
             retry_after_s = min(max(retry_after_s, 0.001), MAX_RETRY_AFTER_S)
         self.retry_after_s = retry_after_s
 

@@ -29,7 +29,7 @@ from meshkit.core.forward import (
     build_attempt,
 )
 from meshkit.core.requests import RequestView
-from meshkit.errors import NoAvailableWorkers, UpstreamError
+from meshkit.errors import UnsupportedApi, UpstreamError
 
 __all__ = ["models_flow", "resource_flow"]
 
@@ -54,7 +54,8 @@ def resource_flow(
 ) -> ForwardFlow:
     targets = placer.targets(view)
     if not targets:
-        raise NoAvailableWorkers("no worker is available for Responses operations")
+        # targets() includes unhealthy workers: empty means none is configured.
+        raise UnsupportedApi(f"no configured worker serves {view.match.endpoint.template}")
     best: AttemptResult | None = None
     for number, cand in enumerate(targets):
         attempt = build_attempt(placer, view, cand, client_headers, method, number, view.body)
@@ -80,7 +81,7 @@ def models_flow(
 ) -> Generator[Attempt, AttemptResult, Attempt | LocalResponse]:
     targets = placer.targets(view)
     if not targets:
-        raise NoAvailableWorkers("no worker is available to list models")
+        raise UnsupportedApi(f"no configured worker serves {view.match.endpoint.template}")
     seen: dict[str, object] = {}
     answered = False
     for number, cand in enumerate(targets):

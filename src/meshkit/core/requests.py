@@ -96,6 +96,7 @@ class _Generate(msgspec.Struct):
 
 class _Any(msgspec.Struct):
     model: str | None = None
+    data_parallel_rank: Json = msgspec.UNSET
 
 
 _DECODERS: dict[Api, msgspec.json.Decoder[Any]] = {
@@ -182,6 +183,7 @@ def parse_request(match: Match, body: bytes, *, want_text: bool = False) -> Requ
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply") from None
     view.model = parsed.model
+    view.has_dp_rank = parsed.data_parallel_rank is not msgspec.UNSET
     if decoder is None:
         return view
     if isinstance(parsed, _Chat):
@@ -194,7 +196,6 @@ def parse_request(match: Match, body: bytes, *, want_text: bool = False) -> Requ
         _responses(view, parsed, want_text)
     elif isinstance(parsed, _Generate):
         _generate(view, parsed, want_text)
-    view.has_dp_rank = getattr(parsed, "data_parallel_rank", msgspec.UNSET) is not msgspec.UNSET
     if ep.op is Op.COUNT_TOKENS:
         view.stream = False
     return view

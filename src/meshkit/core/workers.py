@@ -75,14 +75,18 @@ class Worker:
         labels: Mapping[str, str] | None = None,
     ) -> None:
         parts = urlsplit(url.strip())
+        # Checked first, and the URL is not echoed: user info may hold a password.
+        if parts.query or parts.fragment or "@" in parts.netloc:
+            raise ConfigError("workers.url", "a worker URL takes no query, fragment or user info")
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("workers.url", f"not an http(s) URL: {url!r}")
-        if parts.query or parts.fragment or parts.username or parts.password:
-            raise ConfigError("workers.url", "a worker URL takes no query, fragment or user info")
         try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError as exc:
-            raise ConfigError("workers.url", f"bad port in {url!r}") from exc
+            explicit = parts.port
+        except ValueError:
+            raise ConfigError("workers.url", f"bad port in {url!r}") from None
+        if explicit == 0:
+            raise ConfigError("workers.url", f"port 0 is not a worker's port: {url!r}")
+        port = explicit or (443 if parts.scheme == "https" else 80)
         self.scheme = parts.scheme
         self.host = parts.hostname
         self.port = port
@@ -108,7 +112,9 @@ class Worker:
         return self._api_key
 
     def serves(self, api: Api) -> bool:
-        return self.apis is None or api in self.apis
+        # Every OpenAI/Anthropic-compatible server lists its models; "models" is
+        # not something users write in mesh.apis.
+        return self.apis is None or api in self.apis or api is Api.MODELS
 
     def declares(self, api: Api) -> bool:
         """True when ``mesh.apis`` names ``api`` explicitly (not merely "all")."""

@@ -1,0 +1,401 @@
+"""Table tests for :mod:`meshkit.core.endpoints`: the registry, 404/405/400 and ids."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshkit.core.endpoints import (
+    ENDPOINTS,
+    Api,
+    Match,
+    Op,
+    StreamFormat,
+    resolve,
+    shape_for_path,
+)
+from meshkit.errors import InvalidRequest, MeshError, MethodNotAllowed, UnknownEndpoint
+
+P = pytest.param
+A, OP, S = Api, Op, StreamFormat
+
+# --------------------------------------------------------------------------------------
+# every registered endpoint
+# --------------------------------------------------------------------------------------
+
+RESOLVES = [
+    # method, path, api, op, stream format, error shape, canonical path
+    P("POST", "/v1/chat/completions", A.CHAT, OP.CREATE, S.OPENAI, "openai", None, id="chat"),
+    P("POST", "/v1/completions", A.COMPLETIONS, OP.CREATE, S.OPENAI, "openai", None, id="compl"),
+    P("POST", "/v1/messages", A.MESSAGES, OP.CREATE, S.ANTHROPIC, "anthropic", None, id="msgs"),
+    P(
+        "POST",
+        "/v1/messages/count_tokens",
+        A.MESSAGES,
+        OP.COUNT_TOKENS,
+        S.NONE,
+        "anthropic",
+        None,
+        id="count_tokens",
+    ),
+    P("POST", "/v1/responses", A.RESPONSES, OP.CREATE, S.RESPONSES, "openai", None, id="resp"),
+    P(
+        "GET",
+        "/v1/responses/resp_1",
+        A.RESPONSES,
+        OP.RETRIEVE,
+        S.RESPONSES,
+        "openai",
+        "resp_1",
+        id="resp.retrieve",
+    ),
+    P(
+        "DELETE",
+        "/v1/responses/resp_1",
+        A.RESPONSES,
+        OP.DELETE,
+        S.NONE,
+        "openai",
+        "resp_1",
+        id="resp.delete",
+    ),
+    P(
+        "POST",
+        "/v1/responses/resp_1/cancel",
+        A.RESPONSES,
+        OP.CANCEL,
+        S.NONE,
+        "openai",
+        "resp_1",
+        id="resp.cancel",
+    ),
+    P(
+        "GET",
+        "/v1/responses/resp_1/input_items",
+        A.RESPONSES,
+        OP.INPUT_ITEMS,
+        S.NONE,
+        "openai",
+        "resp_1",
+        id="resp.input_items",
+    ),
+    P("POST", "/generate", A.GENERATE, OP.CREATE, S.GENERATE, "openai", None, id="generate"),
+    P("POST", "/v1/tokenize", A.TOKENIZE, OP.TOKENIZE, S.NONE, "openai", None, id="tokenize"),
+    P("POST", "/tokenize", A.TOKENIZE, OP.TOKENIZE, S.NONE, "openai", None, id="tokenize.bare"),
+    P("POST", "/v1/detokenize", A.TOKENIZE, OP.DETOKENIZE, S.NONE, "openai", None, id="detok"),
+    P("POST", "/detokenize", A.TOKENIZE, OP.DETOKENIZE, S.NONE, "openai", None, id="detok.bare"),
+    P("GET", "/v1/models", A.MODELS, OP.LIST, S.NONE, "openai", None, id="models"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "api", "op", "fmt", "shape", "rid"), RESOLVES)
+def test_registered_endpoint_resolves(
+    method: str, path: str, api: Api, op: Op, fmt: StreamFormat, shape: str, rid: str | None
+) -> None:
+    m = resolve(method, path)
+    assert isinstance(m, Match)
+    ep = m.endpoint
+    assert (ep.api, ep.op, ep.stream_format, ep.shape) == (api, op, fmt, shape)
+    assert method in ep.methods
+    assert m.resource_id == rid
+    assert m.path == path
+    assert ep.is_resource is (rid is not None)
+    assert shape_for_path(path) == shape
+
+
+def test_table_covers_the_whole_registry() -> None:
+    covered = set()
+    for p in RESOLVES:
+        method, path = p.values[0], p.values[1]
+        m = resolve(method, path)
+        assert m is not None
+        covered.add(m.endpoint.name)
+    assert covered == {e.name for e in ENDPOINTS}
+
+
+def test_every_registry_entry_resolves_from_its_template() -> None:
+    for ep in ENDPOINTS:
+        for method in ep.methods:
+            m = resolve(method, ep.path("abc-1_Z") if ep.is_resource else ep.template)
+            assert m is not None
+            assert m.endpoint is ep
+
+
+# --------------------------------------------------------------------------------------
+# 404 under inference prefixes, None elsewhere
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        P("/v1/chat", id="chat-prefix-itself"),
+        P("/v1/chat/completion", id="chat-typo"),
+        P("/v1/chat/completions/", id="chat-trailing-slash"),
+        P("/v1/chat/completions/x", id="chat-subpath"),
+        P("/v1/completions/x", id="completions-subpath"),
+        P("/v1/messages/batches", id="messages-batches"),
+        P("/v1/messages/count_tokens/x", id="count-tokens-subpath"),
+        P("/v1/responses/resp_1/other", id="responses-unknown-sub"),
+        P("/v1/responses/resp_1/cancel/x", id="responses-cancel-subpath"),
+        P("/v1/responses/resp_1/", id="responses-trailing-slash"),
+        P("/generate/x", id="generate-subpath"),
+        P("/v1/tokenize/x", id="tokenize-subpath"),
+        P("/detokenize/x", id="detokenize-subpath"),
+        P("/v1/models/x/y", id="models-subpath"),
+    ],
+)
+def test_unknown_path_under_inference_prefix_is_404(path: str) -> None:
+    with pytest.raises(UnknownEndpoint) as ei:
+        resolve("POST", path)
+    assert ei.value.status == 404
+    assert ei.value.code == "unknown_endpoint"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        P("/", id="root"),
+        P("/health", id="health"),
+        P("/v1/embeddings", id="embeddings"),
+        P("/v1/chatx", id="chatx-not-under-chat"),
+        P("/v1/completionsx", id="completionsx"),
+        P("/v1/messagesx", id="messagesx"),
+        P("/generatex", id="generatex"),
+        P("/docs", id="docs"),
+        P("/v2/chat/completions", id="v2"),
+        P("/V1/chat/completions", id="case-sensitive"),
+        P("//v1/chat/completions", id="double-slash"),
+        P("/v1/chat%2Fcompletions", id="encoded-slash-not-decoded"),
+        P("", id="empty"),
+    ],
+)
+@pytest.mark.parametrize("method", ["GET", "POST", "DELETE"])
+def test_non_inference_paths_pass_through(method: str, path: str) -> None:
+    assert resolve(method, path) is None
+
+
+# --------------------------------------------------------------------------------------
+# 405 with Allow
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        P("GET", "/v1/chat/completions", b"POST", id="chat-get"),
+        P("PUT", "/v1/completions", b"POST", id="completions-put"),
+        P("GET", "/v1/messages", b"POST", id="messages-get"),
+        P("GET", "/v1/messages/count_tokens", b"POST", id="count-tokens-get"),
+        P("GET", "/v1/responses", b"POST", id="responses-get"),
+        P("POST", "/v1/responses/resp_1", b"DELETE, GET", id="resource-post"),
+        P("PATCH", "/v1/responses/resp_1", b"DELETE, GET", id="resource-patch"),
+        P("GET", "/v1/responses/resp_1/cancel", b"POST", id="cancel-get"),
+        P("POST", "/v1/responses/resp_1/input_items", b"GET", id="input-items-post"),
+        P("GET", "/generate", b"POST", id="generate-get"),
+        P("GET", "/v1/tokenize", b"POST", id="tokenize-get"),
+        P("POST", "/v1/models", b"GET", id="models-post"),
+        P("HEAD", "/v1/models", b"GET", id="models-head"),
+    ],
+)
+def test_wrong_method_is_405_with_allow(method: str, path: str, allow: bytes) -> None:
+    with pytest.raises(MethodNotAllowed) as ei:
+        resolve(method, path)
+    err = ei.value
+    assert (err.status, err.code) == (405, "method_not_allowed")
+    headers = dict(err.headers())
+    assert headers[b"allow"] == allow
+    assert headers[b"content-type"] == b"application/json"
+
+
+def test_405_on_bad_resource_id_prefers_400() -> None:
+    # the id is validated before the method: a bad id never reaches a worker either way
+    with pytest.raises(InvalidRequest):
+        resolve("PATCH", "/v1/responses/a%2Fb")
+
+
+# --------------------------------------------------------------------------------------
+# resource ids
+# --------------------------------------------------------------------------------------
+
+VALID_IDS = [
+    P("resp_1", "resp_1", id="plain"),
+    P("a", "a", id="one-char"),
+    P("A-z_0-9", "A-z_0-9", id="all-classes"),
+    P("x" * 256, "x" * 256, id="256-chars"),
+    P("resp%5F1", "resp_1", id="encoded-underscore"),
+    P("%72%65%73%70", "resp", id="fully-encoded"),
+    P("%41bc", "Abc", id="encoded-upper"),
+    P("-", "-", id="dash"),
+]
+
+
+@pytest.mark.parametrize(("raw", "decoded"), VALID_IDS)
+@pytest.mark.parametrize(
+    ("method", "template"),
+    [
+        P("GET", "/v1/responses/{id}", id="retrieve"),
+        P("DELETE", "/v1/responses/{id}", id="delete"),
+        P("POST", "/v1/responses/{id}/cancel", id="cancel"),
+        P("GET", "/v1/responses/{id}/input_items", id="input_items"),
+    ],
+)
+def test_valid_resource_ids(method: str, template: str, raw: str, decoded: str) -> None:
+    m = resolve(method, template.replace("{id}", raw))
+    assert m is not None
+    assert m.resource_id == decoded
+    # the forwarded path is rebuilt from the template and the decoded id
+    assert m.path == template.replace("{id}", decoded)
+    assert m.endpoint.template == template
+
+
+INVALID_IDS = [
+    P("a%2Fb", id="encoded-slash"),
+    P("a%2fb", id="encoded-slash-lower"),
+    P("..", id="dot-dot"),
+    P("%2e%2e", id="encoded-dot-dot"),
+    P("%2E%2E", id="encoded-dot-dot-upper"),
+    P(".", id="dot"),
+    P("x" * 257, id="257-chars"),
+    P("%78" * 257, id="257-chars-encoded"),
+    P("x" * 800, id="way-too-long"),
+    P("", id="empty"),
+    P("%00", id="nul"),
+    P("a%00b", id="nul-inside"),
+    P("caf%C3%A9", id="unicode-encoded"),
+    P("café", id="unicode-raw"),
+    P("%EF%BC%A1", id="fullwidth-A"),
+    P("a%20b", id="space"),
+    P("a%3Fb", id="encoded-question"),
+    P("a%23b", id="encoded-hash"),
+    P("a%0A", id="encoded-newline"),
+    P("a\n", id="raw-trailing-newline"),
+    P("a%2Fcancel", id="encoded-slash-subresource"),
+    P("%252F", id="double-encoded-decodes-to-percent"),
+    P("a.b", id="dot-inside"),
+    P("a%5Cb", id="backslash"),
+]
+
+
+@pytest.mark.parametrize("raw", INVALID_IDS)
+@pytest.mark.parametrize(
+    ("method", "template"),
+    [
+        P("GET", "/v1/responses/{id}", id="retrieve"),
+        P("POST", "/v1/responses/{id}/cancel", id="cancel"),
+        P("GET", "/v1/responses/{id}/input_items", id="input_items"),
+    ],
+)
+def test_invalid_resource_ids_are_400(method: str, template: str, raw: str) -> None:
+    with pytest.raises(InvalidRequest) as ei:
+        resolve(method, template.replace("{id}", raw))
+    assert ei.value.status == 400
+    assert ei.value.param == "response_id"
+
+
+def test_match_path_is_canonical_not_client_bytes() -> None:
+    m = resolve("GET", "/v1/responses/%72esp_%31/input_items")
+    assert m is not None
+    assert m.path == "/v1/responses/resp_1/input_items"
+    assert "%" not in m.path
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [
+        P("/v1/messages", "anthropic", id="messages"),
+        P("/v1/messages/count_tokens", "anthropic", id="count_tokens"),
+        P("/v1/messages/anything/else", "anthropic", id="under-messages"),
+        P("/v1/messagesx", "openai", id="not-under-messages"),
+        P("/v1/chat/completions", "openai", id="chat"),
+        P("/v1/responses/x", "openai", id="responses"),
+        P("/whatever", "openai", id="other"),
+    ],
+)
+def test_shape_for_path(path: str, shape: str) -> None:
+    assert shape_for_path(path) == shape
+
+
+def test_404_under_messages_renders_anthropic_shape() -> None:
+    path = "/v1/messages/batches"
+    with pytest.raises(UnknownEndpoint) as ei:
+        resolve("POST", path)
+    body = ei.value.body(shape_for_path(path))
+    assert body.startswith(b'{"type":"error"')
+
+
+# --------------------------------------------------------------------------------------
+# property: resolve never leaves the registry
+# --------------------------------------------------------------------------------------
+
+_TEMPLATES = {e.template for e in ENDPOINTS}
+_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,256}")
+_SEGMENTS = st.sampled_from(
+    [
+        "v1",
+        "chat",
+        "completions",
+        "messages",
+        "count_tokens",
+        "responses",
+        "cancel",
+        "input_items",
+        "generate",
+        "tokenize",
+        "detokenize",
+        "models",
+        "",
+        ".",
+        "..",
+        "%2e%2e",
+        "%2F",
+        "%2f",
+        "%00",
+        "resp_1",
+        "%41",
+        "x" * 300,
+        "é",
+    ]
+)
+
+
+@st.composite
+def _paths(draw: st.DrawFn) -> str:
+    if draw(st.booleans()):
+        segs = draw(st.lists(_SEGMENTS | st.text(max_size=8), min_size=1, max_size=6))
+        return "/" + "/".join(segs)
+    prefix = draw(
+        st.sampled_from(
+            ["/v1/responses/", "/v1/chat/", "/v1/messages/", "/generate", "/v1/models/", "/"]
+        )
+    )
+    return prefix + draw(st.text(max_size=40))
+
+
+@settings(max_examples=400, deadline=None)
+@given(method=st.sampled_from(["GET", "POST", "DELETE", "PUT", "HEAD"]), path=_paths())
+def test_resolve_never_leaves_the_registry(method: str, path: str) -> None:
+    error: MeshError | None = None
+    try:
+        m = resolve(method, path)
+    except (UnknownEndpoint, MethodNotAllowed, InvalidRequest) as exc:
+        error = exc
+    if error is not None:
+        assert error.status in (400, 404, 405)
+        return
+    if m is None:
+        return
+    assert m.endpoint.template in _TEMPLATES
+    assert method in m.endpoint.methods
+    if m.endpoint.is_resource:
+        assert m.resource_id is not None
+        assert _ID_RE.fullmatch(m.resource_id)
+        assert m.path == m.endpoint.template.replace("{id}", m.resource_id)
+    else:
+        assert m.resource_id is None
+        assert m.path == m.endpoint.template
+    assert ".." not in m.path
+    assert "%" not in m.path
