@@ -1,0 +1,163 @@
+"""
+The gateway's own app
+=====================
+
+``meshkit serve`` is :class:`~meshkit.MeshMiddleware` around :class:`ServeApp`, a
+pure ASGI app that answers only what a gateway needs besides inference:
+
+================  ============================================================
+``/health``       200 ``{"status": "ok", ...}``; 503 when the prepare pool is
+                  unhealthy or no worker is configured
+``/liveness``     200 unless the prepare pool failed (restarting is the fix)
+``/readiness``    200 only when the pool is up, a worker is healthy and the
+                  gateway is not draining
+``/metrics``      Prometheus text of ``mesh.metrics.registry`` (404 when
+                  ``[metrics] enabled = false``)
+``/workers``      admin: the fleet (URL, labels, health, load; never keys),
+                  behind ``Authorization: Bearer <admin_key>`` when configured
+================  ============================================================
+
+Everything else is a JSON 404: inference paths never reach this app, the
+middleware routes them first.
+
+Security: bodies are never read, and no response carries a credential, a
+prompt or an exception text.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from meshkit.adapters.asgi import MeshMiddleware
+from meshkit.mesh import Mesh
+
+__all__ = ["METRICS_CONTENT_TYPE", "ServeApp", "build_gateway"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Reply = tuple[int, bytes, bytes]  # status, content type, body
+
+#: The classic Prometheus text format (what ``generate_latest`` writes).
+METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+_JSON = b"application/json"
+
+
+def _json(status: int, obj: Any) -> Reply:
+    return status, _JSON, json.dumps(obj, separators=(",", ":")).encode()
+
+
+class ServeApp:
+    """Health, metrics and admin routes for one :class:`~meshkit.Mesh`.
+
+    :param mesh: the mesh whose state the routes report.
+
+    ``draining`` turns True when shutdown begins, so load balancers stop sending
+    new requests (``/readiness`` answers 503) while streams finish.
+    """
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.draining = False
+        self._routes: dict[str, Callable[[Scope], Reply]] = {
+            "/health": self._health,
+            "/liveness": self._liveness,
+            "/readiness": self._readiness,
+            "/metrics": self._metrics,
+            "/workers": self._workers,
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # websockets: not ours; closing the scope refuses the handshake
+        route = self._routes.get(scope["path"])
+        if route is None:
+            status, ctype, body = _json(404, {"error": "not found"})
+        elif scope["method"] not in ("GET", "HEAD"):
+            status, ctype, body = _json(405, {"error": "method not allowed"})
+        else:
+            status, ctype, body = route(scope)
+        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+        # Probes poll these routes: a cached answer would hide a state change.
+        headers.append((b"cache-control", b"no-store"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send(
+            {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body}
+        )
+
+    # -- routes -------------------------------------------------------------------
+
+    def _health(self, scope: Scope) -> Reply:
+        h = self.mesh.health()
+        ok = h["pool"] == "ok" and h["workers"] > 0
+        return _json(200 if ok else 503, {"status": "ok" if ok else "unavailable", **h})
+
+    def _liveness(self, scope: Scope) -> Reply:
+        alive = self.mesh.health()["pool"] != "failed"
+        return _json(200 if alive else 503, {"status": "ok" if alive else "failed"})
+
+    def _readiness(self, scope: Scope) -> Reply:
+        h = self.mesh.health()
+        if self.draining:
+            return _json(503, {"status": "draining"})
+        ready = h["pool"] == "ok" and h["healthy_workers"] > 0
+        return _json(200 if ready else 503, {"status": "ready" if ready else "not ready"})
+
+    def _metrics(self, scope: Scope) -> Reply:
+        if not self.mesh.config.metrics.enabled:
+            return _json(404, {"error": "metrics are disabled"})
+        return 200, METRICS_CONTENT_TYPE, self.mesh.metrics.render()
+
+    def _workers(self, scope: Scope) -> Reply:
+        if not self._admin_ok(scope):
+            return _json(401, {"error": "admin key required"})
+        mesh = self.mesh
+        fleet = [
+            {
+                "url": w.url,
+                "labels": w.labels,
+                "healthy": mesh.fleet.healthy(w),
+                "in_flight": mesh.load_of(w),
+            }
+            for w in mesh.workers
+        ]
+        return _json(200, {"workers": fleet})
+
+    def _admin_ok(self, scope: Scope) -> bool:
+        key = self.mesh.config.admin_key
+        if not key:
+            return True
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                # Constant-time: the comparison must not leak the key's prefix.
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    token.strip(), key.encode()
+                )
+        return False
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            # MeshMiddleware closes its upstream pool when it sees this message pass.
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def build_gateway(mesh: Mesh) -> MeshMiddleware:
+    """The standalone gateway: ``MeshMiddleware(ServeApp(mesh), mesh=mesh)``.
+
+    The :class:`ServeApp` is ``gateway.app``.
+    """
+    return MeshMiddleware(ServeApp(mesh), mesh=mesh)

@@ -1,0 +1,156 @@
+"""
+The ``meshkit`` command
+=======================
+
+::
+
+    meshkit serve --worker http://10.0.0.5:8000 --worker 'http://10.0.0.6:8000#mesh.apis=chat'
+    meshkit serve --config meshkit.toml --port 9000
+    meshkit mock-worker --port 9001 --name w1
+    meshkit demo
+
+``serve`` prints ``meshkit gateway listening on <url>`` on stdout once it accepts
+requests (``--port 0`` picks a free port). Exit codes: 0 after a graceful
+shutdown, 1 when the address cannot be bound, 2 for a usage or configuration
+error, reported as one line on stderr::
+
+    meshkit: error: config key 'workers.url' (--worker): not an http(s) URL: 'ftp://x'
+
+Settings come from flags, then the file, then the environment
+(:mod:`meshkit.server.settings`).
+
+Security: no body, prompt or credential is logged; the access log is off
+unless ``--access-log`` (or ``[server] access_log = true``) turns it on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from meshkit import __version__
+from meshkit.errors import ConfigError
+from meshkit.mesh import Mesh
+from meshkit.server.settings import LOG_LEVELS, resolve_settings
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("meshkit.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshkit", description="Place LLM inference requests on a fleet of workers."
+    )
+    p.add_argument("--version", action="version", version=f"meshkit {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the gateway", description="Run the gateway.")
+    # Defaults are None so that a flag left out lets the file or the environment decide.
+    s.add_argument("--config", metavar="PATH", help="TOML file (default: $MESHKIT_CONFIG)")
+    s.add_argument(
+        "--worker",
+        metavar="URL",
+        action="append",
+        default=[],
+        help="a worker, URL#label=value;label=value (repeatable; replaces the file's workers)",
+    )
+    s.add_argument("--policy", help="placement policy (default: file, $MESHKIT_POLICY)")
+    s.add_argument("--host", help="listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="listen port, 0 = any free port (default 8080)")
+    s.add_argument(
+        "--grace",
+        type=float,
+        metavar="SECONDS",
+        help="how long in-flight streams may finish after SIGTERM (default 30)",
+    )
+    s.add_argument("--log-level", choices=LOG_LEVELS, help="(default info)")
+    s.add_argument(
+        "--access-log", action="store_true", default=None, help="log one line per request"
+    )
+    s.add_argument(
+        "--server",
+        choices=("uvicorn", "granian"),
+        default="uvicorn",
+        help="HTTP server (default uvicorn; granian needs meshkit[granian])",
+    )
+
+    sub.add_parser(
+        "mock-worker",
+        help="run a mock inference worker (see: meshkit mock-worker --help)",
+        add_help=False,
+    )
+    d = sub.add_parser("demo", help="route real SDK traffic over mock workers, print a report")
+    d.add_argument("--real", action="store_true", help="use real engines (not available yet)")
+    return p
+
+
+def _fail(message: str) -> int:
+    # One line, whatever the message holds: operators grep for it.
+    print(f"meshkit: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _setup_logging(level: str) -> None:
+    numeric = logging.DEBUG if level == "trace" else getattr(logging, level.upper())
+    logging.basicConfig(level=numeric, format="%(levelname)s:     %(name)s: %(message)s")
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    try:
+        config, settings = resolve_settings(
+            config=ns.config,
+            workers=ns.worker,
+            policy=ns.policy,
+            host=ns.host,
+            port=ns.port,
+            grace_s=ns.grace,
+            log_level=ns.log_level,
+            access_log=ns.access_log,
+            server=ns.server,
+        )
+        mesh = Mesh(config=config)  # the policy (a plugin, maybe) is checked here
+    except ConfigError as exc:
+        return _fail(str(exc))
+    try:
+        from meshkit.server import runner
+    except ImportError as exc:  # uvicorn is the [server] extra
+        mesh.close()
+        return _fail(f"meshkit serve needs uvicorn: pip install 'meshkit[server]' ({exc})")
+    if settings.server == "granian" and not runner.granian_available():
+        mesh.close()
+        return _fail("--server granian: granian is not installed (pip install 'meshkit[granian]')")
+    _setup_logging(settings.log_level)
+    if not mesh.workers:
+        log.warning("no worker is configured: /health answers 503 and every request 501")
+
+    def announce(url: str) -> None:
+        print(f"meshkit gateway listening on {url}", flush=True)
+        names = ", ".join(w.url for w in mesh.workers) or "none"
+        log.info("workers: %s; policy: %s; server: %s", names, mesh.policy.name, settings.server)
+
+    try:
+        runner.serve(mesh, settings, on_ready=announce)
+    except OSError as exc:
+        where = f"{settings.host}:{settings.port}"
+        print(f"meshkit: error: cannot listen on {where}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``meshkit`` console script; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "mock-worker":
+        # Its own parser owns every flag after the subcommand (and its --help).
+        from meshkit.mock import run_mock_worker
+
+        return run_mock_worker(args[1:])
+    ns = build_parser().parse_args(args)
+    if ns.command == "serve":
+        return _serve(ns)
+    from meshkit.server.demo import run_demo
+
+    return run_demo(real=ns.real)

@@ -1,0 +1,295 @@
+"""
+Running the gateway
+===================
+
+:func:`serve` runs the gateway in the foreground (``meshkit serve``) with
+uvicorn (uvloop and httptools when installed) or, when asked, granian.
+:class:`GatewayThread` runs it in a background thread for the demo and tests.
+
+Graceful shutdown, on SIGTERM or SIGINT:
+
+1. ``/readiness`` turns 503 (``ServeApp.draining``) and the listening socket
+   closes, so no new connection is accepted;
+2. in-flight responses, streams included, run on for up to ``grace_s`` seconds
+   (uvicorn's ``timeout_graceful_shutdown``); then they are cancelled, which
+   releases their leases;
+3. the middleware's upstream pool closes, then the mesh (its prepare pool).
+
+A second SIGINT forces the exit at once (uvicorn's behaviour).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import uvicorn
+
+from meshkit.adapters.asgi import MeshMiddleware
+from meshkit.mesh import Mesh
+from meshkit.server.app import ServeApp, build_gateway
+from meshkit.server.settings import ServeSettings
+
+__all__ = ["GatewayThread", "listen", "new_event_loop", "serve", "url_of"]
+
+log = logging.getLogger("meshkit.server")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (several times cheaper per request), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; port 0 picks a free one (see :func:`url_of`).
+
+    Bound here rather than by the server so the real port is known before
+    serving, and a busy port is one clear error instead of a server log line.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _GraceCancelFilter(logging.Filter):
+    """Drop the traceback of each stream uvicorn cancels when the grace period ends.
+
+    uvicorn logs one line for the cut ("Cancel N running task(s), timeout graceful
+    shutdown exceeded"), then a CancelledError traceback per task: noise that an
+    operator would take for a crash.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, asyncio.CancelledError) and "graceful shutdown" in str(exc))
+
+
+def _uvicorn_config(gateway: MeshMiddleware, settings: ServeSettings) -> uvicorn.Config:
+    grace: Any = settings.grace_s  # uvicorn annotates int; it passes it to wait_for
+    config = uvicorn.Config(
+        gateway,
+        lifespan="on",
+        http="auto",  # httptools when installed, else h11
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=grace,
+        server_header=False,
+    )
+    # After Config(): creating it (re)configures uvicorn's loggers.
+    error_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _GraceCancelFilter) for f in error_log.filters):
+        error_log.addFilter(_GraceCancelFilter())
+    return config
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when draining starts and when it is up."""
+
+    def __init__(
+        self, config: uvicorn.Config, app: ServeApp, on_ready: Callable[[], None] | None
+    ) -> None:
+        super().__init__(config)
+        self._serve_app = app
+        self._on_ready = on_ready
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._serve_app.draining = True
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._on_ready is not None:
+            self._on_ready()
+
+
+def _serve_app(gateway: MeshMiddleware) -> ServeApp:
+    app = gateway.app
+    assert isinstance(app, ServeApp)
+    return app
+
+
+Runner = Callable[
+    [MeshMiddleware, socket.socket, ServeSettings, Callable[[], None], list[int]],
+    Coroutine[Any, Any, None],
+]
+
+
+async def _run_uvicorn(
+    gateway: MeshMiddleware,
+    sock: socket.socket,
+    settings: ServeSettings,
+    ready: Callable[[], None],
+    early: list[int],
+) -> None:
+    server = _Server(_uvicorn_config(gateway, settings), _serve_app(gateway), ready)
+    # A signal that arrived before uvicorn took the handlers over still stops it,
+    # right after start-up.
+    server.should_exit = bool(early)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        # Lifespan shutdown already closed it, unless a forced exit skipped lifespan.
+        await gateway.aclose()
+
+
+async def _run_granian(
+    gateway: MeshMiddleware,
+    sock: socket.socket,
+    settings: ServeSettings,
+    ready: Callable[[], None],
+    early: list[int],
+) -> None:
+    from granian.constants import Interfaces
+    from granian.server.embed import Server
+
+    host, port = sock.getsockname()[:2]
+    sock.close()  # granian binds its own socket
+    level = "debug" if settings.log_level == "trace" else settings.log_level
+    server = Server(
+        gateway,
+        address=host,
+        port=port,
+        interface=Interfaces.ASGI,
+        log_level=level,
+        log_access=settings.access_log,
+    )
+    app = _serve_app(gateway)
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        app.draining = True
+        server.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    if early:
+        loop.call_soon(stop)
+    ready()
+    try:
+        await server.serve()
+    finally:
+        await gateway.aclose()
+
+
+def granian_available() -> bool:
+    try:
+        import granian.server.embed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _quiet_signals() -> Iterator[list[int]]:
+    """Record SIGTERM/SIGINT instead of dying of them; yields the signals seen.
+
+    uvicorn re-raises a captured signal once it has shut down; with the default
+    handlers that would kill the process (or raise KeyboardInterrupt) before the
+    mesh is closed and the exit code reported. A signal seen before the server
+    installed its own handlers is in the list, so the server stops at once.
+    """
+    seen: list[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda sig, _frame: seen.append(sig)) for s in sigs}
+    try:
+        yield seen
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def serve(
+    mesh: Mesh, settings: ServeSettings, *, on_ready: Callable[[str], None] | None = None
+) -> None:
+    """Serve ``mesh`` in the foreground until SIGTERM/SIGINT, then close it.
+
+    :param on_ready: called with the gateway's URL once it accepts requests.
+    :raises OSError: when the address cannot be bound.
+    """
+    sock = listen(settings.host, settings.port)
+    url = url_of(sock)
+    gateway = build_gateway(mesh)
+    run: Runner = _run_granian if settings.server == "granian" else _run_uvicorn
+
+    def ready() -> None:
+        if on_ready is not None:
+            on_ready(url)
+
+    try:
+        with _quiet_signals() as early, asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(run(gateway, sock, settings, ready, early))
+    finally:
+        sock.close()
+        mesh.close()
+
+
+class GatewayThread:
+    """The gateway on a background thread (uvicorn), for demos and tests.
+
+    ::
+
+        with GatewayThread(mesh) as url:
+            httpx.get(url + "/health")
+
+    The mesh is not closed on exit: it belongs to the caller.
+    """
+
+    def __init__(self, mesh: Mesh, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.gateway = build_gateway(mesh)
+        self._sock = listen(host, port)
+        self.url = url_of(self._sock)
+        settings = ServeSettings(
+            host=host, port=port, grace_s=5.0, log_level="warning", access_log=False
+        )
+        self._ready = threading.Event()
+        self.server = _Server(
+            _uvicorn_config(self.gateway, settings), _serve_app(self.gateway), self._ready.set
+        )
+        self._thread = threading.Thread(target=self._run, name="meshkit-gateway", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                runner.run(self._serve())
+        finally:
+            self._ready.set()  # never leave start() waiting on a failed server
+
+    async def _serve(self) -> None:
+        try:
+            await self.server.serve(sockets=[self._sock])
+        finally:
+            await self.gateway.aclose()
+
+    def start(self, timeout: float = 30.0) -> str:
+        self._thread.start()
+        self._ready.wait(timeout)
+        if not self.server.started:
+            raise RuntimeError("the gateway did not start")
+        return self.url
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(30.0)
+        self._sock.close()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

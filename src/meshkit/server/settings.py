@@ -1,0 +1,130 @@
+"""
+Gateway settings: flags over file over environment
+==================================================
+
+``meshkit serve`` reads three layers; for each setting the first layer that sets
+it wins:
+
+1. command-line flags (``--worker``, ``--policy``, ``--host`` ...);
+2. the TOML file named by ``--config``, else by ``MESHKIT_CONFIG``;
+3. the environment: ``MESHKIT_WORKERS`` (comma list of ``URL#labels``) and
+   ``MESHKIT_POLICY``.
+
+Workers are replaced, not merged: ``--worker`` flags replace the file's
+``[[workers]]``, which replace ``MESHKIT_WORKERS``. A gateway then runs exactly
+the fleet its operator typed last. (``Mesh.from_env`` differs on purpose: it
+appends ``MESHKIT_WORKERS`` to the file's workers.)
+
+Every problem is a :class:`~meshkit.errors.ConfigError` naming the key and the
+layer (the file path, ``--worker`` or the variable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshkit.config import MeshConfig, parse_worker_arg
+from meshkit.errors import ConfigError
+
+__all__ = ["LOG_LEVELS", "ServeSettings", "resolve_settings"]
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What the server needs besides the mesh configuration."""
+
+    host: str
+    port: int
+    grace_s: float
+    log_level: str
+    access_log: bool
+    server: str = "uvicorn"
+
+
+def _file_keys(path: str) -> set[str]:
+    # The file already parsed in MeshConfig.from_file; this second read only tells
+    # which top-level keys it sets, so an explicit `policy` beats MESHKIT_POLICY.
+    return set(tomllib.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def _flag_workers(args: Sequence[str]) -> tuple[Any, ...]:
+    parsed = []
+    for arg in args:
+        try:
+            parsed.append(parse_worker_arg(arg))
+        except ConfigError as exc:
+            raise ConfigError(exc.key, str(exc).split(": ", 1)[-1], source="--worker") from None
+    workers: tuple[Any, ...] = MeshConfig.build(source="--worker", workers=parsed).workers
+    return workers
+
+
+def resolve_settings(
+    *,
+    config: str | None = None,
+    workers: Sequence[str] = (),
+    policy: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    grace_s: float | None = None,
+    log_level: str | None = None,
+    access_log: bool | None = None,
+    server: str = "uvicorn",
+    environ: Mapping[str, str] | None = None,
+) -> tuple[MeshConfig, ServeSettings]:
+    """Merge flags (the arguments), the file and the environment.
+
+    :raises ConfigError: for any invalid value, naming the key and its layer.
+    """
+    env = os.environ if environ is None else environ
+    path = config or env.get("MESHKIT_CONFIG") or None
+    if path:
+        if not Path(path).is_file():
+            # Name the layer the path came from, so the operator knows what to fix.
+            raise ConfigError("--config" if config else "MESHKIT_CONFIG", f"no such file: {path}")
+        base = MeshConfig.from_file(path)
+        keys = _file_keys(path)
+    else:
+        base, keys = MeshConfig(), set()
+
+    if workers:
+        base = dataclasses.replace(base, workers=_flag_workers(workers))
+    elif "workers" not in keys and env.get("MESHKIT_WORKERS"):
+        fleet = MeshConfig.from_env({"MESHKIT_WORKERS": env["MESHKIT_WORKERS"]}).workers
+        base = dataclasses.replace(base, workers=fleet)
+
+    if policy:
+        base = dataclasses.replace(base, policy=policy)
+    elif "policy" not in keys and env.get("MESHKIT_POLICY"):
+        base = dataclasses.replace(base, policy=env["MESHKIT_POLICY"])
+
+    s = base.server
+    source = path or None
+    level = (log_level or s.log_level).lower()
+    if level not in LOG_LEVELS:
+        raise ConfigError(
+            "server.log_level", f"must be one of {', '.join(LOG_LEVELS)}", source=source
+        )
+    settings = ServeSettings(
+        host=host if host is not None else s.host,
+        port=port if port is not None else s.port,
+        grace_s=grace_s if grace_s is not None else s.grace_s,
+        log_level=level,
+        access_log=access_log if access_log is not None else s.access_log,
+        server=server,
+    )
+    if not 0 <= settings.port <= 65535:
+        where = "--port" if port is not None else source
+        raise ConfigError(
+            "server.port", f"must be in [0, 65535], got {settings.port}", source=where
+        )
+    if settings.grace_s < 0:
+        raise ConfigError("server.grace_s", "must be >= 0", source="--grace")
+    return base, settings
