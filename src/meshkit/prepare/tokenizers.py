@@ -145,8 +145,13 @@ CutMode = Literal["regex", "whitespace", "checked"]
 
 #: Characters tried first beyond ``n * CHARS_PER_TOKEN``: covers a long last word.
 PREFIX_MARGIN: Final = 64
-#: English runs ~4 characters per token, CJK ~1.5: 8 leaves room for both.
-CHARS_PER_TOKEN: Final = 8
+#: English runs ~4-4.5 characters per token with Qwen's vocabulary: 5 usually
+#: yields the n tokens in one encode (8 encoded ~1.5x too much, measured in
+#: benchmarks/RESULTS.md); denser text (CJK, ~1.5) doubles the cut and retries.
+CHARS_PER_TOKEN: Final = 5
+#: Cut prefixes remembered per tokenizer copy: a shared system prompt longer than
+#: the cut is tokenized once, not once per request.
+PREFIX_CACHE_SIZE: Final = 512
 
 # The pre-tokenizer regexes the proof above covers, as tokenizer.json spells them.
 _GPT2_REGEX: Final = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -497,11 +502,17 @@ class LoadedTokenizer:
     use their group's copy from :meth:`TokenizerRegistry.get`.
     """
 
-    __slots__ = ("_info", "tokenizer")
+    __slots__ = ("_encode_cut", "_info", "tokenizer")
 
     def __init__(self, info: _Info, tokenizer: Tokenizer) -> None:
         self._info = info
         self.tokenizer = tokenizer
+        # lru_cache is thread-safe; each copy (one per group of pool threads) has
+        # its own, bounded by PREFIX_CACHE_SIZE entries of at most a few KiB.
+        self._encode_cut = functools.lru_cache(maxsize=PREFIX_CACHE_SIZE)(self._encode_tuple)
+
+    def _encode_tuple(self, text: str) -> tuple[int, ...]:
+        return tuple(self.encode(text, add_special_tokens=False))
 
     def __repr__(self) -> str:
         return f"LoadedTokenizer({str(self._info.spec.tokenizer_file)!r})"
@@ -578,7 +589,7 @@ class LoadedTokenizer:
             cut = self._find_cut(text, target)
             if cut is None:
                 return self.encode(text, add_special_tokens=False)[:n]
-            ids = self.encode(text[:cut], add_special_tokens=False)
+            ids = list(self._encode_cut(text[:cut]))
             if len(ids) < n or (info.mode == "checked" and len(ids) == n):
                 target = 2 * cut
                 continue
