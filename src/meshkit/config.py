@@ -36,6 +36,7 @@ __all__ = [
     "MetricsConfig",
     "PrepareConfig",
     "RoutingConfig",
+    "ServerConfig",
     "UpstreamConfig",
     "WorkerConfig",
 ]
@@ -109,11 +110,31 @@ class LifecycleConfig:
     sleep_level: int = 1
     drain_timeout_s: float = 60.0
     probe: bool = True
+    # Issue 6 (docs/lifecycle.md). How long one POST /wake_up or /sleep may take.
+    wake_timeout_s: float = 300.0
+    # A finished Idempotency-Key is recognised as a replay this long (bounded map).
+    idempotency_ttl_s: float = 600.0
+    idempotency_max: int = 10_000
+    # Refuse untracked workers (label mesh.tracking other than "complete").
+    require_tracking: bool = False
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
     enabled: bool = True
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The standalone gateway, ``meshkit serve`` (``[server]``); its flags take precedence."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # How long in-flight responses (streams) may run on after SIGTERM/SIGINT.
+    grace_s: float = 30.0
+    log_level: str = "info"
+    # Off by default: an access log line carries paths and client addresses.
+    access_log: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +163,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "routing": RoutingConfig,
     "lifecycle": LifecycleConfig,
     "metrics": MetricsConfig,
+    "server": ServerConfig,
 }
 
 
@@ -161,6 +183,7 @@ class MeshConfig:
     routing: RoutingConfig = RoutingConfig()
     lifecycle: LifecycleConfig = LifecycleConfig()
     metrics: MetricsConfig = MetricsConfig()
+    server: ServerConfig = ServerConfig()
 
     @classmethod
     def build(cls, source: str | None = None, **kwargs: Any) -> MeshConfig:
@@ -286,7 +309,7 @@ def _check(key: str, hint: Any, value: Any, source: str | None) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(key, f"must be a number, got {value!r}", source=source)
-        if value < 0:
+        if not value >= 0:  # also refuses nan, which TOML can spell
             raise ConfigError(key, f"must be >= 0, got {value}", source=source)
         return float(value)
     if hint is str:

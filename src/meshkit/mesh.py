@@ -16,16 +16,23 @@ call, in order::
 State changes (placement, leases, releases) are serialised by one lock, so WSGI
 threads, sync transports and an event loop may share a Mesh. Preparation runs
 outside the lock: it is pure.
+
+Worker lifecycle (health probes, breakers, sleep/wake, drain, leases keyed by
+``Idempotency-Key``; ``docs/lifecycle.md``) lives in :attr:`Mesh.lifecycle`; the
+Mesh hands it placement and every lease under the same lock.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+import msgspec
 
 from meshkit.config import MeshConfig
 from meshkit.core.credentials import request_headers
@@ -39,21 +46,32 @@ from meshkit.core.forward import (
     RetryPolicy,
     forward_flow,
 )
-from meshkit.core.placement import configured_for, place
+from meshkit.core.lifecycle import LeaseEntry, LeaseKind, Verdict
+from meshkit.core.placement import configured_for
 from meshkit.core.policies.affinity import ResponsesAffinity
 from meshkit.core.policies.base import Completion, Policy
 from meshkit.core.policies.registry import create_policy
 from meshkit.core.requests import RequestView, check_media, parse_request
 from meshkit.core.streams import StreamAccountant
 from meshkit.core.workers import Candidate, Fleet, Worker
-from meshkit.errors import MeshError, NoAvailableWorkers, RequestTooLarge
+from meshkit.errors import InvalidRequest, MeshError, NoAvailableWorkers, RequestTooLarge
+from meshkit.lifecycle.controller import IDEMPOTENCY_KEY, NO_WAIT, Lifecycle
+from meshkit.lifecycle.metrics import LifecycleCollector
 from meshkit.metrics import RouterMetrics
+from meshkit.prepare.jobs import detokenize_job, tokenize_job
 from meshkit.prepare.pool import PoolConfig, PreparePool
 from meshkit.prepare.tokenizers import TokenizerRegistry
 
 __all__ = ["Accounting", "Mesh", "MeshLease"]
 
 Headers = list[tuple[bytes, bytes]]
+#: Idempotency-Key values longer than this are ignored (the lease table is bounded).
+_MAX_IDEMPOTENCY_KEY = 256
+_JSON = ((b"content-type", b"application/json"),)
+
+
+def _worker_id(worker: Worker | str) -> str:
+    return worker.id if isinstance(worker, Worker) else Worker(worker).id
 
 
 def _local_flow(local: LocalResponse) -> ForwardFlow:
@@ -75,15 +93,24 @@ class _NoLease:
 
 
 class MeshLease:
-    """A claim on a candidate's capacity, released exactly once."""
+    """A claim on a candidate's capacity, released exactly once.
 
-    __slots__ = ("_mesh", "_released", "candidate", "started", "weight")
+    It holds one reference to a lifecycle lease (``entry``): requests that join
+    a running twin by ``Idempotency-Key`` share that lease, and the capacity is
+    given back when the last reference ends. The release is also the request's
+    verdict for the worker's circuit breaker.
+    """
 
-    def __init__(self, mesh: Mesh, cand: Candidate, weight: int, started: float) -> None:
+    __slots__ = ("_mesh", "_released", "candidate", "entry", "started", "weight")
+
+    def __init__(
+        self, mesh: Mesh, cand: Candidate, weight: int, started: float, entry: LeaseEntry
+    ) -> None:
         self._mesh = mesh
         self.candidate = cand
         self.weight = weight
         self.started = started
+        self.entry = entry
         self._released = False
 
     @property
@@ -91,12 +118,37 @@ class MeshLease:
         return self._released
 
     def release(self, *, ok: bool, status: int | None = None) -> None:
+        # No status: the attempt failed before an answer (connect, protocol,
+        # timeout) or mid-body; a 5xx is a failure too; any other answer is a success.
+        if status is None:
+            verdict = Verdict.SUCCESS if ok else Verdict.FAILURE
+        else:
+            verdict = Verdict.FAILURE if status >= 500 else Verdict.SUCCESS
+        # _settle inlined: this runs once per request.
         mesh = self._mesh
+        now = mesh.clock()
         with mesh._lock:
             if self._released:
                 return
             self._released = True
-            mesh.fleet.release(self.candidate, self.weight)
+            if mesh.lifecycle.released(self.entry, verdict, now):
+                mesh.fleet.release(self.candidate, self.entry.weight)
+            load = mesh.fleet.load.get(self.candidate.key, 0)
+        mesh.metrics.active.labels(self.candidate.key).set(load)
+
+    def abandon(self) -> None:
+        """Release without a verdict on the worker (the client left first)."""
+        self._settle(Verdict.NEUTRAL)
+
+    def _settle(self, verdict: Verdict) -> None:
+        mesh = self._mesh
+        now = mesh.clock()
+        with mesh._lock:
+            if self._released:
+                return
+            self._released = True
+            if mesh.lifecycle.released(self.entry, verdict, now):
+                mesh.fleet.release(self.candidate, self.entry.weight)
             load = mesh.fleet.load.get(self.candidate.key, 0)
         mesh.metrics.active.labels(self.candidate.key).set(load)
 
@@ -104,7 +156,7 @@ class MeshLease:
 class Accounting:
     """Follows one relayed response: TTFT, usage, errors; releases its lease once."""
 
-    __slots__ = ("_acct", "_done", "_mesh", "attempt_lease", "status", "view")
+    __slots__ = ("_acct", "_done", "_failed", "_mesh", "attempt_lease", "status", "view")
 
     def __init__(self, mesh: Mesh, view: RequestView, lease: Lease, status: int) -> None:
         self._mesh = mesh
@@ -119,6 +171,7 @@ class Accounting:
             max_line_bytes=mesh.config.bounds.max_sse_line_bytes,
         )
         self._done = False
+        self._failed = False
 
     @property
     def accountant(self) -> StreamAccountant:
@@ -136,6 +189,8 @@ class Accounting:
         """The client went away, or the upstream failed mid-body."""
         if client_left and not self._done:
             self._mesh.metrics.disconnects.inc()
+        # The worker failed mid-body: its breaker hears of it (no status = failure).
+        self._failed = not client_left
         self._close(completed=False)
 
     def _close(self, *, completed: bool) -> None:
@@ -149,7 +204,7 @@ class Accounting:
             acct.finish(now)
         ok = completed and self.status < 400 and acct.error is None
         lease = self.attempt_lease
-        lease.release(ok=ok, status=self.status)
+        lease.release(ok=ok, status=None if self._failed else self.status)
         api = self.view.api.value
         m = mesh.metrics
         m.requests.labels(api, str(self.status) if completed else "cancelled").inc()
@@ -248,6 +303,10 @@ class Mesh:
         #: lifecycle gate: False for a worker that must not take new requests
         self.admit: Callable[[Worker], bool] | None = None
         self._closed = False
+        #: worker states, breakers, leases; its runner thread starts with the first
+        #: request (or start_lifecycle()) and stops with close()
+        self.lifecycle = Lifecycle(self)
+        self.metrics.registry.register(LifecycleCollector(self.lifecycle))
 
     # -- construction ---------------------------------------------------------
 
@@ -271,12 +330,14 @@ class Mesh:
         return resolve(method, path)
 
     def _needs_pool(self, match: Match, body: bytes) -> bool:
-        needs = self.policy.needs
-        if needs.prefix_tokens and self.tokenizers.has_any():
+        tokenizing = self.policy.needs.prefix_tokens or match.endpoint.api is Api.TOKENIZE
+        if tokenizing and self.tokenizers.has_any():
             return True
         return len(body) > self.config.prepare.inline_threshold_bytes
 
     def _prepare_job(self, match: Match, body: bytes) -> RequestView:
+        if match.endpoint.api is Api.TOKENIZE and self.tokenizers.has_any():
+            return self._tokenize_job(match, body)
         needs = self.policy.needs
         want_text = needs.text or needs.prefix_tokens is not None
         view = parse_request(match, body, want_text=want_text)
@@ -291,15 +352,47 @@ class Mesh:
                 view.token_ids = tok.prefix_ids(view.routing_text, n)
         return view
 
+    def _tokenize_job(self, match: Match, body: bytes) -> RequestView:
+        """/v1/tokenize and /v1/detokenize answered by the mesh in the vLLM shapes."""
+        view = parse_request(match, body)
+        if self.tokenizers.get(view.model) is None:
+            return view  # no tokenizer for this model: a worker answers
+        try:
+            obj = msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError):
+            raise InvalidRequest("request body is not valid JSON") from None
+        if not isinstance(obj, dict):
+            raise InvalidRequest("request body must be a JSON object")
+        limit = self.config.prepare.max_tokenize_bytes
+        metrics = self.pool.metrics
+        if match.endpoint.op is Op.TOKENIZE:
+            out = tokenize_job(
+                self.tokenizers, view.model, obj, max_tokenize_bytes=limit, metrics=metrics
+            )
+        else:
+            out = detokenize_job(
+                self.tokenizers, view.model, obj, max_tokenize_bytes=limit, metrics=metrics
+            )
+        view.extra["local"] = LocalResponse(200, _JSON, msgspec.json.encode(out))
+        return view
+
     def _finish_view(
         self, view: RequestView, headers: Iterable[tuple[bytes, bytes]], query: str
     ) -> RequestView:
         view.query = query
-        if self._session_header is not None:
-            for k, v in headers:
-                if k.lower() == self._session_header and v:
-                    view.routing_key = v.decode("latin-1")
-                    break
+        session = self._session_header
+        for k, v in headers:
+            lk = k.lower()
+            if lk == session and v:
+                view.routing_key = v.decode("latin-1")
+                session = None  # the first one counts
+            elif lk == b"idempotency-key" and 0 < len(v) <= _MAX_IDEMPOTENCY_KEY:
+                # Scoped by path: the same key on two endpoints is two requests.
+                view.extra[IDEMPOTENCY_KEY] = view.match.path + " " + v.decode("latin-1")
+            elif lk == b"x-mesh-wait":
+                # x-mesh-wait: false: answer 503 worker_waking at once instead of
+                # holding the request while a sleeping worker wakes.
+                view.extra[NO_WAIT] = v.strip().lower() in (b"false", b"0", b"no")
         return view
 
     def _check(self, match: Match, headers: Iterable[tuple[bytes, bytes]]) -> None:
@@ -340,6 +433,8 @@ class Mesh:
 
     def forward(self, view: RequestView, headers: Headers, method: str = "POST") -> ForwardFlow:
         """The flow for a prepared request: forward with retries, fan out, or answer locally."""
+        if not self.lifecycle.started:
+            self.lifecycle.start()  # probes and wakes run on their own thread
         local = view.extra.get("local")
         if isinstance(local, LocalResponse):
             return _local_flow(local)
@@ -414,26 +509,30 @@ class Mesh:
             owner = None
             if view.previous_response_id:
                 owner = self.affinity.owner(view.previous_response_id, now)
-            cand = place(
-                self.fleet,
-                self.policy,
-                view,
-                self.rng,
-                now=now,
-                attempt=attempt,
-                exclude=exclude,
-                owner=owner,
-                admit=self.admit,
+            # placement.place() with worker states, breakers, joins and wakes; may
+            # raise WakePending (the flow holds the request) or WorkerWaking.
+            cand = self.lifecycle.place(
+                view, exclude=exclude, attempt=attempt, owner=owner, now=now
             )
             self.policy.on_placed(cand, view, now)
             return cand
 
     def lease(self, cand: Candidate, view: RequestView) -> MeshLease:
+        now = self.clock()
         with self._lock:
-            self.fleet.acquire(cand, view.prompt_weight)
+            # Lifecycle.take(), inlined: the lease table keyed by Idempotency-Key.
+            entry, kind = self.lifecycle.leases.start(
+                cand.worker.id,
+                cand.key,
+                now,
+                key=view.extra.get(IDEMPOTENCY_KEY),
+                weight=view.prompt_weight,
+            )
+            if kind is not LeaseKind.JOINED:  # a join shares its twin's capacity
+                self.fleet.acquire(cand, view.prompt_weight)
             load = self.fleet.load.get(cand.key, 0)
         self.metrics.active.labels(cand.key).set(load)
-        return MeshLease(self, cand, view.prompt_weight, self.clock())
+        return MeshLease(self, cand, view.prompt_weight, now, entry)
 
     def _completed(self, cand: Candidate, view: RequestView, done: Completion, now: float) -> None:
         with self._lock:
@@ -448,26 +547,112 @@ class Mesh:
         return self.fleet.workers
 
     def add_worker(self, worker: Worker | str) -> Worker:
+        """Add a worker at runtime: ``unverified`` until its first probe (which
+        runs at once), or ``ready`` with ``lifecycle.probe = false``."""
         w = Worker(worker) if isinstance(worker, str) else worker
         with self._lock:
             self.fleet.add(w)
+            self.lifecycle.track(w, self.clock())
+        self.lifecycle.kick()
         return w
 
-    def remove_worker(self, worker: Worker | str) -> Worker | None:
-        wid = worker.id if isinstance(worker, Worker) else Worker(worker).id
+    def remove_worker(
+        self, worker: Worker | str, *, timeout_s: float | None = None
+    ) -> Worker | None:
+        """Drain ``worker`` (up to ``timeout_s``, default ``lifecycle.drain_timeout_s``),
+        then remove it. Blocks: from a coroutine use :meth:`aremove_worker`."""
+        wid = _worker_id(worker)
+        if self.fleet.get(wid) is not None:
+            self.lifecycle.drain(wid, timeout_s)
+        return self._remove(wid)
+
+    async def aremove_worker(
+        self, worker: Worker | str, *, timeout_s: float | None = None
+    ) -> Worker | None:
+        """:meth:`remove_worker` without blocking the event loop."""
+        wid = _worker_id(worker)
+        if self.fleet.get(wid) is not None:
+            await self.lifecycle.adrain(wid, timeout_s)
+        return self._remove(wid)
+
+    def _remove(self, wid: str) -> Worker | None:
         with self._lock:
             removed = self.fleet.remove(wid)
             if removed is not None:
                 self.policy.on_removed(removed)
                 self.affinity.forget_origin(removed.origin)
+                self.lifecycle.forget(wid)
         return removed
 
-    def set_healthy(self, worker: Worker, healthy: bool) -> None:
+    def drain(self, worker: Worker | str, timeout_s: float | None = None) -> bool:
+        """Stop new placements on ``worker`` and wait for its leases to end.
+
+        :returns: True when drained, False when ``timeout_s`` (default
+            ``lifecycle.drain_timeout_s``) passed first. Draining is one-way:
+            remove the worker, or add it again, to route to it again.
+        """
+        return self.lifecycle.drain(_worker_id(worker), timeout_s)
+
+    async def adrain(self, worker: Worker | str, timeout_s: float | None = None) -> bool:
+        """:meth:`drain` without blocking the event loop."""
+        return await self.lifecycle.adrain(_worker_id(worker), timeout_s)
+
+    def sleep(
+        self, worker: Worker | str, *, level: int | None = None, timeout_s: float | None = None
+    ) -> bool:
+        """Put a ``mesh.sleep_mode=vllm`` worker to sleep now (``POST /sleep``).
+
+        :returns: True when it sleeps; False when the call failed.
+        :raises ~meshkit.core.lifecycle.LifecycleError: it holds a lease, is not
+            ready, or has no sleep mode.
+        """
+        fut = self.lifecycle.runner().submit_sleep(
+            _worker_id(worker), level if level is not None else self.config.lifecycle.sleep_level
+        )
+        return fut.result(
+            timeout_s if timeout_s is not None else self.config.lifecycle.wake_timeout_s
+        )
+
+    async def asleep(
+        self, worker: Worker | str, *, level: int | None = None, timeout_s: float | None = None
+    ) -> bool:
+        """:meth:`sleep` without blocking the event loop."""
+        fut = self.lifecycle.runner().submit_sleep(
+            _worker_id(worker), level if level is not None else self.config.lifecycle.sleep_level
+        )
+        wait = timeout_s if timeout_s is not None else self.config.lifecycle.wake_timeout_s
+        return await asyncio.wait_for(asyncio.wrap_future(fut), wait)
+
+    def wake(self, worker: Worker | str, *, timeout_s: float | None = None) -> bool:
+        """Wake a sleeping worker (one ``POST /wake_up``) and wait until it is ready.
+
+        :raises ~meshkit.core.lifecycle.LifecycleError: no sleep mode, or a state
+            that cannot be woken (failed, draining, unverified).
+        """
+        wid = _worker_id(worker)
+        lc = self.lifecycle
         with self._lock:
-            if healthy:
-                self.fleet.unhealthy.discard(worker.id)
-            else:
-                self.fleet.unhealthy.add(worker.id)
+            lc.start_wake(wid)
+        wait = timeout_s if timeout_s is not None else self.config.lifecycle.wake_timeout_s
+        return lc.readiness(wid).wait_sync(self.clock() + wait)
+
+    async def awake(self, worker: Worker | str, *, timeout_s: float | None = None) -> bool:
+        """:meth:`wake` without blocking the event loop."""
+        wid = _worker_id(worker)
+        lc = self.lifecycle
+        with self._lock:
+            lc.start_wake(wid)
+        wait = timeout_s if timeout_s is not None else self.config.lifecycle.wake_timeout_s
+        return await lc.readiness(wid).wait_async(self.clock() + wait)
+
+    def start_lifecycle(self) -> None:
+        """Start probing now rather than at the first request."""
+        self.lifecycle.start()
+
+    def set_healthy(self, worker: Worker, healthy: bool) -> None:
+        """An operator's health verdict, kept apart from (and over) the probes'."""
+        with self._lock:
+            self.lifecycle.set_manual(worker.id, healthy)
 
     def load_of(self, worker: Worker) -> int:
         with self._lock:
@@ -477,6 +662,33 @@ class Mesh:
         with self._lock:
             return sum(self.fleet.load.values())
 
+    def health(self) -> dict[str, Any]:
+        """A summary for health endpoints; no credentials, no failure text.
+
+        ``pool`` is ``"ok"``, ``"failed"`` (a prepare thread died: restart the
+        process) or ``"closed"`` (shut down).
+        """
+        with self._lock:
+            workers = self.fleet.workers
+            # A sleeping or waking worker is out of placement (fleet.unhealthy) but
+            # serves after a wake: a fully idle-slept fleet must stay "ready", or a
+            # load balancer would never send the request that wakes it.
+            lc = self.lifecycle
+            healthy = sum(
+                1
+                for w in workers
+                if self.fleet.healthy(w) or (w.id in lc.sleepy and w.id not in lc.manual)
+            )
+            in_flight = sum(self.fleet.load.values())
+        pool = self.pool
+        state = "ok" if pool.healthy else ("failed" if pool.failure is not None else "closed")
+        return {
+            "pool": state,
+            "workers": len(workers),
+            "healthy_workers": healthy,
+            "in_flight": in_flight,
+        }
+
     # -- shutdown ---------------------------------------------------------------
 
     def close(self) -> None:
@@ -484,6 +696,7 @@ class Mesh:
         if self._closed:
             return
         self._closed = True
+        self.lifecycle.close()  # the probe/wake/sleep thread
         self.pool.shutdown(wait=True)
 
     def __enter__(self) -> Mesh:

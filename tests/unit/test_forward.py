@@ -337,12 +337,6 @@ def test_single_attempt_policy(max_attempts: int) -> None:
     assert len(run.attempts) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: forward_flow only catches NoAvailableWorkers from place(); any other "
-    "MeshError on a retry (e.g. UnsupportedApi after the fleet changed) leaves the "
-    "pending retryable attempt's lease unreleased and its response unrelayed",
-)
 def test_other_placement_error_on_retry_does_not_leak_the_pending_lease() -> None:
     class Shrinking(FakePlacer):
         def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate:

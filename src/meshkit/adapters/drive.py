@@ -11,6 +11,16 @@ A response stays open until the flow either moves on (the driver closes it) or
 returns its attempt (the caller relays it). When the attempt asked for its body
 (``read_body``), the driver reads it (bounded) and hands it to the flow; the
 caller then relays those captured bytes.
+
+A :class:`~meshkit.core.forward.Hold` step (the only workers are waking) is
+waited out here, holding no lease: the async driver awaits a future the lifecycle
+resolves from its own thread (``loop.call_soon_threadsafe``), so a client that
+disconnects cancels the wait at once and is never forwarded; the sync driver
+waits on a condition. Either sends back whether the worker became ready.
+
+When the driver gives up on an attempt because of an error or a cancellation
+(the client left), its lease is *abandoned*: released without blaming the
+worker, so a client's disconnect never counts against a worker's breaker.
 """
 
 from __future__ import annotations
@@ -22,7 +32,15 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from meshkit.core.credentials import response_headers
-from meshkit.core.forward import Attempt, AttemptResult, Failure, ForwardFlow, LocalResponse
+from meshkit.core.forward import (
+    Attempt,
+    AttemptResult,
+    Failure,
+    ForwardFlow,
+    Hold,
+    Lease,
+    LocalResponse,
+)
 
 __all__ = [
     "Answered",
@@ -110,9 +128,30 @@ def _wants_body(attempt: Attempt, status: int) -> bool:
     return mode == "always" or (mode == "errors" and status >= 400)
 
 
+def _first(flow: ForwardFlow) -> Attempt | Hold | Answered:
+    """The flow's first step; a flow that answers locally returns before any attempt."""
+    try:
+        return next(flow)
+    except StopIteration as stop:
+        final = stop.value
+        if not isinstance(final, LocalResponse):  # pragma: no cover - flow contract
+            raise RuntimeError("a flow returned an attempt it never yielded") from None
+        return Answered(None, final)
+
+
+def _abandon(lease: Lease) -> None:
+    # Mesh leases can be released without a verdict on the worker; a plain Lease
+    # (tests, third-party placers) is released as a failed attempt, as before.
+    abandon = getattr(lease, "abandon", None)
+    if abandon is not None:
+        abandon()
+    else:
+        lease.release(ok=False)
+
+
 def _advance(
     flow: ForwardFlow, result: AttemptResult, exchange: X | None, captured: LocalResponse | None
-) -> tuple[Attempt | Final[X], bool]:
+) -> tuple[Attempt | Hold | Final[X], bool]:
     """Send ``result`` into the flow: the next attempt or what to relay, and
     whether the current exchange must be closed."""
     try:
@@ -137,8 +176,13 @@ async def drive_async(
     attempt: Attempt | None = None
     exchange: AsyncExchange | None = None
     try:
-        step: Attempt | Final[AsyncExchange] = next(flow)
-        while isinstance(step, Attempt):
+        step: Attempt | Hold | Final[AsyncExchange] = _first(flow)
+        while isinstance(step, Attempt | Hold):
+            if isinstance(step, Hold):
+                # No lease is held while waiting; a cancellation lands here.
+                ready = await step.waiter.wait_async(step.deadline_s)
+                step, _ = _advance(flow, AttemptResult.held(ready), None, None)
+                continue
             attempt, exchange = step, None
             if attempt.delay_s > 0:
                 await asyncio.sleep(attempt.delay_s)
@@ -162,7 +206,7 @@ async def drive_async(
         if exchange is not None:
             await exchange.aclose()
         if attempt is not None:
-            attempt.lease.release(ok=False)
+            _abandon(attempt.lease)
         raise
     finally:
         flow.close()
@@ -177,8 +221,12 @@ def drive_sync(
     attempt: Attempt | None = None
     exchange: SyncExchange | None = None
     try:
-        step: Attempt | Final[SyncExchange] = next(flow)
-        while isinstance(step, Attempt):
+        step: Attempt | Hold | Final[SyncExchange] = _first(flow)
+        while isinstance(step, Attempt | Hold):
+            if isinstance(step, Hold):
+                ready = step.waiter.wait_sync(step.deadline_s)
+                step, _ = _advance(flow, AttemptResult.held(ready), None, None)
+                continue
             attempt, exchange = step, None
             if attempt.delay_s > 0:
                 sleep(attempt.delay_s)
@@ -200,7 +248,7 @@ def drive_sync(
         if exchange is not None:
             exchange.close()
         if attempt is not None:
-            attempt.lease.release(ok=False)
+            _abandon(attempt.lease)
         raise
     finally:
         flow.close()

@@ -28,6 +28,12 @@ becomes 502 ``upstream_error`` and a timeout 504 ``upstream_timeout``.
 The flow takes a lease on each attempt's worker before yielding it and releases
 it itself when it moves on; the returned attempt's lease belongs to the adapter,
 which releases it when the response ends or the client leaves.
+
+Holding for a wake (issue 6): when the placer finds only sleeping or waking
+workers it raises :class:`WakePending`; the flow then yields a :class:`Hold`
+instead of an attempt. The driver waits (without a lease) until the worker is
+ready or the deadline passes and sends back ``AttemptResult.held(ready)``; the
+flow places again, or answers 503 ``worker_waking``. A request holds at most once.
 """
 
 from __future__ import annotations
@@ -43,7 +49,13 @@ from meshkit.core.endpoints import Api
 from meshkit.core.payload import RankBase, rank_base, with_rank
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate
-from meshkit.errors import MeshError, NoAvailableWorkers, UpstreamError, UpstreamTimeout
+from meshkit.errors import (
+    MeshError,
+    NoAvailableWorkers,
+    UpstreamError,
+    UpstreamTimeout,
+    WorkerWaking,
+)
 
 __all__ = [
     "RETRYABLE_STATUS",
@@ -51,9 +63,12 @@ __all__ = [
     "AttemptResult",
     "Failure",
     "ForwardFlow",
+    "Hold",
     "LocalResponse",
     "Placer",
+    "ReadinessWaiter",
     "RetryPolicy",
+    "WakePending",
     "build_attempt",
     "forward_flow",
 ]
@@ -79,10 +94,16 @@ class AttemptResult:
     failure: Failure | None = None
     headers: tuple[tuple[bytes, bytes], ...] = ()
     body: bytes | None = None
+    #: the answer to a :class:`Hold`: did the worker become ready in time
+    ready: bool | None = None
 
     @classmethod
     def response(cls, status: int) -> AttemptResult:
         return cls(status=status)
+
+    @classmethod
+    def held(cls, ready: bool) -> AttemptResult:
+        return cls(ready=ready)
 
     @classmethod
     def failed(cls, failure: Failure) -> AttemptResult:
@@ -96,6 +117,42 @@ class Lease(Protocol):
     started: float
 
     def release(self, *, ok: bool, status: int | None = None) -> None: ...
+
+
+class ReadinessWaiter(Protocol):
+    """Waits until a held request's worker is ready (the lifecycle implements it).
+
+    ``deadline_s`` is on the mesh's clock. Both return True when the worker became
+    ready, False when the deadline passed or the wake failed.
+    """
+
+    def wait_sync(self, deadline_s: float) -> bool: ...
+
+    async def wait_async(self, deadline_s: float) -> bool: ...
+
+
+class WakePending(Exception):
+    """Raised by :meth:`Placer.place`: the only eligible workers are asleep or
+    waking (a wake is under way); the request may wait for ``worker_id``."""
+
+    def __init__(
+        self, worker_id: str, deadline_s: float, waiter: ReadinessWaiter, retry_after_s: float
+    ) -> None:
+        super().__init__(worker_id)
+        self.worker_id = worker_id
+        self.deadline_s = deadline_s
+        self.waiter = waiter
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """A step of the flow: wait (holding no lease) until ``worker_id`` is ready or
+    ``deadline_s`` (mesh clock) passes, then send ``AttemptResult.held(ready)``."""
+
+    worker_id: str
+    deadline_s: float
+    waiter: ReadinessWaiter
 
 
 class Placer(Protocol):
@@ -151,7 +208,7 @@ class LocalResponse:
     body: bytes
 
 
-ForwardFlow = Generator[Attempt, AttemptResult, "Attempt | LocalResponse"]
+ForwardFlow = Generator["Attempt | Hold", AttemptResult, "Attempt | LocalResponse"]
 
 
 def _sends_rank(cand: Candidate, api: Api) -> bool:
@@ -207,15 +264,38 @@ def forward_flow(
     # no other worker can take the request.
     pending: Attempt | None = None
     pending_status = 0
+    held = False
     for number in range(max(1, retry.max_attempts)):
-        try:
-            cand = placer.place(view, exclude=frozenset(tried), attempt=number)
-        except NoAvailableWorkers:
+        while True:
+            wake: WakePending | None = None
+            try:
+                cand = placer.place(view, exclude=frozenset(tried), attempt=number)
+            except MeshError as exc:
+                # Whatever stops a retry, a worker's own answer beats meshkit's.
+                if pending is not None:
+                    return pending
+                if isinstance(exc, NoAvailableWorkers) and last_error is not None:
+                    raise last_error from None
+                raise
+            except WakePending as exc:
+                wake = exc
+            if wake is None:
+                break
             if pending is not None:
+                # A worker already answered (retryably): relay that rather than
+                # hold (the driver closes a response it is not told to relay).
                 return pending
-            if last_error is not None:
-                raise last_error from None
-            raise
+            if held:
+                raise WorkerWaking(
+                    "the worker is waking up; retry shortly", retry_after_s=wake.retry_after_s
+                )
+            held = True
+            answer = yield Hold(wake.worker_id, wake.deadline_s, wake.waiter)
+            if not answer.ready:
+                raise WorkerWaking(
+                    "the worker is still waking up; retry shortly",
+                    retry_after_s=wake.retry_after_s,
+                )
         if pending is not None:
             pending.lease.release(ok=False, status=pending_status)
             pending = None

@@ -18,6 +18,11 @@ Eligibility first, then the policy:
 
 No configured worker for the API/model is 501 ``unsupported_api``; some configured
 but none available is 503 ``no_available_workers``.
+
+Lifecycle (issue 6) reaches placement only through data: workers that must not
+take new requests (failed, asleep, draining, breaker open) are in
+``fleet.unhealthy``, so the hot path costs nothing extra; ``prefer`` pins an
+``Idempotency-Key`` join to the candidate its running twin holds.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def configured_for(fleet: Fleet, view: RequestView, role: str = "regular") -> li
     return out
 
 
-def state_owner_origin(workers: Sequence[Worker]) -> str | None | bool:
+def state_owner_origin(workers: Sequence[Worker]) -> str | bool | None:
     """The single state domain of ``workers``.
 
     :returns: the one origin they all share, ``True`` when all are labelled shared,
@@ -129,9 +134,18 @@ def place(
     exclude: Collection[str] = (),
     owner: str | None = None,
     admit: Admit | None = None,
+    prefer: str | None = None,
 ) -> Candidate:
-    """Pick a candidate for ``view`` (eligibility, then the policy)."""
+    """Pick a candidate for ``view`` (eligibility, then the policy).
+
+    :param prefer: a candidate key to take without asking the policy when it is
+        eligible (an idempotent retry joins the worker its original runs on).
+    """
     cands = eligible(fleet, view, exclude=exclude, owner=owner, admit=admit)
+    if prefer is not None:
+        for c in cands:
+            if c.key == prefer:
+                return c
     ctx = PlacementContext(
         candidates=cands,
         view=view,

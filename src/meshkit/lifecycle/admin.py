@@ -1,0 +1,290 @@
+"""
+The admin API
+=============
+
+A pure ASGI app over one :class:`~meshkit.Mesh`, for the standalone gateway to
+mount (or any ASGI server to serve on an internal port)::
+
+    admin = AdminApp(mesh)                       # admin_key from MeshConfig
+    app = Starlette(routes=[Mount("/admin", app=admin)])
+
+=========================================  =====================================
+``GET /workers``                           the fleet: state, load, leases,
+                                           breaker, activity (never API keys)
+``POST /workers``                          add one: ``{"url", "api_key"?,
+                                           "labels"?}`` → 201
+``DELETE /workers/{id}``                   drain, then remove → 200
+``POST /workers/{id}/drain``               stop placements, wait for leases
+``POST /workers/{id}/sleep``               ``?level=N``; 409 while it holds a
+                                           lease or is not ready
+``POST /workers/{id}/wake``                wake and wait until ready
+=========================================  =====================================
+
+``{id}`` is the worker's URL, percent-encoded as one path segment (the ``id``
+field of ``GET /workers``, e.g. ``http%3A%2F%2F10.0.0.5%3A8000``), or its
+``index`` in that listing (convenient, but it shifts when workers are removed).
+Drain, delete and wake take ``?timeout_s=`` (defaults: ``lifecycle.drain_timeout_s``,
+``lifecycle.wake_timeout_s``).
+
+Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 bad input, 401
+without the admin key, 404 unknown worker or path, 405, 409 a state that does not
+allow it, 502 a worker that did not answer.
+
+Security: when an admin key is configured (``MeshConfig.admin_key`` or the
+``admin_key`` argument) every request needs ``Authorization: Bearer <key>``
+(compared in constant time), else 401. Without one the app is open: serve it on a
+private interface only. Responses never carry a worker's API key, and a request
+body is read only on ``POST /workers`` (bounded to 64 KiB).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+from meshkit.core.lifecycle import LifecycleError
+from meshkit.core.workers import Worker
+from meshkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from meshkit.mesh import Mesh
+
+__all__ = ["AdminApp"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_MAX_BODY = 64 * 1024
+_ACTIONS = ("drain", "sleep", "wake")
+
+
+class _Reply(Exception):
+    """Ends a request with a JSON answer (raised from anywhere in a handler)."""
+
+    def __init__(self, status: int, body: Any, headers: list[tuple[bytes, bytes]] | None = None):
+        super().__init__(status)
+        self.status = status
+        self.body = body
+        self.headers = headers or []
+
+
+def _error(status: int, code: str, message: str) -> _Reply:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+    body = {"error": {"message": message, "type": kind.get(status, "api_error"), "code": code}}
+    return _Reply(status, body)
+
+
+class AdminApp:
+    """Worker administration for one mesh (see the module docstring).
+
+    :param mesh: the :class:`~meshkit.Mesh` to administer.
+    :param admin_key: the bearer key required; ``MeshConfig.admin_key`` when
+        omitted; no key configured means no check.
+    """
+
+    def __init__(self, mesh: Mesh, admin_key: str | None = None) -> None:
+        self.mesh = mesh
+        key = admin_key if admin_key is not None else mesh.config.admin_key
+        self._expected = ("Bearer " + key).encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        # A gateway that has not routed a request yet has not started probing;
+        # what the admin lists and does needs the probes (a no-op once started).
+        self.mesh.start_lifecycle()
+        try:
+            if not self._authorized(scope):
+                reply = _error(401, "unauthorized", "admin key required")
+                reply.headers.append((b"www-authenticate", b"Bearer"))
+                raise reply
+            await self._dispatch(scope, receive)
+        except _Reply as r:
+            await _send(send, r.status, r.body, r.headers)
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self._expected is None:
+            return True
+        for k, v in scope.get("headers", ()):
+            if k.lower() == b"authorization":
+                return hmac.compare_digest(v, self._expected)
+        return False
+
+    async def _dispatch(self, scope: Scope, receive: Receive) -> None:
+        path = scope.get("path", "/")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        method = scope.get("method", "GET")
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        if path.rstrip("/") == "/workers":
+            if method == "GET":
+                raise _Reply(200, {"workers": self._list()})
+            if method == "POST":
+                raise _Reply(201, {"worker": await self._add(receive)})
+            raise _error(405, "method_not_allowed", "use GET or POST")
+        if not path.startswith("/workers/"):
+            raise _error(404, "not_found", "no such admin path")
+        # The path is percent-decoded already: a quoted worker URL is the URL again.
+        rest = path[len("/workers/") :]
+        action = None
+        for a in _ACTIONS:
+            if rest.endswith("/" + a):
+                action, rest = a, rest[: -len(a) - 1]
+                break
+        worker = self._worker(rest)
+        timeout = _float(query, "timeout_s")
+        if action is None:
+            if method != "DELETE":
+                raise _error(405, "method_not_allowed", "use DELETE")
+            drained = await self.mesh.adrain(worker, timeout_s=timeout)
+            await self.mesh.aremove_worker(worker, timeout_s=0)
+            raise _Reply(200, {"removed": True, "drained": drained})
+        if method != "POST":
+            raise _error(405, "method_not_allowed", "use POST")
+        try:
+            if action == "drain":
+                drained = await self.mesh.adrain(worker, timeout_s=timeout)
+                raise _Reply(200, {"drained": drained, "worker": self._one(worker)})
+            if action == "sleep":
+                level = _int(query, "level")
+                slept = await self.mesh.asleep(worker, level=level, timeout_s=timeout)
+                if not slept:
+                    raise _error(502, "sleep_failed", "the worker did not go to sleep")
+                raise _Reply(200, {"slept": True, "worker": self._one(worker)})
+            ready = await self.mesh.awake(worker, timeout_s=timeout)
+            raise _Reply(200 if ready else 504, {"ready": ready, "worker": self._one(worker)})
+        except LifecycleError as exc:
+            raise _error(409, "invalid_state", str(exc)) from None
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _list(self) -> list[dict[str, Any]]:
+        mesh = self.mesh
+        lc = mesh.lifecycle
+        with mesh._lock:
+            now = mesh.clock()
+            return [lc.describe(w, i, now) for i, w in enumerate(mesh.fleet.workers)]
+
+    def _one(self, worker: Worker) -> dict[str, Any] | None:
+        mesh = self.mesh
+        with mesh._lock:
+            for i, w in enumerate(mesh.fleet.workers):
+                if w.id == worker.id:
+                    return mesh.lifecycle.describe(w, i, mesh.clock())
+        return None
+
+    def _worker(self, ident: str) -> Worker:
+        workers = self.mesh.fleet.workers
+        if ident.isdigit():
+            i = int(ident)
+            if i < len(workers):
+                return workers[i]
+        else:
+            w = self.mesh.fleet.get(ident)
+            if w is None:
+                try:
+                    w = self.mesh.fleet.get(Worker(ident).id)  # e.g. a trailing slash
+                except ConfigError:
+                    w = None
+            if w is not None:
+                return w
+        raise _error(404, "unknown_worker", "no such worker")
+
+    async def _add(self, receive: Receive) -> dict[str, Any]:
+        raw = await _read_body(receive)
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            raise _error(400, "invalid_json", "the body is not JSON") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("url"), str):
+            raise _error(400, "invalid_worker", 'the body must be {"url": ..., ...}')
+        unknown = set(obj) - {"url", "api_key", "labels"}
+        if unknown:
+            raise _error(400, "invalid_worker", f"unknown keys: {sorted(unknown)}")
+        key = obj.get("api_key")
+        labels = obj.get("labels") or {}
+        if key is not None and not isinstance(key, str):
+            raise _error(400, "invalid_worker", "api_key must be a string")
+        if not isinstance(labels, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+        ):
+            raise _error(400, "invalid_worker", "labels must map strings to strings")
+        try:
+            worker = Worker(obj["url"], api_key=key, labels=labels)
+        except ConfigError as exc:
+            # ConfigError messages name the key and the URL, never the api_key.
+            raise _error(400, "invalid_worker", str(exc)) from None
+        if self.mesh.fleet.get(worker.id) is not None:
+            raise _error(409, "duplicate_worker", "a worker with this URL exists")
+        try:
+            self.mesh.add_worker(worker)
+        except ConfigError as exc:
+            raise _error(409, "duplicate_worker", str(exc)) from None
+        one = self._one(worker)
+        assert one is not None
+        return one
+
+
+def _float(query: dict[str, list[str]], name: str) -> float | None:
+    raw = query.get(name)
+    if not raw:
+        return None
+    try:
+        value = float(raw[-1])
+    except ValueError:
+        raise _error(400, "invalid_query", f"{name} must be a number") from None
+    if not value >= 0:
+        raise _error(400, "invalid_query", f"{name} must be >= 0")
+    return value
+
+
+def _int(query: dict[str, list[str]], name: str) -> int | None:
+    raw = query.get(name)
+    if not raw:
+        return None
+    try:
+        return int(raw[-1])
+    except ValueError:
+        raise _error(400, "invalid_query", f"{name} must be an integer") from None
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _error(400, "disconnected", "the client left")
+        chunk = message.get("body", b"")
+        total += len(chunk)
+        if total > _MAX_BODY:
+            raise _error(413, "too_large", "the body is over 64 KiB")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _send(send: Send, status: int, body: Any, headers: list[tuple[bytes, bytes]]) -> None:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs + headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

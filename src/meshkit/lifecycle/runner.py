@@ -1,0 +1,314 @@
+"""
+The lifecycle runner
+====================
+
+One daemon thread per :class:`~meshkit.Mesh`, running its own asyncio loop and
+aiohttp session, does every background call the lifecycle needs:
+
+* health probes: ``GET lifecycle.health_path`` on every tracked worker each
+  ``health_interval_s`` (and at once when a worker is added), plus
+  ``GET /is_sleeping`` for ``mesh.sleep_mode=vllm`` workers. A failed worker is
+  probed like any other, so a restart at the same address rejoins (smg PR #2468).
+  The results of a round are applied together;
+* wakes: one ``POST /wake_up`` per wake the request path starts;
+* sleeps: ``POST /sleep?level=N&mode=wait``, after ``idle_sleep_s`` with no lease
+  or when asked (admin).
+
+Being its own thread, it serves every embedding the same way: an ASGI app, a WSGI
+app, the sync and async client transports. It starts lazily (first request, or
+``Mesh.start_lifecycle()``) and stops with ``Mesh.close()``.
+
+Sleeps and wakes of one worker never overlap (one lock per worker): a wake asked
+for while a sleep is in flight is sent when the sleep returns. Probes use fresh
+connections (``force_close``) so a worker restarted on the same port is seen at
+once rather than through a dead pooled connection.
+
+Security: the runner sends the worker's own API key (``Authorization: Bearer``)
+and nothing from any client; vLLM's sleep endpoints exist only in its dev mode
+and must not be reachable by clients, which meshkit never forwards them to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import aiohttp
+
+from meshkit.core.workers import Worker
+
+if TYPE_CHECKING:
+    from meshkit.lifecycle.controller import Lifecycle
+
+__all__ = ["Runner"]
+
+log = logging.getLogger("meshkit.lifecycle")
+
+T = TypeVar("T")
+_MAX_BODY = 64 * 1024
+
+
+def _copy_outcome(task: asyncio.Future[T], cfut: concurrent.futures.Future[T]) -> None:
+    if cfut.done():
+        return
+    if task.cancelled():
+        cfut.cancel()
+    elif task.exception() is not None:
+        cfut.set_exception(task.exception())
+    else:
+        cfut.set_result(task.result())
+
+
+class Runner:
+    """The background thread of one Mesh's lifecycle (see the module docstring)."""
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.lc = lifecycle
+        self.config = lifecycle.config
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._up = threading.Event()
+        self._stopping = False
+        self._stop: asyncio.Event | None = None
+        self._kick: asyncio.Event | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._op_locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- thread control (any thread) ---------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive() and not self._stopping
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._stopping:
+                return
+            self._thread = threading.Thread(target=self._run, name="meshkit-lifecycle", daemon=True)
+            self._thread.start()
+        self._up.wait(10.0)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+            thread, loop, stop = self._thread, self._loop, self._stop
+        if thread is None:
+            return
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                loop.call_soon_threadsafe(stop.set)
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def kick(self) -> None:
+        loop, kick = self._loop, self._kick
+        if loop is not None and kick is not None and not self._stopping:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(kick.set)
+
+    def submit(self, factory: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Run ``factory()`` on the runner's loop; the coroutine is created there,
+        so one that never runs (the runner stopped) is never left unawaited."""
+        self.start()
+        cfut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        loop = self._loop
+
+        def launch() -> None:
+            if self._stop is None or self._stop.is_set():
+                cfut.cancel()
+                return
+            task = self._spawn(factory())
+            task.add_done_callback(lambda t: _copy_outcome(t, cfut))
+
+        if loop is None or self._stopping:
+            cfut.cancel()
+            return cfut
+        try:
+            loop.call_soon_threadsafe(launch)
+        except RuntimeError:
+            cfut.cancel()
+        return cfut
+
+    def submit_wake(self, worker_id: str) -> concurrent.futures.Future[bool]:
+        return self.submit(lambda: self._wake(worker_id))
+
+    def submit_sleep(
+        self, worker_id: str, level: int, *, strict: bool = True
+    ) -> concurrent.futures.Future[bool]:
+        return self.submit(lambda: self._sleep(worker_id, level, strict=strict))
+
+    # -- the loop thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except Exception:  # pragma: no cover - _main handles its own errors
+            log.exception("the lifecycle runner stopped on an error")
+        finally:
+            self._up.set()
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+
+    def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
+        task: asyncio.Task[T] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        self._kick = asyncio.Event()
+        if self._stopping:  # stopped before it started
+            self._up.set()
+            return
+        connector = aiohttp.TCPConnector(force_close=True, limit=64)
+        self._session = aiohttp.ClientSession(
+            connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
+        )
+        try:
+            if self.config.probe:
+                self._spawn(self._probe_loop())
+            if self.config.idle_sleep_s is not None:
+                self._spawn(self._idle_loop())
+            self._up.set()
+            await self._stop.wait()
+        finally:
+            tasks = list(self._tasks)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._session.close()
+
+    def _op_lock(self, worker_id: str) -> asyncio.Lock:
+        lock = self._op_locks.get(worker_id)
+        if lock is None:
+            lock = self._op_locks[worker_id] = asyncio.Lock()
+        return lock
+
+    async def _call(
+        self, method: str, worker: Worker, path: str, timeout_s: float
+    ) -> tuple[int, bytes] | None:
+        """One call to a worker; None when it could not be reached in time."""
+        session = self._session
+        if session is None:  # pragma: no cover - only called from tasks of _main
+            return None
+        headers = {"Authorization": f"Bearer {worker.api_key}"} if worker.api_key else {}
+        try:
+            async with session.request(
+                method,
+                worker.url + path,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                allow_redirects=False,
+            ) as resp:
+                body = bytearray()
+                async for chunk in resp.content.iter_any():
+                    body += chunk
+                    if len(body) >= _MAX_BODY:  # a worker is not trusted to be small
+                        break
+                return resp.status, bytes(body)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return None
+
+    # -- probes ---------------------------------------------------------------------------
+
+    async def _probe_loop(self) -> None:
+        assert self._kick is not None
+        interval = max(0.01, self.config.health_interval_s)
+        while True:
+            try:
+                await self._probe_round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # pragma: no cover - a bug must not stop the probes
+                log.exception("lifecycle probe round failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), interval)
+            self._kick.clear()
+
+    async def _probe_round(self) -> None:
+        targets = self.lc.probe_targets()
+        if not targets:
+            return
+        results = await asyncio.gather(*(self._probe(w) for w, _ in targets))
+        self.lc.probed(
+            [
+                (w, epoch, ok, sleeping)
+                for (w, epoch), (ok, sleeping) in zip(targets, results, strict=True)
+            ]
+        )
+
+    async def _probe(self, worker: Worker) -> tuple[bool, bool | None]:
+        cfg = self.config
+        path = cfg.health_path if cfg.health_path.startswith("/") else "/" + cfg.health_path
+        res = await self._call("GET", worker, path, cfg.health_timeout_s)
+        ok = res is not None and 200 <= res[0] < 300
+        sleeping = None
+        if ok and worker.sleep_mode == "vllm":
+            rep = await self._call("GET", worker, "/is_sleeping", cfg.health_timeout_s)
+            if rep is not None and rep[0] == 200:
+                try:
+                    obj = json.loads(rep[1])
+                except ValueError:
+                    obj = None
+                if isinstance(obj, dict) and isinstance(obj.get("is_sleeping"), bool):
+                    sleeping = obj["is_sleeping"]
+        return ok, sleeping
+
+    # -- wake and sleep -------------------------------------------------------------------
+
+    async def _wake(self, worker_id: str) -> bool:
+        ok = False
+        try:
+            async with self._op_lock(worker_id):
+                worker = self.lc.wake_target(worker_id)
+                if worker is None:
+                    return False
+                res = await self._call("POST", worker, "/wake_up", self.config.wake_timeout_s)
+                ok = res is not None and 200 <= res[0] < 300
+                if not ok:
+                    log.warning("waking %s failed", worker.url)
+                return ok
+        finally:
+            self.lc.wake_done(worker_id, ok)
+
+    async def _sleep(self, worker_id: str, level: int, *, strict: bool) -> bool:
+        async with self._op_lock(worker_id):
+            worker = self.lc.begin_sleep(worker_id, strict=strict)
+            if worker is None:
+                return False
+            ok = False
+            try:
+                path = f"/sleep?level={int(level)}&mode=wait"
+                res = await self._call("POST", worker, path, self.config.wake_timeout_s)
+                ok = res is not None and 200 <= res[0] < 300
+                if not ok:
+                    log.warning("putting %s to sleep failed", worker.url)
+                return ok
+            finally:
+                self.lc.sleep_done(worker_id, ok)
+
+    async def _idle_loop(self) -> None:
+        idle_s = self.config.idle_sleep_s or 0.0
+        period = min(max(idle_s / 4, 0.01), 1.0)
+        level = self.config.sleep_level
+        while True:
+            await asyncio.sleep(period)
+            try:
+                for wid in self.lc.idle_candidates():
+                    self._spawn(self._sleep(wid, level, strict=False))
+            except Exception:  # pragma: no cover - a bug must not stop the loop
+                log.exception("lifecycle idle check failed")

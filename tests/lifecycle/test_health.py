@@ -1,0 +1,184 @@
+"""Health probes and circuit breakers against real mock workers."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from harness import TransportMode, wait_until
+from lifecycle.conftest import CHAT, FAST, PATH, state_of
+from meshkit import Worker
+from meshkit.core.lifecycle import Breaker, State
+
+BREAKER = {
+    **FAST,
+    "health_interval_s": 0.3,
+    "failure_threshold": 3,
+    "success_threshold": 1,
+    "breaker_failures": 2,
+    "breaker_open_s": 0.3,
+}
+
+
+class Load:
+    """Requests in a loop on a thread, until stopped; records (status, worker)."""
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+        self.seen: list[tuple[int, str | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            r = self.mode.request("POST", PATH, json=CHAT)
+            self.seen.append((r.status, r.headers.get("x-mock-worker")))
+
+    def mark(self) -> int:
+        return len(self.seen)
+
+    def since(self, mark: int) -> list[tuple[int, str | None]]:
+        return self.seen[mark:]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_a_killed_worker_trips_its_breaker_and_rejoins_after_restart(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    mocks = [mock_factory(name=f"w{i}") for i in range(3)]
+    mesh = mesh_factory(workers=[Worker(m.url) for m in mocks], lifecycle=BREAKER)
+    lc = mesh.lifecycle
+    dead = mesh.workers[1].id
+    mode = run_mode(mesh)
+    load = Load(mode)
+    try:
+        assert wait_until(lambda: all(m.state is State.READY for m in lc.machines.values()))
+        assert wait_until(lambda: "w1" in {w for _, w in load.seen})
+        before = load.mark()
+        mocks[1].kill()
+        # Failed requests (connect errors) trip the breaker before probes notice.
+        assert wait_until(lambda: lc.trips.get(dead, 0) >= 1)
+        assert wait_until(lambda: state_of(mesh, dead) is State.FAILED)
+        moved = load.mark()
+        assert wait_until(lambda: load.mark() > moved + 20)
+        during = load.since(before)
+        assert {s for s, _ in during} == {200}  # every request failed over in time
+        assert {w for _, w in load.since(moved)} == {"w0", "w2"}
+        mocks[1].restart()
+        # Probes see it healthy again (it was probed all along), the breaker lets a
+        # trial through, and it takes traffic again.
+        back = load.mark()
+        assert wait_until(lambda: "w1" in {w for _, w in load.since(back)})
+        assert state_of(mesh, dead) is State.READY
+        # The trial's verdict lands when its response has ended (after the client
+        # may already have it).
+        assert wait_until(lambda: lc.machines[dead].breaker is Breaker.CLOSED)
+        assert {s for s, _ in load.since(before)} == {200}
+    finally:
+        load.stop()
+    assert wait_until(lambda: mesh.total_load() == 0)
+
+
+def test_a_new_worker_is_unverified_until_probed(mock_factory: Any, mesh_factory: Any) -> None:
+    a = mock_factory(name="a")
+    b = mock_factory(name="b")
+    # A long interval: only the probe an addition triggers can verify b in time.
+    mesh = mesh_factory(workers=[Worker(a.url)], lifecycle={**FAST, "health_interval_s": 60})
+    mode = TransportMode(mesh)
+    try:
+        assert mode.request("POST", PATH, json=CHAT).status == 200  # unverified is routable
+        assert wait_until(lambda: state_of(mesh, mesh.workers[0].id) is State.READY)
+        w = mesh.add_worker(Worker(b.url))
+        assert wait_until(lambda: state_of(mesh, w.id) is State.READY)
+        served = {mode.request("POST", PATH, json=CHAT).headers["x-mock-worker"] for _ in range(4)}
+        assert served == {"a", "b"}
+    finally:
+        mode.close()
+
+
+def test_unverified_workers_are_not_preferred(mock_factory: Any, mesh_factory: Any) -> None:
+    a = mock_factory(name="a")
+    mesh = mesh_factory(workers=[Worker(a.url)], lifecycle={**FAST, "health_interval_s": 60})
+    mode = TransportMode(mesh)
+    try:
+        mesh.start_lifecycle()
+        assert wait_until(lambda: state_of(mesh, mesh.workers[0].id) is State.READY)
+        # Added while probes cannot reach it yet: it stays unverified.
+        with mesh._lock:
+            mesh.fleet.add(Worker("http://127.0.0.1:9"))
+            mesh.lifecycle.track(mesh.fleet.get("http://127.0.0.1:9"), mesh.clock())  # type: ignore[arg-type]
+        served = {mode.request("POST", PATH, json=CHAT).headers["x-mock-worker"] for _ in range(4)}
+        assert served == {"a"}
+    finally:
+        mode.close()
+
+
+def test_a_worker_down_at_start_fails_and_is_routed_around(
+    mock_factory: Any, mesh_factory: Any
+) -> None:
+    a = mock_factory(name="a")
+    mesh = mesh_factory(workers=[Worker(a.url), Worker("http://127.0.0.1:9")], lifecycle=FAST)
+    mode = TransportMode(mesh)
+    try:
+        mesh.start_lifecycle()
+        assert wait_until(lambda: state_of(mesh, "http://127.0.0.1:9") is State.FAILED)
+        assert "http://127.0.0.1:9" in mesh.fleet.unhealthy
+        replies = [mode.request("POST", PATH, json=CHAT) for _ in range(4)]
+        assert {r.headers["x-mock-worker"] for r in replies} == {"a"}
+    finally:
+        mode.close()
+
+
+def test_probing_off_starts_ready_and_never_probes(mock_factory: Any, mesh_factory: Any) -> None:
+    a = mock_factory(name="a")
+    mesh = mesh_factory(workers=[Worker(a.url)], lifecycle={"probe": False})
+    assert state_of(mesh, mesh.workers[0].id) is State.READY
+    mode = TransportMode(mesh)
+    try:
+        assert mode.request("POST", PATH, json=CHAT).status == 200
+        assert a.worker.stats.requests_total.get("/health", 0) == 0
+    finally:
+        mode.close()
+
+
+def test_untracked_workers_are_not_probed_and_can_be_required(
+    mock_factory: Any, mesh_factory: Any
+) -> None:
+    a = mock_factory(name="a")
+    labels = {"mesh.tracking": "bypassable"}
+    mesh = mesh_factory(workers=[Worker(a.url, labels=labels)], lifecycle=FAST)
+    wid = mesh.workers[0].id
+    assert state_of(mesh, wid) is State.UNTRACKED
+    mode = TransportMode(mesh)
+    try:
+        assert mode.request("POST", PATH, json=CHAT).status == 200
+        assert a.worker.stats.requests_total.get("/health", 0) == 0
+    finally:
+        mode.close()
+    strict = mesh_factory(
+        workers=[Worker(a.url, labels=labels)], lifecycle={**FAST, "require_tracking": True}
+    )
+    mode = TransportMode(strict)
+    try:
+        r = mode.request("POST", PATH, json=CHAT)
+        assert r.status == 503
+        assert r.json()["error"]["code"] == "no_available_workers"
+    finally:
+        mode.close()
+
+
+def test_set_healthy_is_kept_apart_from_probes(mock_factory: Any, mesh_factory: Any) -> None:
+    a = mock_factory(name="a")
+    mesh = mesh_factory(workers=[Worker(a.url)], lifecycle=FAST)
+    w = mesh.workers[0]
+    mesh.set_healthy(w, False)
+    mesh.start_lifecycle()
+    assert wait_until(lambda: state_of(mesh, w.id) is State.READY)
+    assert wait_until(lambda: a.worker.stats.requests_total.get("/health", 0) >= 3)
+    assert w.id in mesh.fleet.unhealthy  # the probes do not overrule the operator
+    mesh.set_healthy(w, True)
+    assert w.id not in mesh.fleet.unhealthy
