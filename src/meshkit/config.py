@@ -34,6 +34,7 @@ __all__ = [
     "LifecycleConfig",
     "MeshConfig",
     "MetricsConfig",
+    "PdConfig",
     "PrepareConfig",
     "RoutingConfig",
     "ServerConfig",
@@ -120,6 +121,15 @@ class LifecycleConfig:
 
 
 @dataclass(frozen=True)
+class PdConfig:
+    """Prefill/decode disaggregation (``[pd]``; used when the fleet has both roles)."""
+
+    protocol: str = "sglang"  # "sglang": concurrent legs; "vllm": kv_transfer_params
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "power_of_two"
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     enabled: bool = True
 
@@ -163,6 +173,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "routing": RoutingConfig,
     "lifecycle": LifecycleConfig,
     "metrics": MetricsConfig,
+    "pd": PdConfig,
     "server": ServerConfig,
 }
 
@@ -183,6 +194,7 @@ class MeshConfig:
     routing: RoutingConfig = RoutingConfig()
     lifecycle: LifecycleConfig = LifecycleConfig()
     metrics: MetricsConfig = MetricsConfig()
+    pd: PdConfig = PdConfig()
     server: ServerConfig = ServerConfig()
 
     @classmethod

@@ -47,6 +47,7 @@ from meshkit.core.forward import (
     forward_flow,
 )
 from meshkit.core.lifecycle import LeaseEntry, LeaseKind, Verdict
+from meshkit.core.pd import PairLease, pd_flow
 from meshkit.core.placement import configured_for
 from meshkit.core.policies.affinity import ResponsesAffinity
 from meshkit.core.policies.base import Completion, Policy
@@ -58,6 +59,7 @@ from meshkit.errors import InvalidRequest, MeshError, NoAvailableWorkers, Reques
 from meshkit.lifecycle.controller import IDEMPOTENCY_KEY, NO_WAIT, Lifecycle
 from meshkit.lifecycle.metrics import LifecycleCollector
 from meshkit.metrics import RouterMetrics
+from meshkit.pd_router import PdRouter
 from meshkit.prepare.jobs import detokenize_job, tokenize_job
 from meshkit.prepare.pool import PoolConfig, PreparePool
 from meshkit.prepare.tokenizers import TokenizerRegistry
@@ -211,6 +213,8 @@ class Accounting:
         m.duration.labels(api).observe(now - lease.started)
         if acct.ttft is not None:
             m.ttft.labels(api).observe(acct.ttft)
+            if isinstance(lease, PairLease):
+                mesh.pd.ttft.observe(acct.ttft)
         usage = acct.usage
         if usage is not None:
             m.tokens.labels("input").inc(usage.input_tokens)
@@ -290,6 +294,7 @@ class Mesh:
             self.tokenizers.register(None, config.tokenizer)
         for model, path in config.tokenizers.items():
             self.tokenizers.register(model, path)
+        self.pd = PdRouter(self)
         self.retry = RetryPolicy(
             max_attempts=max(1, config.upstream.max_attempts),
             backoff_base_s=config.upstream.backoff_base_s,
@@ -443,6 +448,10 @@ class Mesh:
             return resource_flow(self, view, headers, method=method)
         if ep.op is Op.LIST:
             return models_flow(self, view, headers)
+        if self.pd.applies(view):
+            return pd_flow(
+                self.pd, view, headers, method=method, protocol=self.pd.protocol, rng=self.rng
+            )
         return forward_flow(self, view, headers, method=method, retry=self.retry, rng=self.rng)
 
     def pass_through(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -40,6 +41,8 @@ from meshkit.core.forward import (
     Hold,
     Lease,
     LocalResponse,
+    Pair,
+    PairResult,
 )
 
 __all__ = [
@@ -128,7 +131,7 @@ def _wants_body(attempt: Attempt, status: int) -> bool:
     return mode == "always" or (mode == "errors" and status >= 400)
 
 
-def _first(flow: ForwardFlow) -> Attempt | Hold | Answered:
+def _first(flow: ForwardFlow) -> Attempt | Hold | Pair | Answered:
     """The flow's first step; a flow that answers locally returns before any attempt."""
     try:
         return next(flow)
@@ -151,7 +154,7 @@ def _abandon(lease: Lease) -> None:
 
 def _advance(
     flow: ForwardFlow, result: AttemptResult, exchange: X | None, captured: LocalResponse | None
-) -> tuple[Attempt | Hold | Final[X], bool]:
+) -> tuple[Attempt | Hold | Pair | Final[X], bool]:
     """Send ``result`` into the flow: the next attempt or what to relay, and
     whether the current exchange must be closed."""
     try:
@@ -175,14 +178,22 @@ async def drive_async(
     """Run ``flow`` to its end with an async ``send``."""
     attempt: Attempt | None = None
     exchange: AsyncExchange | None = None
+    companion: Attempt | None = None
     try:
-        step: Attempt | Hold | Final[AsyncExchange] = _first(flow)
-        while isinstance(step, Attempt | Hold):
+        step: Attempt | Hold | Pair | Final[AsyncExchange] = _first(flow)
+        while isinstance(step, Attempt | Hold | Pair):
             if isinstance(step, Hold):
                 # No lease is held while waiting; a cancellation lands here.
                 ready = await step.waiter.wait_async(step.deadline_s)
                 step, _ = _advance(flow, AttemptResult.held(ready), None, None)
                 continue
+            companion = None
+            if isinstance(step, Pair):
+                # The prefill leg runs beside the decode leg (SGLang needs both
+                # sides connected for the KV handover); its body is read whole.
+                companion = step.prefill
+                other = asyncio.ensure_future(_leg_async(send, step.prefill))
+                step = step.decode
             attempt, exchange = step, None
             if attempt.delay_s > 0:
                 await asyncio.sleep(attempt.delay_s)
@@ -196,7 +207,10 @@ async def drive_async(
                 if _wants_body(attempt, exchange.status):
                     body = await _read_async(exchange)
                 result, captured = _result(attempt, exchange.status, exchange.headers, body)
+            if companion is not None:
+                result = _paired(result, await other)
             step, done_with = _advance(flow, result, exchange, captured)
+            companion = None
             if done_with and exchange is not None:
                 await exchange.aclose()
         return step
@@ -207,6 +221,9 @@ async def drive_async(
             await exchange.aclose()
         if attempt is not None:
             _abandon(attempt.lease)
+        if companion is not None:
+            other.cancel()
+            _abandon(companion.lease)
         raise
     finally:
         flow.close()
@@ -220,13 +237,19 @@ def drive_sync(
     """Run ``flow`` to its end with a blocking ``send``."""
     attempt: Attempt | None = None
     exchange: SyncExchange | None = None
+    companion: Attempt | None = None
     try:
-        step: Attempt | Hold | Final[SyncExchange] = _first(flow)
-        while isinstance(step, Attempt | Hold):
+        step: Attempt | Hold | Pair | Final[SyncExchange] = _first(flow)
+        while isinstance(step, Attempt | Hold | Pair):
             if isinstance(step, Hold):
                 ready = step.waiter.wait_sync(step.deadline_s)
                 step, _ = _advance(flow, AttemptResult.held(ready), None, None)
                 continue
+            companion = None
+            if isinstance(step, Pair):
+                companion = step.prefill
+                pending = _legs().submit(_leg_sync, send, step.prefill)
+                step = step.decode
             attempt, exchange = step, None
             if attempt.delay_s > 0:
                 sleep(attempt.delay_s)
@@ -240,7 +263,10 @@ def drive_sync(
                 if _wants_body(attempt, exchange.status):
                     body = _read_sync(exchange)
                 result, captured = _result(attempt, exchange.status, exchange.headers, body)
+            if companion is not None:
+                result = _paired(result, pending.result())
             step, done_with = _advance(flow, result, exchange, captured)
+            companion = None
             if done_with and exchange is not None:
                 exchange.close()
         return step
@@ -249,9 +275,59 @@ def drive_sync(
             exchange.close()
         if attempt is not None:
             _abandon(attempt.lease)
+        if companion is not None:
+            _abandon(companion.lease)
         raise
     finally:
         flow.close()
+
+
+def _paired(decode: AttemptResult, prefill: AttemptResult) -> PairResult:
+    return PairResult(
+        status=decode.status,
+        failure=decode.failure,
+        headers=decode.headers,
+        body=decode.body,
+        prefill=prefill,
+    )
+
+
+async def _leg_async(
+    send: Callable[[Attempt], Awaitable[AsyncExchange]], attempt: Attempt
+) -> AttemptResult:
+    """Send one leg and read its whole (bounded) body."""
+    try:
+        exchange = await send(attempt)
+    except UpstreamFailure as exc:
+        return AttemptResult.failed(exc.failure)
+    try:
+        body = await _read_async(exchange)
+    finally:
+        await exchange.aclose()
+    return _result(attempt, exchange.status, exchange.headers, body)[0]
+
+
+def _leg_sync(send: Callable[[Attempt], SyncExchange], attempt: Attempt) -> AttemptResult:
+    try:
+        exchange = send(attempt)
+    except UpstreamFailure as exc:
+        return AttemptResult.failed(exc.failure)
+    try:
+        body = _read_sync(exchange)
+    finally:
+        exchange.close()
+    return _result(attempt, exchange.status, exchange.headers, body)[0]
+
+
+_LEGS: ThreadPoolExecutor | None = None
+
+
+def _legs() -> ThreadPoolExecutor:
+    """Threads for the prefill legs of sync callers (bounded; created on first use)."""
+    global _LEGS
+    if _LEGS is None:
+        _LEGS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="meshkit-pd-leg")
+    return _LEGS
 
 
 async def _read_async(exchange: AsyncExchange) -> bytes:

@@ -65,6 +65,8 @@ __all__ = [
     "ForwardFlow",
     "Hold",
     "LocalResponse",
+    "Pair",
+    "PairResult",
     "Placer",
     "ReadinessWaiter",
     "RetryPolicy",
@@ -208,7 +210,24 @@ class LocalResponse:
     body: bytes
 
 
-ForwardFlow = Generator["Attempt | Hold", AttemptResult, "Attempt | LocalResponse"]
+@dataclass(slots=True)
+class Pair:
+    """A step of the flow: send both attempts at once (prefill/decode legs).
+
+    The driver reads the ``prefill`` leg's whole body and sends back a
+    :class:`PairResult`: the ``decode`` leg's result with the prefill's beside it.
+    """
+
+    prefill: Attempt
+    decode: Attempt
+
+
+@dataclass(frozen=True, slots=True)
+class PairResult(AttemptResult):
+    prefill: AttemptResult | None = None
+
+
+ForwardFlow = Generator["Attempt | Hold | Pair", AttemptResult, "Attempt | LocalResponse"]
 
 
 def _sends_rank(cand: Candidate, api: Api) -> bool:

@@ -48,7 +48,7 @@ def configured_for(fleet: Fleet, view: RequestView, role: str = "regular") -> li
     model = view.model
     out = []
     for w in fleet.workers:
-        if w.role != role:
+        if w.role != role and api is not Api.MODELS:  # every role lists its models
             continue
         if not w.serves(api):
             continue

@@ -24,15 +24,20 @@ as stateful.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import msgspec
 
 from meshkit.core.endpoints import Api, Match, Op
-from meshkit.errors import InvalidRequest, UnsupportedMediaType
+from meshkit.errors import HeadersTooLarge, InvalidRequest, UnsupportedMediaType
 
-__all__ = ["RequestView", "check_media", "parse_request"]
+__all__ = ["MAX_JSON_DEPTH", "RequestView", "check_head", "check_media", "parse_request"]
+
+#: default of ``bounds.max_json_depth``
+MAX_JSON_DEPTH = 64
 
 Json = Any
 
@@ -91,6 +96,7 @@ class _Generate(msgspec.Struct):
     input_ids: list[Json] | None = None
     stream: bool | None = None
     rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
     data_parallel_rank: Json = msgspec.UNSET
 
 
@@ -132,6 +138,10 @@ class RequestView:
     prompt_weight: int = 0
     #: the client sent data_parallel_rank itself (the body must be rebuilt once)
     has_dp_rank: bool = False
+    #: items in a batched /generate request (None: not batched)
+    batch: int | None = None
+    #: /generate asked for logprobs (PD merges the prefill's input logprobs)
+    return_logprob: bool = False
     #: anything adapters / later stages attach (never logged)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -160,11 +170,67 @@ def check_media(content_type: str | None, content_encoding: str | None) -> None:
             raise UnsupportedMediaType(f"content type {mime!r} is not JSON")
 
 
-def parse_request(match: Match, body: bytes, *, want_text: bool = False) -> RequestView:
+def check_head(headers: Iterable[tuple[bytes, bytes]], *, max_bytes: int, max_count: int) -> None:
+    """431 when a request head is over ``bounds.max_header_bytes`` or ``bounds.max_headers``.
+
+    The size is that of the header lines as sent, ``name: value\\r\\n`` each (the
+    request line is not counted). Every adapter measures the headers it was given,
+    so the same request trips the same bound in every mode.
+
+    :raises HeadersTooLarge: (431 ``request_header_fields_too_large``)
+    """
+    count = 0
+    size = 0
+    for k, v in headers:
+        count += 1
+        size += len(k) + len(v) + 4
+    if count > max_count:
+        raise HeadersTooLarge(
+            f"the request has {count} header fields; bounds.max_headers allows {max_count}"
+        )
+    if size > max_bytes:
+        raise HeadersTooLarge(
+            f"the request header fields are {size} bytes; "
+            f"bounds.max_header_bytes allows {max_bytes}"
+        )
+
+
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def _too_deep(body: bytes, max_depth: int) -> bool:
+    """Whether ``body`` nests arrays/objects deeper than ``max_depth`` (cheap, pure).
+
+    Most bodies have fewer brackets than the limit and are not scanned at all.
+    Otherwise, in C-speed passes: escaped backslashes and quotes are cut out, every
+    byte but quotes and brackets is dropped (``bytes.translate``), what lies
+    between quotes (string contents) is dropped, and the running depth of the
+    brackets left is an ``accumulate``. Invalid JSON gets an answer too (any):
+    the decoder refuses it next.
+    """
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return False
+    if b'\\"' in body:  # an escaped quote, or an escaped backslash before a quote
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    body = body.translate(None, _NOT_STRUCTURE)
+    if b'"' in body:
+        body = b"".join(body.split(b'"')[::2])
+    if len(body) <= max_depth:
+        return False
+    return max(accumulate(map(_DEPTH_STEP.__getitem__, body))) > max_depth
+
+
+def parse_request(
+    match: Match, body: bytes, *, want_text: bool = False, max_depth: int = MAX_JSON_DEPTH
+) -> RequestView:
     """Parse ``body`` for ``match`` into a :class:`RequestView`.
 
     :param want_text: build :attr:`RequestView.routing_text` (the policy reads it).
-    :raises InvalidRequest: unusable JSON, or a routing field of the wrong type.
+    :param max_depth: the deepest nesting of arrays and objects accepted
+        (``bounds.max_json_depth``); the top-level object is depth 1.
+    :raises InvalidRequest: unusable JSON, nesting deeper than ``max_depth``, or a
+        routing field of the wrong type.
     """
     view = RequestView(match=match, body=body)
     ep = match.endpoint
@@ -175,6 +241,10 @@ def parse_request(match: Match, body: bytes, *, want_text: bool = False) -> Requ
     try:
         if not body.strip():
             raise InvalidRequest("request body is empty; expected a JSON object")
+        if _too_deep(body, max_depth):
+            raise InvalidRequest(
+                f"request body nests arrays and objects deeper than {max_depth} levels"
+            )
         parsed = (decoder or _ANY).decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(_validation_message(exc), param=_param_of(exc)) from None
@@ -316,6 +386,11 @@ def _item_reference(item: dict[str, Json]) -> str | None:
 
 def _generate(view: RequestView, p: _Generate, want_text: bool) -> None:
     view.stream = bool(p.stream)
+    view.return_logprob = bool(p.return_logprob)
+    if isinstance(p.text, list):
+        view.batch = len(p.text)
+    elif p.input_ids and isinstance(p.input_ids[0], list):
+        view.batch = len(p.input_ids)
     if isinstance(p.text, str):
         _set_text(view, [p.text], want_text)
     elif isinstance(p.text, list):

@@ -30,6 +30,7 @@ from meshkit.mock.admin import AdminHandlers
 from meshkit.mock.cache import PrefixCache
 from meshkit.mock.config import MockConfig, MockStats
 from meshkit.mock.errors import anthropic_error, openai_error
+from meshkit.mock.pd import check_pd, logprobs_for, vllm_prefill_params
 from meshkit.mock.responses_api import ResponseStore
 from meshkit.mock.responses_handlers import ResponsesHandlers
 from meshkit.mock.tokens import Token, Vocab, prompt_size, prompt_tokens
@@ -218,6 +219,17 @@ class MockApp:
             msg = f"data parallel rank {rank} out of range [0, {cfg.dp_size})"
             return self.error(req, 400, msg, anthropic=anthropic, param="data_parallel_rank")
         self.stats.last_dp_rank = rank
+        if cfg.pd_role is not None:
+            problem = check_pd(cfg.pd_role, cfg.pd_protocol, body)
+            if problem is not None:
+                return self.error(req, 400, problem, anthropic=anthropic)
+            self.stats.last_bootstrap = (
+                body.get("bootstrap_host"),
+                body.get("bootstrap_port"),
+                body.get("bootstrap_room"),
+            )
+            kv = body.get("kv_transfer_params")
+            self.stats.last_kv_params = kv if isinstance(kv, dict) else None
         if cfg.error_rate > 0.0 and self._rng.random() < cfg.error_rate:
             self.stats.injected_errors += 1
             return self.error(req, cfg.fail_status, "Injected failure", anthropic=anthropic)
@@ -342,6 +354,8 @@ class MockApp:
             max_tokens(body, "max_completion_tokens", "max_tokens"),
             rank,
         )
+        if self._vllm_prefill():
+            return self._prefill_answer(req, t, "chat.completion")
         if body.get("stream") is True:
             rid = "chatcmpl-" + self._tag + self.new_id("")
             return self.stream(req, openai_api.chat_events(t, rid, _include_usage(body)), t)
@@ -356,6 +370,8 @@ class MockApp:
         if prompt is None:
             return self.error(req, 400, "'prompt' is required", param="prompt")
         t = self.turn(body, self.prompt(prompt), max_tokens(body, "max_tokens"), rank)
+        if self._vllm_prefill():
+            return self._prefill_answer(req, t, "text_completion")
         if body.get("stream") is True:
             rid = "cmpl-" + self._tag + self.new_id("")
             return self.stream(req, openai_api.completion_events(t, rid, _include_usage(body)), t)
@@ -404,7 +420,7 @@ class MockApp:
             gid = rid if isinstance(rid, str) else self.new_id("")
             if body.get("stream") is True:
                 return self.stream(req, sglang_api.generate_events(t, gid, self.vocab), t)
-            return self.complete_json(req, sglang_api.generate_body(t, gid, self.vocab), t)
+            return self.complete_json(req, self._with_logprobs(body, t, gid), t)
         if body.get("stream") is True:
             return self.error(req, 400, "the mock worker does not stream batched /generate")
         rids = rid if isinstance(rid, list) else [None] * len(batch)
@@ -413,12 +429,38 @@ class MockApp:
         for item, item_rid in zip(batch, rids, strict=False):
             t = self.turn(body, self.prompt(item), max_out, rank)
             gid = item_rid if isinstance(item_rid, str) else self.new_id("")
-            results.append(sglang_api.generate_body(t, gid, self.vocab))
+            results.append(self._with_logprobs(body, t, gid))
             if longest is None or t.uncached_tokens > longest.uncached_tokens:
                 longest = t
         if longest is None:
             return self.error(req, 400, "empty batch")
         return self.complete_json(req, results, longest)
+
+    # -- prefill/decode roles (mock/pd.py) ---------------------------------------
+
+    def _vllm_prefill(self) -> bool:
+        cfg = self.config
+        return cfg.pd_role == "prefill" and cfg.pd_protocol == "vllm"
+
+    def _prefill_answer(self, req: Request, t: Turn, obj: str) -> Reply:
+        port = int(self.config.name.rsplit(":", 1)[-1]) if ":" in self.config.name else 0
+        answer = {
+            "id": self.new_id("pd-"),
+            "object": obj,
+            "model": self.config.model,
+            "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": t.prompt_tokens, "completion_tokens": 1},
+            "kv_transfer_params": vllm_prefill_params(self.config.name, port),
+        }
+        return self.complete_json(req, answer, t)
+
+    def _with_logprobs(self, body: dict[str, Any], t: Turn, gid: str) -> dict[str, Any]:
+        out = sglang_api.generate_body(t, gid, self.vocab)
+        role = self.config.pd_role
+        if role is not None and body.get("return_logprob") is True:
+            n = 2 if role == "prefill" else 1
+            out["meta_info"]["input_token_logprobs"] = logprobs_for(role, n)
+        return out
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

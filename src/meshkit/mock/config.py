@@ -16,7 +16,7 @@ worker's hot path cheap.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 if TYPE_CHECKING:
@@ -62,6 +62,10 @@ class MockConfig:
     #: Shows in ``x-mock-worker``, ``system_fingerprint`` and chat/completion ids.
     name: str = ""
     seed: int = 0
+    #: Prefill/decode disaggregation: "prefill" or "decode" (see ``mock/pd.py``).
+    pd_role: str | None = None
+    #: "sglang" (bootstrap fields, concurrent legs) or "vllm" (kv_transfer_params).
+    pd_protocol: str = "sglang"
 
     def __post_init__(self) -> None:
         if self.apis is not None:
@@ -76,6 +80,10 @@ class MockConfig:
             raise ValueError("output_tokens must be >= 0")
         if not 0.0 <= self.error_rate <= 1.0:
             raise ValueError("error_rate must be within [0, 1]")
+        if self.pd_role not in (None, "prefill", "decode"):
+            raise ValueError("pd_role must be 'prefill' or 'decode'")
+        if self.pd_protocol not in ("sglang", "vllm"):
+            raise ValueError("pd_protocol must be 'sglang' or 'vllm'")
 
 
 class MockStats:
@@ -107,6 +115,9 @@ class MockStats:
         self.cached_tokens_total = 0
         #: Data-parallel rank of the last inference request (``None`` = not given).
         self.last_dp_rank: int | None = None
+        #: PD mode: (host, port, room) of the last request, and its kv_transfer_params.
+        self.last_bootstrap: tuple[Any, Any, Any] | None = None
+        self.last_kv_params: dict[str, Any] | None = None
         self._last: Request | None = None
 
     def record(self, req: Request) -> None:

@@ -1,0 +1,162 @@
+"""Prefill/decode disaggregation in every mode, against mock PD workers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from harness import wait_until
+
+from meshkit import Worker
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "disaggregate me"}]}
+
+
+def _pd(mock_factory: Any, protocol: str, **kw: Any) -> tuple[Any, Any]:
+    prefill = mock_factory(name="p", pd_role="prefill", pd_protocol=protocol, api_key="pk", **kw)
+    decode = mock_factory(name="d", pd_role="decode", pd_protocol=protocol, api_key="dk", **kw)
+    return prefill, decode
+
+
+def _workers(prefill: Any, decode: Any) -> list[Worker]:
+    return [
+        Worker(
+            prefill.url,
+            api_key="pk",
+            labels={"mesh.role": "prefill", "mesh.bootstrap_port": "9123"},
+        ),
+        Worker(decode.url, api_key="dk", labels={"mesh.role": "decode"}),
+    ]
+
+
+def test_sglang_pd_shares_one_room_and_streams_the_decode(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    prefill, decode = _pd(mock_factory, "sglang", output_tokens=5)
+    mesh = mesh_factory(workers=_workers(prefill, decode), pd={"protocol": "sglang"})
+    mode = run_mode(mesh)
+    r = mode.request(
+        "POST",
+        "/v1/chat/completions",
+        json=CHAT,
+        headers={"authorization": "Bearer client-key"},
+    )
+    assert r.status == 200, r.body
+    assert r.headers["x-mock-worker"] == "d"
+    p_boot, d_boot = prefill.worker.stats.last_bootstrap, decode.worker.stats.last_bootstrap
+    assert p_boot == d_boot
+    host, port, room = d_boot
+    assert host == "127.0.0.1"
+    assert port == 9123
+    assert 0 <= room < 2**63
+    # each leg got its own worker's key, never the client's
+    assert prefill.worker.stats.last_header("authorization") == "Bearer pk"
+    assert decode.worker.stats.last_header("authorization") == "Bearer dk"
+    # the client's bytes, with the bootstrap members appended
+    assert decode.worker.stats.last_body.startswith(
+        json.dumps(CHAT, separators=(",", ":")).encode()[:-1]
+    )
+
+    with mode.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as chunks:
+        text = b"".join(chunks)
+    assert text.rstrip().endswith(b"data: [DONE]")
+    assert wait_until(lambda: mesh.total_load() == 0)
+
+
+def test_sglang_batched_generate_gets_lists_and_merged_logprobs(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    prefill, decode = _pd(mock_factory, "sglang")
+    mesh = mesh_factory(workers=_workers(prefill, decode), pd={"protocol": "sglang"})
+    mode = run_mode(mesh)
+    r = mode.request(
+        "POST",
+        "/generate",
+        json={
+            "text": ["a b", "c d"],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 2},
+        },
+    )
+    assert r.status == 200, r.body
+    hosts, ports, rooms = decode.worker.stats.last_bootstrap
+    assert hosts == ["127.0.0.1", "127.0.0.1"]
+    assert len(set(rooms)) == 2
+    assert prefill.worker.stats.last_bootstrap == decode.worker.stats.last_bootstrap
+    for item in r.json():
+        values = [lp[0] for lp in item["meta_info"]["input_token_logprobs"]]
+        assert values == [-1.0, -1.0, -2.0]  # the prefill's first, then the decode's
+
+
+def test_vllm_pd_is_sequential_with_kv_transfer_params(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    prefill, decode = _pd(mock_factory, "vllm", output_tokens=4)
+    mesh = mesh_factory(workers=_workers(prefill, decode), pd={"protocol": "vllm"})
+    mode = run_mode(mesh)
+    r = mode.request(
+        "POST", "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}
+    )
+    assert r.status == 200, r.body
+    assert r.headers["x-mock-worker"] == "d"
+    sent_to_prefill = json.loads(prefill.worker.stats.last_body)
+    assert sent_to_prefill["max_tokens"] == 1
+    assert sent_to_prefill["stream"] is False
+    assert decode.worker.stats.last_kv_params is not None
+    assert decode.worker.stats.last_kv_params["remote_block_ids"] == [1, 2, 3]
+    assert wait_until(lambda: mesh.total_load() == 0)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_messages_and_responses_are_refused_on_a_pd_fleet(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any, path: str
+) -> None:
+    prefill, decode = _pd(mock_factory, "sglang")
+    mesh = mesh_factory(workers=_workers(prefill, decode))
+    mode = run_mode(mesh)
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    if path == "/v1/responses":
+        body = {"model": "m", "input": "x"}
+    r = mode.request("POST", path, json=body)
+    assert r.status == 501
+    err = r.json()["error"]
+    assert err.get("code", err.get("type")) in ("unsupported_api_topology", "invalid_request_error")
+
+
+def test_a_failing_leg_ends_cleanly_and_releases_both(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    prefill = mock_factory(name="p", pd_role="prefill", error_rate=1.0, fail_status=500)
+    decode = mock_factory(name="d", pd_role="decode")
+    mesh = mesh_factory(
+        workers=[
+            Worker(prefill.url, labels={"mesh.role": "prefill"}),
+            Worker(decode.url, labels={"mesh.role": "decode"}),
+        ]
+    )
+    mode = run_mode(mesh)
+    r = mode.request("POST", "/v1/chat/completions", json=CHAT)
+    assert r.status == 500
+    assert wait_until(lambda: mesh.total_load() == 0)
+    failures = mesh.metrics.registry.get_sample_value("mesh_pd_bootstrap_failures_total")
+    assert failures == 1.0
+
+
+def test_disconnect_mid_stream_releases_both_leases(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    prefill = mock_factory(name="p", pd_role="prefill")
+    decode = mock_factory(name="d", pd_role="decode", output_tokens=400, per_token_ms=20)
+    mesh = mesh_factory(
+        workers=[
+            Worker(prefill.url, labels={"mesh.role": "prefill"}),
+            Worker(decode.url, labels={"mesh.role": "decode"}),
+        ]
+    )
+    mode = run_mode(mesh)
+    with mode.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as chunks:
+        next(iter(chunks))
+        assert mesh.total_load() == 2
+    assert wait_until(lambda: mesh.total_load() == 0)
+    assert wait_until(lambda: decode.worker.stats.active_streams == 0)
