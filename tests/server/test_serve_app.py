@@ -121,3 +121,44 @@ def test_build_gateway_wraps_the_serve_app(make: Any) -> None:
     gateway = build_gateway(app.mesh)
     assert isinstance(gateway.app, ServeApp) and gateway.mesh is app.mesh
     assert call(gateway, "/health")[0] == 200  # not an inference path: passes through
+
+
+def test_the_gateway_mounts_the_admin_routes() -> None:
+    """POST /workers (add) and /workers/{id}/drain answer through the gateway app."""
+    import asyncio
+
+    from meshkit import Mesh
+    from meshkit.server.app import ServeApp
+
+    mesh = Mesh(workers=[], lifecycle={"probe": False}, admin_key="adm")
+    app = ServeApp(mesh)
+    sent: list[dict[str, object]] = []
+
+    async def call(method: str, path: str, body: bytes, auth: bool) -> int:
+        headers = [(b"authorization", b"Bearer adm")] if auth else []
+        scope = {
+            "type": "http",
+            "method": method,
+            "path": path,
+            "headers": headers,
+            "query_string": b"",
+            "raw_path": path.encode(),
+        }
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, object]:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(msg: dict[str, object]) -> None:
+            sent.append(msg)
+
+        await app(scope, receive, send)
+        return int(next(m["status"] for m in reversed(sent) if m["type"] == "http.response.start"))
+
+    try:
+        assert asyncio.run(call("GET", "/workers", b"", auth=False)) == 401
+        added = asyncio.run(call("POST", "/workers", b'{"url": "http://127.0.0.1:9"}', auth=True))
+        assert added in (200, 201)
+        assert [w.url for w in mesh.workers] == ["http://127.0.0.1:9"]
+    finally:
+        mesh.close()

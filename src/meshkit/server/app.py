@@ -13,8 +13,9 @@ pure ASGI app that answers only what a gateway needs besides inference:
                   gateway is not draining
 ``/metrics``      Prometheus text of ``mesh.metrics.registry`` (404 when
                   ``[metrics] enabled = false``)
-``/workers``      admin: the fleet (URL, labels, health, load; never keys),
-                  behind ``Authorization: Bearer <admin_key>`` when configured
+``/workers``      admin (:class:`~meshkit.lifecycle.admin.AdminApp`): list, add,
+                  remove, drain, sleep, wake (never keys), behind
+                  ``Authorization: Bearer <admin_key>`` when configured
 ================  ============================================================
 
 Everything else is a JSON 404: inference paths never reach this app, the
@@ -26,12 +27,12 @@ prompt or an exception text.
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from meshkit.adapters.asgi import MeshMiddleware
+from meshkit.lifecycle.admin import AdminApp
 from meshkit.mesh import Mesh
 
 __all__ = ["METRICS_CONTENT_TYPE", "ServeApp", "build_gateway"]
@@ -68,8 +69,9 @@ class ServeApp:
             "/liveness": self._liveness,
             "/readiness": self._readiness,
             "/metrics": self._metrics,
-            "/workers": self._workers,
         }
+        # The lifecycle's admin surface: list, add, remove, drain, sleep, wake.
+        self._admin = AdminApp(mesh)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -77,7 +79,11 @@ class ServeApp:
             return
         if scope["type"] != "http":
             return  # websockets: not ours; closing the scope refuses the handshake
-        route = self._routes.get(scope["path"])
+        path = scope["path"]
+        if path == "/workers" or path.startswith("/workers/"):
+            await self._admin(scope, receive, send)
+            return
+        route = self._routes.get(path)
         if route is None:
             status, ctype, body = _json(404, {"error": "not found"})
         elif scope["method"] not in ("GET", "HEAD"):
@@ -114,34 +120,6 @@ class ServeApp:
         if not self.mesh.config.metrics.enabled:
             return _json(404, {"error": "metrics are disabled"})
         return 200, METRICS_CONTENT_TYPE, self.mesh.metrics.render()
-
-    def _workers(self, scope: Scope) -> Reply:
-        if not self._admin_ok(scope):
-            return _json(401, {"error": "admin key required"})
-        mesh = self.mesh
-        fleet = [
-            {
-                "url": w.url,
-                "labels": w.labels,
-                "healthy": mesh.fleet.healthy(w),
-                "in_flight": mesh.load_of(w),
-            }
-            for w in mesh.workers
-        ]
-        return _json(200, {"workers": fleet})
-
-    def _admin_ok(self, scope: Scope) -> bool:
-        key = self.mesh.config.admin_key
-        if not key:
-            return True
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                # Constant-time: the comparison must not leak the key's prefix.
-                return scheme.lower() == b"bearer" and hmac.compare_digest(
-                    token.strip(), key.encode()
-                )
-        return False
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
