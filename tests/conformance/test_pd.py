@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 import pytest
-from harness import wait_until
 
+from harness import wait_until
 from meshkit import Worker
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "disaggregate me"}]}
@@ -81,6 +81,7 @@ def test_sglang_batched_generate_gets_lists_and_merged_logprobs(
     )
     assert r.status == 200, r.body
     hosts, ports, rooms = decode.worker.stats.last_bootstrap
+    assert ports == [9123, 9123]
     assert hosts == ["127.0.0.1", "127.0.0.1"]
     assert len(set(rooms)) == 2
     assert prefill.worker.stats.last_bootstrap == decode.worker.stats.last_bootstrap

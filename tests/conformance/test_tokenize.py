@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from harness import wait_until
-
 from meshkit import Worker
 
 TINY = str(Path(__file__).parent.parent / "prepare" / "data" / "tiny" / "tokenizer.json")

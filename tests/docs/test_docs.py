@@ -45,7 +45,7 @@ def _ids(kind: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("name", "code"), _ids("python"), ids=lambda v: v if "#" in v else "")
 def test_python_blocks_run(name: str, code: str) -> None:
     namespace: dict[str, object] = {"__name__": f"doc:{name}"}
-    exec(compile(code, name, "exec"), namespace)  # noqa: S102
+    exec(compile(code, name, "exec"), namespace)
     mesh = namespace.get("mesh")
     close = getattr(mesh, "close", None)
     if callable(close):
@@ -53,7 +53,9 @@ def test_python_blocks_run(name: str, code: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "code"), _ids("toml"), ids=lambda v: v if "#" in v else "")
-def test_toml_blocks_are_valid_config(name: str, code: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_toml_blocks_are_valid_config(
+    name: str, code: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for env in re.findall(r'api_key_env\s*=\s*"(\w+)"', code):
         monkeypatch.setenv(env, "doc-test-key")
     data = tomllib.loads(code)

@@ -34,7 +34,6 @@ failure of either leg ends the request with that leg's error and releases both.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
