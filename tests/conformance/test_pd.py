@@ -161,3 +161,26 @@ def test_disconnect_mid_stream_releases_both_leases(
         assert mesh.total_load() == 2
     assert wait_until(lambda: mesh.total_load() == 0)
     assert wait_until(lambda: decode.worker.stats.active_streams == 0)
+
+
+def test_a_failing_decode_leg_ends_cleanly_and_releases_both(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    prefill = mock_factory(name="p", pd_role="prefill")
+    decode = mock_factory(name="d", pd_role="decode", error_rate=1.0, fail_status=503)
+    mesh = mesh_factory(
+        workers=[
+            Worker(prefill.url, labels={"mesh.role": "prefill"}),
+            Worker(decode.url, labels={"mesh.role": "decode"}),
+        ]
+    )
+    mode = run_mode(mesh)
+    r = mode.request("POST", "/v1/chat/completions", json=CHAT)
+    assert r.status == 503  # the decode worker's own answer, relayed
+    assert r.headers["x-mock-worker"] == "d"
+    assert wait_until(lambda: mesh.total_load() == 0)
+    decode.kill()
+    r = mode.request("POST", "/v1/chat/completions", json=CHAT)
+    assert r.status == 502
+    assert r.json()["error"]["code"] == "upstream_error"
+    assert wait_until(lambda: mesh.total_load() == 0)
