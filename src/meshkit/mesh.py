@@ -513,6 +513,8 @@ class Mesh:
     # -- Placer (called by the forward flow) ------------------------------------
 
     def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate:
+        if attempt:
+            self.metrics.retries.labels("failover").inc()
         now = self.clock()
         with self._lock:
             owner = None

@@ -30,6 +30,17 @@ def test_demo_runs_and_names_every_worker(meshkit_run: Any) -> None:
     assert "mesh_router_requests_total 18" in out
 
 
-def test_demo_real_is_reserved(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--real"]) == 2
-    assert capsys.readouterr().err == "real engines: see issue 11 (not available yet)\n"
+def test_demo_real_runs_the_real_engine_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`meshkit demo --real` hands over to meshkit.testing.demo_real (run end to end
+    on real engines in tests/engine/test_demo_real.py)."""
+    import meshkit.testing.demo_real as demo_real
+
+    calls: list[object] = []
+
+    def fake(out: object = None) -> int:
+        calls.append(out)
+        return 0
+
+    monkeypatch.setattr(demo_real, "run_real_demo", fake)
+    assert main(["demo", "--real"]) == 0
+    assert len(calls) == 1

@@ -6,7 +6,10 @@ The body of the final attempt goes to the client chunk by chunk; each chunk feed
 the accounting. The stream's ``close()`` settles accounting and the lease exactly
 once: a stream read to its end counts as completed, one closed early (the client
 went away) as aborted. An upstream failure after the first byte ends the stream
-with one error event in its own framing.
+with one error event in its own framing. A body without event framing (a plain
+JSON answer) has no way to say so in-band: the client transports then raise their
+library's ``RemoteProtocolError``, as a direct connection would, instead of
+handing over a silently truncated body.
 
 The stream classes subclass both httpx's and httpx2's byte-stream bases, so a
 client transport can hand them to either library's ``Response``; the WSGI
@@ -15,7 +18,7 @@ middleware returns the sync one as its response iterable.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 
@@ -43,9 +46,16 @@ _AsyncStream: tuple[type, ...] = (httpx.AsyncByteStream,) + (
 class Relay:
     """Shared by the sync and async streams: accounting and the lease, once."""
 
-    def __init__(self, view: RequestView, acct: Accounting) -> None:
+    def __init__(
+        self,
+        view: RequestView,
+        acct: Accounting,
+        abort: Callable[[], BaseException] | None = None,
+    ) -> None:
         self.view = view
         self.acct = acct
+        #: the exception that ends a body cut short without an error event
+        self.abort = abort
         self.finished = False
 
     def failed_tail(self) -> bytes:
@@ -54,8 +64,10 @@ class Relay:
         return stream_error_event(fmt, "upstream_error", "the worker failed mid-response")
 
     def settle(self) -> None:
-        # Accounting releases the lease, exactly once.
-        if self.finished:
+        # Accounting releases the lease, exactly once. A client that closes right
+        # after the terminal event (the openai SDK stops at [DONE], before EOF)
+        # got the whole response: that is a completion, not a disconnect.
+        if self.finished or self.acct.accountant.done:
             self.acct.end()
         else:
             self.acct.abort(client_left=True)
@@ -76,6 +88,8 @@ class SyncRelayStream(*_SyncStream):  # type: ignore[misc]
             tail = relay.failed_tail()
             if tail:
                 yield tail
+            elif relay.abort is not None:
+                raise relay.abort() from None
             return
         relay.finished = True
 
@@ -99,6 +113,8 @@ class AsyncRelayStream(*_AsyncStream):  # type: ignore[misc]
             tail = relay.failed_tail()
             if tail:
                 yield tail
+            elif relay.abort is not None:
+                raise relay.abort() from None
             return
         relay.finished = True
 

@@ -83,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     d = sub.add_parser("demo", help="route real SDK traffic over mock workers, print a report")
-    d.add_argument("--real", action="store_true", help="use real engines (not available yet)")
+    d.add_argument(
+        "--real",
+        action="store_true",
+        help="run on real llama.cpp engines (the engine extra; see docs/real-engines.md)",
+    )
     return p
 
 

@@ -20,7 +20,8 @@ No arguments, no network beyond loopback. The demo:
    conversation's cache-hit rate and per-worker load.
 
 Exit code 0 when every request succeeded, 1 otherwise, 2 when the SDKs are not
-installed or ``--real`` is asked for (real engines come with issue 11).
+installed. ``--real`` runs the same story on real llama.cpp engines
+(:mod:`meshkit.testing.demo_real`; needs the ``engine`` extra and the model wheel).
 """
 
 from __future__ import annotations
@@ -193,8 +194,9 @@ def run_demo(*, real: bool = False, out: TextIO | None = None) -> int:
     """Run the demo, print its report to ``out`` (stdout); returns the exit code."""
     out = out or sys.stdout
     if real:
-        print("real engines: see issue 11 (not available yet)", file=sys.stderr)
-        return 2
+        from meshkit.testing.demo_real import run_real_demo
+
+        return run_real_demo(out=out)
     try:
         import anthropic  # noqa: F401
         import httpx2
