@@ -158,7 +158,16 @@ class MeshLease:
 class Accounting:
     """Follows one relayed response: TTFT, usage, errors; releases its lease once."""
 
-    __slots__ = ("_acct", "_done", "_failed", "_mesh", "attempt_lease", "status", "view")
+    __slots__ = (
+        "_acct",
+        "_done",
+        "_failed",
+        "_mesh",
+        "_rid_pending",
+        "attempt_lease",
+        "status",
+        "view",
+    )
 
     def __init__(self, mesh: Mesh, view: RequestView, lease: Lease, status: int) -> None:
         self._mesh = mesh
@@ -173,6 +182,9 @@ class Accounting:
             max_line_bytes=mesh.config.bounds.max_sse_line_bytes,
         )
         self._done = False
+        # A streamed Response names its id in its first event: remember the owner
+        # then, not at the end, so a follow-up can use it while this one streams.
+        self._rid_pending = view.stream and view.api is Api.RESPONSES
         self._failed = False
 
     @property
@@ -181,7 +193,11 @@ class Accounting:
 
     def feed(self, chunk: bytes) -> None:
         if chunk:
-            self._acct.feed(chunk, self._mesh.clock())
+            acct = self._acct
+            acct.feed(chunk, self._mesh.clock())
+            if self._rid_pending and acct.response_id is not None:
+                self._rid_pending = False
+                self._mesh.remember_response(acct.response_id, self.attempt_lease.candidate.origin)
 
     def end(self) -> None:
         """The body ended normally."""
@@ -544,6 +560,12 @@ class Mesh:
             load = self.fleet.load.get(cand.key, 0)
         self.metrics.active.labels(cand.key).set(load)
         return MeshLease(self, cand, view.prompt_weight, now, entry)
+
+    def remember_response(self, response_id: str, origin: str) -> None:
+        """Responses affinity: ``response_id`` lives on ``origin``."""
+        now = self.clock()
+        with self._lock:
+            self.affinity.remember(response_id, origin, now)
 
     def _completed(self, cand: Candidate, view: RequestView, done: Completion, now: float) -> None:
         with self._lock:

@@ -10,8 +10,15 @@ ASGI middleware
 Pure ASGI (no ``BaseHTTPMiddleware``): inference paths are routed, every other
 path and every non-HTTP scope (websocket, lifespan) go to the wrapped app
 untouched. Each routed request gets a :class:`_Exchange` (starlette's per-request
-responder pattern) that reads the body under its bound, prepares it, drives the
-forward flow and relays the worker's response chunk by chunk as it arrives.
+responder pattern) that checks the head (``bounds.max_header_bytes`` and
+``bounds.max_headers``, 431), reads the body under its bound (413 as soon as it
+is over ``bounds.max_body_bytes``: the rest is never read), prepares it, drives
+the forward flow and relays the worker's response chunk by chunk as it arrives.
+
+The server's own limits apply first: uvicorn refuses a head over its parser's
+limit before the middleware runs (h11: ``h11_max_incomplete_event_size``,
+16 KiB by default; httptools has none), so under uvicorn a request head is
+bounded by the smaller of the two.
 
 A client that disconnects cancels the exchange at once: the prepare job if it
 has not started, the upstream request (its connection is closed, so the worker
@@ -37,6 +44,7 @@ from meshkit.adapters.drive import (
 from meshkit.adapters.upstream import AiohttpUpstream, AsyncUpstream
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import Match, StreamFormat, shape_for_path
+from meshkit.core.requests import check_head
 from meshkit.core.sse import stream_error_event
 from meshkit.errors import MeshError, RequestTooLarge
 from meshkit.mesh import Accounting, Mesh
@@ -147,8 +155,10 @@ class _Exchange:
         mesh = self.mw.mesh
         shape = self.match.endpoint.shape
         headers: list[tuple[bytes, bytes]] = self.scope["headers"]
+        bounds = mesh.config.bounds
         try:
-            body = await self._read_body(headers, mesh.config.bounds.max_body_bytes)
+            check_head(headers, max_bytes=bounds.max_header_bytes, max_count=bounds.max_headers)
+            body = await self._read_body(headers, bounds.max_body_bytes)
         except MeshError as exc:
             await _send_error(self.send, exc, shape, mesh)
             return
@@ -269,4 +279,7 @@ class _Exchange:
                 await send({"type": "http.response.body", "body": tail})
             return
         self.responded = True
+        # Close the books (lease, Responses affinity) before the client holds the
+        # whole response and can send its next request.
+        acct.end()
         await send({"type": "http.response.body", "body": b""})

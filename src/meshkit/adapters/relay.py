@@ -80,11 +80,23 @@ class SyncRelayStream(*_SyncStream):  # type: ignore[misc]
 
     def __iter__(self) -> Iterator[bytes]:
         relay = self._relay
+        hold = not relay.view.stream
+        held = b""
         try:
             for chunk in self._exchange.chunks():
                 relay.acct.feed(chunk)
+                if hold:
+                    # A whole body is relayed one chunk behind, so the books close
+                    # (lease, Responses affinity) before the client holds all of it
+                    # and can send its next request (previous_response_id).
+                    if held:
+                        yield held
+                    held = chunk
+                    continue
                 yield chunk
         except UpstreamFailure:
+            if held:
+                yield held
             tail = relay.failed_tail()
             if tail:
                 yield tail
@@ -92,6 +104,9 @@ class SyncRelayStream(*_SyncStream):  # type: ignore[misc]
                 raise relay.abort() from None
             return
         relay.finished = True
+        if held:
+            relay.acct.end()
+            yield held
 
     def close(self) -> None:
         self._exchange.close()
@@ -105,11 +120,20 @@ class AsyncRelayStream(*_AsyncStream):  # type: ignore[misc]
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         relay = self._relay
+        hold = not relay.view.stream
+        held = b""
         try:
             async for chunk in self._exchange.chunks():
                 relay.acct.feed(chunk)
+                if hold:
+                    if held:
+                        yield held
+                    held = chunk
+                    continue
                 yield chunk
         except UpstreamFailure:
+            if held:
+                yield held
             tail = relay.failed_tail()
             if tail:
                 yield tail
@@ -117,6 +141,9 @@ class AsyncRelayStream(*_AsyncStream):  # type: ignore[misc]
                 raise relay.abort() from None
             return
         relay.finished = True
+        if held:
+            relay.acct.end()
+            yield held
 
     async def aclose(self) -> None:
         await self._exchange.aclose()
