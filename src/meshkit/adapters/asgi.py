@@ -41,7 +41,8 @@ from meshkit.adapters.drive import (
     UpstreamFailure,
     drive_async,
 )
-from meshkit.adapters.upstream import AiohttpUpstream, AsyncUpstream
+from meshkit.adapters.fastrelay import FastUpstream
+from meshkit.adapters.upstream import AsyncUpstream
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import Match, StreamFormat, shape_for_path
 from meshkit.core.requests import check_head
@@ -65,7 +66,8 @@ class MeshMiddleware:
 
     :param app: the wrapped ASGI application (receives every other request).
     :param mesh: the :class:`~meshkit.Mesh`; ``Mesh.from_env()`` when omitted.
-    :param upstream: the HTTP client towards workers (default: pooled aiohttp).
+    :param upstream: the HTTP client towards workers (default: :class:`FastUpstream`,
+        pooled keep-alive connections on raw asyncio protocols).
     """
 
     def __init__(
@@ -77,7 +79,9 @@ class MeshMiddleware:
     ) -> None:
         self.app = app
         self.mesh = mesh if mesh is not None else Mesh.from_env()
-        self.upstream = upstream or AiohttpUpstream(self.mesh.config.upstream)
+        # Raw uvloop/httptools connections: ~0.2-0.4x aiohttp's CPU per request
+        # (benchmarks/RESULTS.md); https goes through aiohttp.
+        self.upstream = upstream or FastUpstream(self.mesh.config.upstream)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
