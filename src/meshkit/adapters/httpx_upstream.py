@@ -11,6 +11,19 @@ Transport errors are mapped once, here, to the flow's :class:`Failure` kinds:
 a connection that could not be made, or that closed before a response head, is
 ``CONNECT`` (safe to move to another worker); a timeout waiting for the head is
 ``TIMEOUT``.
+
+A connection closed or reset before any response byte is tried once more at
+once (a pooled connection the worker had just closed); then it is ``CONNECT``.
+
+A request the inner transport refuses to *send* (``LocalProtocolError``: a client
+header value with surrounding whitespace or a control character, say) is the
+client's fault, not the worker's: it is a 400 ``invalid_request``, the worker is
+not blamed and no other worker is tried.
+
+Every attempt carries the ``[upstream]`` timeouts as the request's ``timeout``
+extension (connect and pool: ``connect_timeout_s``; read and write:
+``read_timeout_s``): without it httpcore waits forever, and a stalled worker
+would hang the request instead of answering 504 ``upstream_timeout``.
 """
 
 from __future__ import annotations
@@ -21,9 +34,31 @@ from types import ModuleType
 from typing import Any
 
 from meshkit.adapters.drive import UpstreamFailure
+from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
+from meshkit.errors import InvalidRequest
 
-__all__ = ["AsyncHttpxExchange", "SyncHttpxExchange", "failure_of", "send_async", "send_sync"]
+__all__ = [
+    "AsyncHttpxExchange",
+    "SyncHttpxExchange",
+    "failure_of",
+    "send_async",
+    "send_sync",
+    "timeouts",
+]
+
+_DEFAULT = UpstreamConfig()
+
+
+def timeouts(config: UpstreamConfig | None) -> dict[str, float]:
+    """The ``timeout`` request extension httpcore reads, from ``[upstream]``."""
+    c = config or _DEFAULT
+    return {
+        "connect": c.connect_timeout_s,
+        "pool": c.connect_timeout_s,
+        "read": c.read_timeout_s,
+        "write": c.read_timeout_s,
+    }
 
 
 def failure_of(lib: ModuleType, exc: BaseException) -> Failure | None:
@@ -37,12 +72,13 @@ def failure_of(lib: ModuleType, exc: BaseException) -> Failure | None:
     return None
 
 
-def _request(lib: ModuleType, attempt: Attempt) -> Any:
+def _request(lib: ModuleType, attempt: Attempt, config: UpstreamConfig | None) -> Any:
     return lib.Request(
         attempt.method,
         attempt.url,
         headers=attempt.headers,
         content=attempt.body if attempt.body or attempt.method not in ("GET", "DELETE") else None,
+        extensions={"timeout": timeouts(config)},
     )
 
 
@@ -112,17 +148,50 @@ class AsyncHttpxExchange:
             await self._resp.aclose()
 
 
-def send_sync(lib: ModuleType, transport: Any, attempt: Attempt) -> SyncHttpxExchange:
-    try:
-        resp = transport.handle_request(_request(lib, attempt))
-    except lib.TransportError as exc:
-        raise UpstreamFailure(failure_of(lib, exc) or Failure.CONNECT) from exc
-    return SyncHttpxExchange(lib, resp)
+def _unsendable(exc: BaseException) -> InvalidRequest:
+    return InvalidRequest("the request's headers or query cannot be sent as valid HTTP")
 
 
-async def send_async(lib: ModuleType, transport: Any, attempt: Attempt) -> AsyncHttpxExchange:
-    try:
-        resp = await transport.handle_async_request(_request(lib, attempt))
-    except lib.TransportError as exc:
-        raise UpstreamFailure(failure_of(lib, exc) or Failure.CONNECT) from exc
-    return AsyncHttpxExchange(lib, resp)
+def _resend_errors(lib: ModuleType) -> tuple[type[BaseException], ...]:
+    """Closed or reset before any response byte: most often a pooled connection
+    the worker had just closed (PROTOCOLS.md §7); sent once more, on another
+    connection, before the flow blames the worker."""
+    return (lib.RemoteProtocolError, lib.ReadError, lib.WriteError)
+
+
+def send_sync(
+    lib: ModuleType, transport: Any, attempt: Attempt, config: UpstreamConfig | None = None
+) -> SyncHttpxExchange:
+    """Send ``attempt`` with ``[upstream]`` timeouts (defaults when ``config`` is None)."""
+    for again in (False, True):
+        try:
+            resp = transport.handle_request(_request(lib, attempt, config))
+        except (lib.LocalProtocolError, lib.InvalidURL) as exc:
+            raise _unsendable(exc) from None
+        except _resend_errors(lib) as exc:
+            if again:
+                raise UpstreamFailure(Failure.CONNECT) from exc
+            continue
+        except lib.TransportError as exc:
+            raise UpstreamFailure(failure_of(lib, exc) or Failure.CONNECT) from exc
+        return SyncHttpxExchange(lib, resp)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def send_async(
+    lib: ModuleType, transport: Any, attempt: Attempt, config: UpstreamConfig | None = None
+) -> AsyncHttpxExchange:
+    """Send ``attempt`` with ``[upstream]`` timeouts (defaults when ``config`` is None)."""
+    for again in (False, True):
+        try:
+            resp = await transport.handle_async_request(_request(lib, attempt, config))
+        except (lib.LocalProtocolError, lib.InvalidURL) as exc:
+            raise _unsendable(exc) from None
+        except _resend_errors(lib) as exc:
+            if again:
+                raise UpstreamFailure(Failure.CONNECT) from exc
+            continue
+        except lib.TransportError as exc:
+            raise UpstreamFailure(failure_of(lib, exc) or Failure.CONNECT) from exc
+        return AsyncHttpxExchange(lib, resp)
+    raise AssertionError("unreachable")  # pragma: no cover

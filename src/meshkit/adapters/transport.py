@@ -19,12 +19,19 @@ library (pooled ``HTTPTransport``) unless one is given.
 
 Non-inference paths go to a healthy worker as they are; ``GET /v1/models``
 answers the union of the workers' lists.
+
+Bounds: an inference request's head is checked against ``bounds.max_header_bytes``
+and ``bounds.max_headers`` (431); a body is read from the request's stream piece
+by piece and refused (413) as soon as it is over ``bounds.max_body_bytes``, or at
+once when its ``Content-Length`` says so. Upstream attempts carry the
+``[upstream]`` timeouts.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -36,7 +43,7 @@ from meshkit.adapters.relay import AsyncRelayStream, Relay, SyncRelayStream
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import Match, shape_for_path
 from meshkit.core.forward import Attempt
-from meshkit.core.requests import RequestView
+from meshkit.core.requests import RequestView, check_head
 from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
 from meshkit.mesh import Mesh
 
@@ -64,15 +71,81 @@ def _split(request: Any) -> tuple[str, str]:
     return path, query
 
 
+def _client_headers(request: Any) -> list[tuple[bytes, bytes]]:
+    """The request's headers as a server would hand them on: values without the
+    optional whitespace around them (RFC 9110 §5.5; h11 refuses to send it)."""
+    return [(k, v.strip(b" \t")) for k, v in request.headers.raw]
+
+
+def _declared_too_large(request: Any, limit: int) -> RequestTooLarge | None:
+    error = RequestTooLarge(f"request body is over {limit} bytes")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        return error
+    return None
+
+
+def _read_sync(request: Any, limit: int) -> bytes:
+    """The request body, refused as soon as it is over ``limit`` (never buffered whole)."""
+    error = _declared_too_large(request, limit)
+    if error is not None:
+        raise error
+    chunks: list[bytes] = []
+    total = 0
+    for chunk in request.stream:
+        total += len(chunk)
+        if total > limit:
+            raise RequestTooLarge(f"request body is over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_async(request: Any, limit: int) -> bytes:
+    error = _declared_too_large(request, limit)
+    if error is not None:
+        raise error
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream:
+        total += len(chunk)
+        if total > limit:
+            raise RequestTooLarge(f"request body is over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _cut_short(lib: ModuleType) -> Any:
+    """What a body the worker cut short raises in the client (as a direct connection)."""
+    return lambda: lib.RemoteProtocolError("the worker closed the connection mid-response")
+
+
+def _bytes_response(
+    lib: ModuleType, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> Any:
+    """A response meshkit built, streamable like one from the network.
+
+    ``Response(content=...)`` would mark the stream consumed at once, and a client
+    reading it with ``client.stream(...)`` / ``iter_raw()`` would get
+    ``StreamConsumed`` instead of the body.
+    """
+    headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(len(body)).encode()))
+    return lib.Response(status, headers=headers, stream=lib.ByteStream(body))
+
+
 def _error_response(lib: ModuleType, exc: MeshError, path: str, mesh: Mesh) -> Any:
     mesh.reject(exc)
-    return lib.Response(exc.status, headers=exc.headers(), content=exc.body(shape_for_path(path)))
+    return _bytes_response(lib, exc.status, exc.headers(), exc.body(shape_for_path(path)))
 
 
 class _Common:
     def __init__(self, mesh: Mesh | None, inner: Any) -> None:
         self.mesh = mesh if mesh is not None else Mesh.from_env()
         self._inner: dict[str, Any] = {}
+        # Clients are shared by threads: without the lock, the first requests of
+        # a burst each built a pool of their own (the limits did not hold and the
+        # extra pools were never closed).
+        self._inner_lock = threading.Lock()
         if inner is not None:
             self._inner[type(inner).__module__.split(".", 1)[0]] = inner
 
@@ -84,21 +157,21 @@ class _Common:
             keepalive_expiry=up.idle_timeout_s,
         )
 
-    def _begin(self, request: Any, body: bytes) -> tuple[str, str, Match | None]:
-        path, query = _split(request)
+    def _begin(self, request: Any, path: str) -> Match | None:
+        """Resolve the path; check an inference request's head."""
         match = self.mesh.resolve(request.method, path)
-        limit = self.mesh.config.bounds.max_body_bytes
-        if len(body) > limit:
-            raise RequestTooLarge(f"request body is over {limit} bytes")
-        return path, query, match
+        if match is not None:
+            b = self.mesh.config.bounds
+            check_head(request.headers.raw, max_bytes=b.max_header_bytes, max_count=b.max_headers)
+        return match
 
     def _pass_through(self, request: Any, path: str, query: str, body: bytes) -> Attempt:
-        return self.mesh.pass_through(request.method, path, query, list(request.headers.raw), body)
+        return self.mesh.pass_through(request.method, path, query, _client_headers(request), body)
 
     def _answer(self, lib: ModuleType, final: Answered, view: RequestView) -> Any:
         self.mesh.account_local(view, final.attempt, final.local)
         local = final.local
-        return lib.Response(local.status, headers=list(local.headers), content=local.body)
+        return _bytes_response(lib, local.status, list(local.headers), local.body)
 
 
 class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
@@ -115,27 +188,31 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
     def _transport(self, lib: ModuleType) -> Any:
         t = self._inner.get(lib.__name__)
         if t is None:
-            t = self._inner[lib.__name__] = lib.HTTPTransport(limits=self._limits(lib))
+            with self._inner_lock:
+                t = self._inner.get(lib.__name__)
+                if t is None:
+                    t = self._inner[lib.__name__] = lib.HTTPTransport(limits=self._limits(lib))
         return t
 
     def handle_request(self, request: Any) -> Any:
         lib = _lib_of(request)
         transport = self._transport(lib)
         mesh = self.mesh
-        path = ""
+        upstream = mesh.config.upstream
+        path, query = _split(request)
         try:
-            body = request.read()
-            path, query, match = self._begin(request, body)
+            match = self._begin(request, path)
+            body = _read_sync(request, mesh.config.bounds.max_body_bytes)
             if match is None:
                 attempt = self._pass_through(request, path, query, body)
-                plain = send_sync(lib, transport, attempt)
+                plain = send_sync(lib, transport, attempt, upstream)
                 return lib.Response(
                     plain.status, headers=response_headers(plain.headers), stream=plain.stream
                 )
-            headers = list(request.headers.raw)
+            headers = _client_headers(request)
             view = mesh.prepare(match, body, headers, query)
             flow = mesh.forward(view, headers, request.method)
-            final = drive_sync(flow, lambda a: send_sync(lib, transport, a))
+            final = drive_sync(flow, lambda a: send_sync(lib, transport, a, upstream))
         except MeshError as exc:
             return _error_response(lib, exc, path, mesh)
         except UpstreamFailure:
@@ -145,7 +222,7 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
         if isinstance(final, Answered):
             return self._answer(lib, final, view)
         exchange, lease = final.exchange, final.attempt.lease
-        relay = Relay(view, mesh.account(view, lease, exchange.status))
+        relay = Relay(view, mesh.account(view, lease, exchange.status), _cut_short(lib))
         return lib.Response(
             exchange.status,
             headers=response_headers(exchange.headers),
@@ -166,27 +243,31 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
     def _transport(self, lib: ModuleType) -> Any:
         t = self._inner.get(lib.__name__)
         if t is None:
-            t = self._inner[lib.__name__] = lib.AsyncHTTPTransport(limits=self._limits(lib))
+            with self._inner_lock:
+                t = self._inner.get(lib.__name__)
+                if t is None:
+                    t = self._inner[lib.__name__] = lib.AsyncHTTPTransport(limits=self._limits(lib))
         return t
 
     async def handle_async_request(self, request: Any) -> Any:
         lib = _lib_of(request)
         transport = self._transport(lib)
         mesh = self.mesh
-        path = ""
+        upstream = mesh.config.upstream
+        path, query = _split(request)
         try:
-            body = await request.aread()
-            path, query, match = self._begin(request, body)
+            match = self._begin(request, path)
+            body = await _read_async(request, mesh.config.bounds.max_body_bytes)
             if match is None:
                 attempt = self._pass_through(request, path, query, body)
-                plain = await send_async(lib, transport, attempt)
+                plain = await send_async(lib, transport, attempt, upstream)
                 return lib.Response(
                     plain.status, headers=response_headers(plain.headers), stream=plain.stream
                 )
-            headers = list(request.headers.raw)
+            headers = _client_headers(request)
             view = await mesh.prepare_async(match, body, headers, query)
             flow = mesh.forward(view, headers, request.method)
-            final = await drive_async(flow, lambda a: send_async(lib, transport, a))
+            final = await drive_async(flow, lambda a: send_async(lib, transport, a, upstream))
         except MeshError as exc:
             return _error_response(lib, exc, path, mesh)
         except UpstreamFailure:
@@ -196,7 +277,7 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
         if isinstance(final, Answered):
             return self._answer(lib, final, view)
         exchange, lease = final.exchange, final.attempt.lease
-        relay = Relay(view, mesh.account(view, lease, exchange.status))
+        relay = Relay(view, mesh.account(view, lease, exchange.status), _cut_short(lib))
         return lib.Response(
             exchange.status,
             headers=response_headers(exchange.headers),

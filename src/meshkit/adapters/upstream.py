@@ -12,7 +12,9 @@ gets ``content-encoding`` and the encoded body), no automatic ``Accept-Encoding`
 or ``User-Agent`` (what the client sent passes through). Idle pooled connections
 expire after ``upstream.idle_timeout_s``, below the workers' keep-alive, so a
 reused connection is rarely one the worker already closed; when it is, the
-failure comes before any response byte and the forward flow retries it.
+failure comes before any response byte: it is tried once more at once (on
+another connection), then the forward flow moves it to another worker. A request
+aiohttp refuses to send (a control character in a header value) is a 400.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import aiohttp
 from meshkit.adapters.drive import AsyncExchange, UpstreamFailure
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
+from meshkit.errors import InvalidRequest
 
 __all__ = ["AiohttpUpstream", "AsyncUpstream"]
 
@@ -77,8 +80,14 @@ class AiohttpUpstream:
         self.config = config or UpstreamConfig()
         self._session: aiohttp.ClientSession | None = None
         c = self.config
+        # ``connect`` bounds the wait for a pooled connection too: without it a
+        # request waits for as long as the streams holding the pool run (the httpx
+        # modes bound it the same way, with their ``pool`` timeout).
         self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=c.connect_timeout_s, sock_read=c.read_timeout_s
+            total=None,
+            connect=c.connect_timeout_s,
+            sock_connect=c.connect_timeout_s,
+            sock_read=c.read_timeout_s,
         )
 
     def _open(self) -> aiohttp.ClientSession:
@@ -102,24 +111,41 @@ class AiohttpUpstream:
     async def send(self, attempt: Attempt) -> AsyncExchange:
         session = self._session or self._open()
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in attempt.headers]
-        try:
-            resp = await session.request(
-                attempt.method,
-                attempt.url,
-                data=attempt.body or None,
-                headers=headers,
-                allow_redirects=False,
-                compress=None,
-            )
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise UpstreamFailure(Failure.CONNECT) from exc
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise UpstreamFailure(Failure.TIMEOUT) from exc
-        except aiohttp.ClientResponseError as exc:
-            raise UpstreamFailure(Failure.PROTOCOL) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamFailure(Failure.CONNECT) from exc
-        return _AiohttpResponse(resp)
+        for again in (False, True):
+            try:
+                resp = await session.request(
+                    attempt.method,
+                    attempt.url,
+                    data=attempt.body or None,
+                    headers=headers,
+                    allow_redirects=False,
+                    compress=None,
+                )
+            except aiohttp.ConnectionTimeoutError as exc:
+                raise UpstreamFailure(Failure.CONNECT) from exc
+            except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+                raise UpstreamFailure(Failure.TIMEOUT) from exc
+            except aiohttp.ClientResponseError as exc:
+                raise UpstreamFailure(Failure.PROTOCOL) from exc
+            except aiohttp.ClientConnectorError as exc:  # refused, unreachable, DNS
+                raise UpstreamFailure(Failure.CONNECT) from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # Closed or reset before any response byte: most often a pooled
+                # connection the worker had just closed (PROTOCOLS.md §7). Once more,
+                # on another connection, before the flow blames the worker.
+                if again:
+                    raise UpstreamFailure(Failure.CONNECT) from exc
+                continue
+            except (aiohttp.InvalidURL, ValueError):
+                # aiohttp refuses to send it (a control character in a client's
+                # header value, say): the client's fault, not the worker's.
+                raise InvalidRequest(
+                    "the request's headers or query cannot be sent as valid HTTP"
+                ) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise UpstreamFailure(Failure.CONNECT) from exc
+            return _AiohttpResponse(resp)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -7,8 +7,12 @@ WSGI middleware
     flask_app.wsgi_app = MeshWSGIMiddleware(flask_app.wsgi_app, mesh=mesh)
 
 Inference paths are routed; every other request goes to the wrapped app. The
-request body is read through werkzeug's bounded input stream (413 past
-``bounds.max_body_bytes``, checked while reading). The upstream is a pooled
+request head is checked against ``bounds.max_header_bytes`` and
+``bounds.max_headers`` (431), then the body is read in bounded pieces through
+werkzeug's input stream (413 past ``bounds.max_body_bytes``, checked while
+reading; a body that ends before its ``Content-Length`` is a 400, the client is
+gone anyway). Upstream requests carry ``upstream.connect_timeout_s`` and
+``read_timeout_s`` (a stalled worker is a 504). The upstream is a pooled
 ``httpx.HTTPTransport`` (sync, the caller's thread only). The response is an
 iterable relayed chunk by chunk; its ``close()`` — which every WSGI server calls,
 also when the client went away — settles accounting and releases the worker.
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
 import httpx
-from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
 from meshkit.adapters.drive import Answered, UpstreamFailure, drive_sync
@@ -34,7 +38,8 @@ from meshkit.adapters.httpx_upstream import send_sync
 from meshkit.adapters.relay import Relay, SyncRelayStream
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import shape_for_path
-from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
+from meshkit.core.requests import check_head
+from meshkit.errors import InvalidRequest, MeshError, RequestTooLarge, UpstreamError
 from meshkit.mesh import Mesh
 
 if TYPE_CHECKING:
@@ -79,6 +84,34 @@ def _client_headers(environ: WSGIEnvironment) -> list[tuple[bytes, bytes]]:
     return out
 
 
+#: bodies are read in pieces of at most this size (never one buffer of the bound)
+_READ_SIZE = 64 * 1024
+
+
+def _read_body(environ: WSGIEnvironment, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is over ``limit`` bytes."""
+    too_large = RequestTooLarge(f"request body is over {limit} bytes")
+    try:
+        # limit + 1: werkzeug refuses a read *after* a streamed body reached its
+        # maximum, which would refuse a body of exactly ``limit`` bytes.
+        stream = get_input_stream(environ, max_content_length=limit + 1)
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            chunk = stream.read(_READ_SIZE)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > limit:
+                raise too_large
+            chunks.append(chunk)
+    except RequestEntityTooLarge:
+        raise too_large from None
+    except ClientDisconnected:
+        raise InvalidRequest("the request body ended before its Content-Length") from None
+    return b"".join(chunks)
+
+
 class MeshWSGIMiddleware:
     """Routes inference requests of a WSGI app to a fleet of workers.
 
@@ -121,20 +154,16 @@ class MeshWSGIMiddleware:
         if match is None:
             return self.app(environ, start_response)
         headers = _client_headers(environ)
+        bounds = mesh.config.bounds
+        upstream = mesh.config.upstream
         try:
+            check_head(headers, max_bytes=bounds.max_header_bytes, max_count=bounds.max_headers)
             body = b""
             if match.endpoint.has_body:
-                limit = mesh.config.bounds.max_body_bytes
-                try:
-                    stream = get_input_stream(environ, max_content_length=limit)
-                    body = stream.read(limit + 1)
-                except RequestEntityTooLarge:
-                    raise RequestTooLarge(f"request body is over {limit} bytes") from None
-                if len(body) > limit:
-                    raise RequestTooLarge(f"request body is over {limit} bytes")
+                body = _read_body(environ, bounds.max_body_bytes)
             view = mesh.prepare(match, body, headers, environ.get("QUERY_STRING", ""))
             flow = mesh.forward(view, headers, method)
-            final = drive_sync(flow, lambda a: send_sync(httpx, self.transport, a))
+            final = drive_sync(flow, lambda a: send_sync(httpx, self.transport, a, upstream))
         except MeshError as exc:
             return self._error(start_response, exc, path)
         except UpstreamFailure:
