@@ -361,7 +361,8 @@ class Mesh:
             return self._tokenize_job(match, body)
         needs = self.policy.needs
         want_text = needs.text or needs.prefix_tokens is not None
-        view = parse_request(match, body, want_text=want_text)
+        depth = self.config.bounds.max_json_depth
+        view = parse_request(match, body, want_text=want_text, max_depth=depth)
         n = needs.prefix_tokens
         if n and view.token_ids is None and view.routing_text:
             tok = self.tokenizers.get(view.model)
@@ -375,7 +376,7 @@ class Mesh:
 
     def _tokenize_job(self, match: Match, body: bytes) -> RequestView:
         """/v1/tokenize and /v1/detokenize answered by the mesh in the vLLM shapes."""
-        view = parse_request(match, body)
+        view = parse_request(match, body, max_depth=self.config.bounds.max_json_depth)
         if self.tokenizers.get(view.model) is None:
             return view  # no tokenizer for this model: a worker answers
         try:

@@ -366,11 +366,6 @@ def test_json_depth_at_the_bound(mock_factory: Any, mesh_factory: Any, run_mode:
     assert mock.worker.stats.requests_total.get(PATH) == 1
 
 
-@pytest.mark.xfail(
-    reason="mesh.py does not pass bounds.max_json_depth to parse_request yet (the default, "
-    "64, applies); see docs/reliability.md",
-    strict=False,
-)
 def test_json_depth_follows_the_config(mock_factory: Any, mesh_factory: Any) -> None:
     mock = mock_factory(name="d")
     mesh = _mesh(mesh_factory, mock.url, max_json_depth=8)
