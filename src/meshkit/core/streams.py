@@ -495,20 +495,31 @@ class StreamAccountant:
             self.error = _code(err, "error")
             self._set_done()
 
+    def _named(
+        self, name: bytes | None, payload: bytes
+    ) -> tuple[bytes, dict[str, Any] | None] | None:
+        """The event name of a named-event stream, from its ``event:`` line or, when
+        a server left that out, from the payload's ``type`` (decoded then, and
+        returned). None when the event was handled here ([DONE], junk, a bare error)."""
+        if name is not None and name != b"message":
+            return name, None
+        if payload.startswith(_DONE):
+            self._set_done()
+            return None
+        obj = self._json(payload)
+        if obj is None:
+            return None
+        kind = obj.get("type")
+        if not isinstance(kind, str):
+            self._bare_error(obj)
+            return None
+        return kind.encode(), obj
+
     def _on_responses(self, name: bytes | None, payload: bytes, now: float) -> None:
-        obj: dict[str, Any] | None = None
-        if name is None or name == b"message":
-            if payload.startswith(_DONE):
-                self._set_done()
-                return
-            obj = self._json(payload)
-            if obj is None:
-                return
-            kind = obj.get("type")
-            if not isinstance(kind, str):
-                self._bare_error(obj)
-                return
-            name = kind.encode()
+        named = self._named(name, payload)
+        if named is None:
+            return
+        name, obj = named
         if name in _R_FIRST:
             if self.first_token_at is None:
                 self.first_token_at = now
@@ -559,19 +570,10 @@ class StreamAccountant:
             self._set_done()
 
     def _on_anthropic(self, name: bytes | None, payload: bytes, now: float) -> None:
-        obj: dict[str, Any] | None = None
-        if name is None or name == b"message":
-            if payload.startswith(_DONE):
-                self._set_done()
-                return
-            obj = self._json(payload)
-            if obj is None:
-                return
-            kind = obj.get("type")
-            if not isinstance(kind, str):
-                self._bare_error(obj)
-                return
-            name = kind.encode()
+        named = self._named(name, payload)
+        if named is None:
+            return
+        name, obj = named
         if name == b"content_block_delta":
             if self.first_token_at is None:
                 self.first_token_at = now
