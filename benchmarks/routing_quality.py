@@ -13,9 +13,14 @@ Workload
   tenant popularity is Zipf-distributed (``--zipf`` 1.1: the hottest tenant gets
   about 30 % of conversations).
 - ``--conversations`` multi-turn conversations arriving as a Poisson process;
-  turn counts are geometric (mean ~4, at most 12), each turn's prompt is the
-  system prompt plus the whole history plus a new user message, and the next
-  turn arrives after the previous answer and an exponential think time.
+  turn counts are geometric (mean ~4, at most ``--max-turns`` 12), each turn's
+  prompt is the system prompt plus the whole history plus a new user message,
+  and the next turn arrives after the previous answer and an exponential think
+  time.
+- A prompt's text is the routing text meshkit builds for that chat request
+  (``role\ncontent`` per message, joined by newlines, as
+  :func:`meshkit.core.requests.parse_request` does; checked on a sample of real
+  request bodies at start-up), so policies see what they see in production.
 - A request's service time depends only on its prompt and output sizes, so every
   policy sees exactly the same arrival/completion schedule and the comparison
   is fair (cache hits do not feed back into latency).
@@ -34,12 +39,19 @@ Reference points
   its prompt, ignoring load (ties: fewest in flight). This is the target the
   ratios refer to. It is not a strict upper bound: piling a hot tenant onto one
   worker thrashes that worker's cache, so a balanced policy can beat it.
+- **oracle within the bound**: the same, among the workers that the
+  ``load_factor`` 1.25 bound of ``prefix_hash`` admits. What a policy that knew
+  every cache could reach while obeying that per-request bound.
 - **bound**: the hit rate of one infinite cache shared by all workers, a true
   upper bound for any placement.
+
+The ``select`` column is the mean wall time of one ``policy.select`` call in the
+replay (noisy on a shared machine: compare policies within one run).
 
 Usage::
 
     python benchmarks/routing_quality.py [--workers 6] [--png out.png]
+    python benchmarks/routing_quality.py --micro 7   # time select alone (see micro)
 
 Prints a Markdown table. ``--png`` writes a plot when matplotlib is importable.
 """
@@ -47,8 +59,10 @@ Prints a Markdown table. ``--png`` writes a plot when matplotlib is importable.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import heapq
+import json
 import math
 import random
 import sys
@@ -60,7 +74,7 @@ from typing import Any
 
 from meshkit.core.endpoints import resolve
 from meshkit.core.policies import Completion, PlacementContext, Policy, create_policy
-from meshkit.core.requests import RequestView
+from meshkit.core.requests import RequestView, parse_request
 from meshkit.core.workers import Candidate, Worker
 
 BLOCK = 64  # characters per cache block (~16 tokens)
@@ -117,9 +131,9 @@ def build_workload(args: argparse.Namespace) -> tuple[list[Conversation], list[R
         at = rng.randrange(len(pool) - n)
         return pool[at : at + n]
 
-    systems = [
-        f"system[{t}]: " + text(rng.randrange(2000, 4000)) + "\n" for t in range(args.tenants)
-    ]
+    # Message contents; the transcript is the routing text of the chat request
+    # (see check_routing_text): "role\ncontent" per message, joined by "\n".
+    systems = [f"system[{t}]: " + text(rng.randrange(2000, 4000)) for t in range(args.tenants)]
     tenant_w = _zipf_weights(args.tenants, args.zipf)
     convs: list[Conversation] = []
     reqs: list[Request] = []
@@ -128,14 +142,14 @@ def build_workload(args: argparse.Namespace) -> tuple[list[Conversation], list[R
         start += rng.expovariate(args.rate)
         tenant = rng.choices(range(args.tenants), tenant_w)[0]
         conv = Conversation(cid, tenant)
-        turns = min(12, 1 + int(rng.expovariate(1 / 3.0)))
-        parts = [systems[tenant]]
+        turns = min(args.max_turns, 1 + int(rng.expovariate(1 / 3.0)))
+        parts = ["system\n" + systems[tenant]]
         t = start
         for k in range(turns):
-            parts.append(f"user[{cid}.{k}]: " + text(rng.randrange(100, 600)) + "\n")
+            parts.append(f"\nuser\nuser[{cid}.{k}]: " + text(rng.randrange(100, 600)))
             prompt_len = sum(map(len, parts))
             out_chars = rng.randrange(200, 1200)
-            parts.append("assistant: " + text(out_chars) + "\n")
+            parts.append("\nassistant\n" + text(out_chars))
             done_len = sum(map(len, parts))
             # Prefill ~10k tokens/s, decode ~60 tokens/s, plus a fixed overhead.
             service = (
@@ -146,6 +160,27 @@ def build_workload(args: argparse.Namespace) -> tuple[list[Conversation], list[R
         conv.transcript = "".join(parts)
         convs.append(conv)
     return convs, reqs
+
+
+def check_routing_text(convs: Sequence[Conversation], reqs: Sequence[Request]) -> None:
+    """Parse real chat bodies for a sample of requests: their routing text is the prompt."""
+    assert CHAT is not None
+    for r in reqs[:: max(1, len(reqs) // 200)]:
+        prompt = convs[r.conv].transcript[: r.prompt_len]
+        messages = []
+        for i, part in enumerate(prompt.split("\nassistant\n")):
+            if i:
+                answer, _, part = part.partition("\nuser\n")
+                messages.append({"role": "assistant", "content": answer})
+                messages.append({"role": "user", "content": part})
+            else:
+                system, _, first = part.partition("\nuser\n")
+                messages.append({"role": "system", "content": system.removeprefix("system\n")})
+                messages.append({"role": "user", "content": first})
+        body = json.dumps({"model": "bench-model", "messages": messages}).encode()
+        view = parse_request(CHAT, body, want_text=True)
+        if view.routing_text != prompt:
+            raise SystemExit(f"request {r.rid}: the simulated prompt is not meshkit's routing text")
 
 
 # -- cache model -----------------------------------------------------------------------
@@ -191,6 +226,8 @@ class Result:
     inflight_area: list[float] = field(default_factory=list)
     peak_inflight: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    select_s: float = 0.0  # time in policy.select, summed
+    decisions: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -279,11 +316,15 @@ def run_policy(
     reqs: Sequence[Request],
     fleet: Sequence[Candidate],
     cache_blocks: int,
+    record: list[PlacementContext] | None = None,
 ) -> Result:
+    """Replay through the policy; ``record`` collects every context (loads copied)."""
     policy: Policy = create_policy(spec, options)
     rng = random.Random(7)
     index = {c.key: i for c, i in zip(fleet, range(len(fleet)), strict=True)}
     views: dict[int, RequestView] = {}
+    timing = [0.0, 0]
+    clock = time.perf_counter
 
     def view_of(r: Request, conv: Conversation) -> RequestView:
         assert CHAT is not None
@@ -315,7 +356,13 @@ def run_policy(
             fleet_version=1,
             now=r.arrive,
         )
-        return index[policy.select(ctx).key]
+        if record is not None:
+            record.append(dataclasses.replace(ctx, load=dict(load)))
+        t0 = clock()
+        cand = policy.select(ctx)
+        timing[0] += clock() - t0
+        timing[1] += 1
+        return index[cand.key]
 
     def placed(w: int, r: Request, conv: Conversation, now: float) -> None:
         policy.on_placed(fleet[w], views[r.rid], now)
@@ -325,7 +372,9 @@ def run_policy(
         ok = Completion(status=200, ok=True, ttft=0.1, duration=r.finish - r.arrive)
         policy.on_complete(fleet[w], v, ok, now)
 
-    return replay(label, convs, reqs, fleet, cache_blocks, choose, placed, done)
+    res = replay(label, convs, reqs, fleet, cache_blocks, choose, placed, done)
+    res.select_s, res.decisions = timing[0], int(timing[1])
+    return res
 
 
 def run_oracle(
@@ -334,7 +383,13 @@ def run_oracle(
     fleet: Sequence[Candidate],
     cache_blocks: int | None,
     name: str,
+    load_factor: float | None = None,
 ) -> Result:
+    """Longest real cached prefix, fewest in flight on ties.
+
+    With ``load_factor``, only among the workers whose load after this request
+    stays within ``ceil(load_factor * (total + 1) / n)`` (``prefix_hash``'s bound).
+    """
     n = len(fleet)
 
     def choose(
@@ -344,7 +399,11 @@ def run_oracle(
         load: Mapping[str, int],
         caches: Sequence[BlockCache],
     ) -> int:
-        return max(range(n), key=lambda i: (caches[i].hit(keys), -load[fleet[i].key], -i))
+        allowed: Sequence[int] = range(n)
+        if load_factor is not None:
+            bound = math.ceil(load_factor * (sum(load.values()) + 1) / n)
+            allowed = [i for i in range(n) if load[fleet[i].key] + 1 <= bound]
+        return max(allowed, key=lambda i: (caches[i].hit(keys), -load[fleet[i].key], -i))
 
     return replay(name, convs, reqs, fleet, cache_blocks, choose)
 
@@ -361,6 +420,9 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ("session", "session", {}),
     # Variants that show the trade-offs behind the defaults (see the report).
     ("prefix_hash (load_factor=1.5)", "prefix_hash", {"load_factor": 1.5}),
+    # prefix_hash without each part of its conversation handling:
+    ("prefix_hash (spill_memory=0)", "prefix_hash", {"spill_memory": 0}),
+    ("prefix_hash (first_turn_load_factor=1.25)", "prefix_hash", {"first_turn_load_factor": 1.25}),
     # The spill gate sized for SGLang's defaults never trips at these loads:
     (
         "cache_aware (abs=32, rel=1.5)",
@@ -369,6 +431,51 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ),
     ("cache_aware (max_tree_size=2M)", "cache_aware", {"max_tree_size": 2_000_000}),
 ]
+
+
+#: policies timed by ``--micro``
+MICRO: list[tuple[str, str, dict[str, Any]]] = [
+    ("round_robin", "round_robin", {}),
+    ("session", "session", {}),
+    ("prefix_hash", "prefix_hash", {}),
+    ("prefix_hash (load_factor=1.5)", "prefix_hash", {"load_factor": 1.5}),
+]
+
+
+def micro(
+    convs: Sequence[Conversation],
+    reqs: Sequence[Request],
+    fleet: Sequence[Candidate],
+    cache_blocks: int,
+    repeat: int,
+) -> None:
+    """Time ``select`` alone, on the contexts (request, loads) of a prefix_hash replay.
+
+    Each policy is fresh and sees the contexts in order; the best of ``repeat``
+    passes is printed. Run it against two versions of meshkit (``PYTHONPATH``) to
+    compare them: only ratios within one machine state mean anything.
+    """
+    ctxs: list[PlacementContext] = []
+    run_policy("record", "prefix_hash", {}, convs, reqs, fleet, cache_blocks, ctxs)
+    print(f"{len(ctxs)} placement contexts from a prefix_hash replay\n")
+    print(f"| policy | select (µs), best of {repeat} | spread (µs) |")
+    print("|---|---:|---:|")
+    clock = time.perf_counter
+    for label, spec, opts in MICRO:
+        try:
+            create_policy(spec, opts)
+        except Exception as exc:  # an older meshkit without this option
+            print(f"| {label} | — ({type(exc).__name__}) | |")
+            continue
+        times = []
+        for _ in range(repeat):
+            policy = create_policy(spec, opts)
+            select = policy.select
+            t0 = clock()
+            for ctx in ctxs:
+                select(ctx)
+            times.append((clock() - t0) / len(ctxs) * 1e6)
+        print(f"| {label} | {min(times):.2f} | {min(times):.2f}-{max(times):.2f} |")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -380,16 +487,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=6.0, help="new conversations per second")
     ap.add_argument("--think", type=float, default=20.0, help="mean think time (s)")
     ap.add_argument("--cache-tokens", type=int, default=128_000, help="per worker")
+    ap.add_argument("--max-turns", type=int, default=12, help="turns per conversation, at most")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--png", help="write a plot here (needs matplotlib)")
+    ap.add_argument(
+        "--micro", type=int, metavar="N", help="only time select, best of N passes (see micro)"
+    )
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
     convs, reqs = build_workload(args)
+    check_routing_text(convs, reqs)
     fleet = [Candidate(Worker(f"http://10.0.0.{i + 1}:8000")) for i in range(args.workers)]
     cache_blocks = args.cache_tokens * CHARS_PER_TOKEN // BLOCK
+    if args.micro:
+        micro(convs, reqs, fleet, cache_blocks, args.micro)
+        return 0
 
     oracle = run_oracle(convs, reqs, fleet, cache_blocks, "oracle (longest real prefix)")
+    bounded = run_oracle(
+        convs, reqs, fleet, cache_blocks, "oracle within the bound (load_factor 1.25)", 1.25
+    )
     bound = run_oracle(convs, reqs, fleet[:1], None, "bound (one infinite cache)")
     results = [
         run_policy(label, spec, opts, convs, reqs, fleet, cache_blocks)
@@ -404,10 +522,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         "| policy | hit rate (tokens) | vs oracle | requests max/mean "
-        "| in-flight max/mean | peak in flight | time (s) |"
+        "| in-flight max/mean | peak in flight | select (µs) | time (s) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for res in [*results, oracle, bound]:
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for res in [*results, oracle, bounded, bound]:
         ratio = res.hit_rate / oracle.hit_rate if oracle.hit_rate else math.nan
         balance = (
             ("—", "—", "—")
@@ -418,9 +536,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 str(max(res.peak_inflight)),
             )
         )
+        select = f"{res.select_s / res.decisions * 1e6:.1f}" if res.decisions else "—"
         print(
             f"| {res.name} | {res.hit_rate:.1%} | {ratio:.1%} | {balance[0]} | {balance[1]} "
-            f"| {balance[2]} | {res.seconds:.1f} |"
+            f"| {balance[2]} | {select} | {res.seconds:.1f} |"
         )
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")
     for target in ("prefix_hash", "cache_aware"):
@@ -430,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"target {target}: >= 95% of oracle at max/mean <= 1.25: {'met' if ok else 'NOT met'}"
         )
     if args.png:
-        plot(args.png, [*results, oracle], bound)
+        plot(args.png, [*results, oracle, bounded], bound)
     return 0
 
 
@@ -443,8 +562,9 @@ def plot(path: str, results: Sequence[Result], bound: Result) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(10, 5))
-    markers = "osD^v<>ph*X"
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    ax.set_prop_cycle(color=[plt.get_cmap("tab20")(i) for i in range(20)])
+    markers = "osD^v<>ph*XP8d"
     for i, res in enumerate(results):
         # A legend rather than annotations: several policies land on the same spot.
         ax.scatter(

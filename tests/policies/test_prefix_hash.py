@@ -2,29 +2,50 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
 from collections import Counter
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from meshkit.core.endpoints import resolve
 from meshkit.core.policies import Needs, PrefixHash, create_policy
-from meshkit.core.policies.ring import HashRing
+from meshkit.core.policies.prefix_hash import conversation_head
+from meshkit.core.policies.ring import HashRing, bounded_load_pick
+from meshkit.core.requests import parse_request
+from meshkit.core.workers import Candidate
 from meshkit.errors import ConfigError
 
 
 def test_needs_tokens_and_a_character_fallback() -> None:
-    p = PrefixHash(prefix_token_count=64, prefix_chars=512)
-    assert p.needs == Needs(text=True, prefix_tokens=64, prefix_chars=512)
+    p = PrefixHash(prefix_token_count=64, prefix_chars=512, conversation_chars=4096)
+    # The text is read up to the conversation's head, at most conversation_chars.
+    assert p.needs == Needs(text=True, prefix_tokens=64, prefix_chars=4096)
     assert create_policy("prefix_hash").needs.prefix_tokens == 256
+    assert PrefixHash(prefix_chars=9000, conversation_chars=100).needs.prefix_chars == 9000
 
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("prefix_token_count", 0), ("virtual_nodes", 0), ("load_factor", 0.9), ("prefix_chars", 0)],
+    [
+        ("prefix_token_count", 0),
+        ("virtual_nodes", 0),
+        ("load_factor", 0.9),
+        ("prefix_chars", 0),
+        ("first_turn_load_factor", 0),
+        ("first_turn_load_factor", 1.3),  # above the default load_factor 1.25
+        ("spill_memory", -1),
+        ("conversation_chars", 0),
+    ],
 )
 def test_bad_options_name_the_key(option: str, value: float) -> None:
     with pytest.raises(ConfigError, match=option):
@@ -109,7 +130,7 @@ def test_ring_is_rebuilt_only_when_the_fleet_version_changes(
     import meshkit.core.policies.prefix_hash as mod
 
     built: list[int] = []
-    real = mod.HashRing
+    real = HashRing
 
     def counting(keys: list[str], vnodes: int) -> HashRing:
         built.append(len(keys))
@@ -147,14 +168,21 @@ _CHILD = textwrap.dedent(
         "cache_aware": create_policy("cache_aware"),
     }
     out = []
-    for i in range(1000):
+    for i in range(1500):
         r = random.Random(i)
-        if i % 2:
+        if i % 3 == 1:
             view = RequestView(match=chat, token_ids=[r.randrange(150_000) for _ in range(24)])
+        elif i % 3 == 2:
+            # Chats: 40 conversations of 1-4 turns behind 2 system prompts, so that
+            # spills, their memory and the first-turn bound all take part.
+            system = f"system\\n{i % 2} " + "be helpful " * 150
+            turns = [f"user\\nconversation {i % 40} turn {k}" for k in range(r.randrange(1, 5))]
+            text = system + "\\n" + "\\nassistant\\nok\\n".join(turns)
+            view = RequestView(match=chat, routing_text=text, routing_key=text[:12])
         else:
             text = "".join(r.choice("abcdefgh ") for _ in range(r.randrange(1, 1500)))
             view = RequestView(match=chat, routing_text=text, routing_key=text[:12])
-        load = {c.key: r.randrange(4) for c in fleet}
+        load = {c.key: r.randrange(6) for c in fleet}
         for name, p in policies.items():
             ctx = PlacementContext(
                 candidates=fleet, view=view, load=load, weight={},
@@ -182,7 +210,7 @@ def test_placement_is_identical_across_processes_and_hash_seeds() -> None:
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1]
     picks = outputs[0].strip().split(",")
-    assert len(picks) == 3000
+    assert len(picks) == 4500
     assert len(set(picks)) == 7  # and they actually spread
 
 
@@ -193,3 +221,237 @@ def test_without_a_fleet_the_candidates_form_the_ring(kit: SimpleNamespace) -> N
     first = p.select(kit.ctx(cs, v, fleet=[]))
     assert p.select(kit.ctx(cs, v, fleet=[])) == first
     assert p.select(kit.ctx(cs, v, fleet=cs)) == first
+
+
+# -- conversations ---------------------------------------------------------------------
+
+SYSTEM = "system\nYou are the support assistant of ACME. " + "Policy text. " * 120  # > 1024
+
+
+def chat(system: str, *turns: str, answers: int | None = None) -> str:
+    """A chat routing text as requests.py builds it: ``role\\ncontent`` joined by newlines.
+
+    Every user turn but the last is followed by an answer (or the first ``answers``).
+    """
+    parts = [system] if system else []
+    done = len(turns) - 1 if answers is None else answers
+    for i, turn in enumerate(turns):
+        parts.append("user\n" + turn)
+        if i < done:
+            parts.append(f"assistant\nanswer {i} to {turn}")
+    return "\n".join(parts)
+
+
+def test_conversation_head_is_the_same_for_every_turn() -> None:
+    one = chat(SYSTEM, "hello, my order 123 is late")
+    two = chat(SYSTEM, "hello, my order 123 is late", "where is it now?")
+    three = chat(SYSTEM, "hello, my order 123 is late", "where is it now?", "thanks")
+    end, first = conversation_head(one, 32768) or (0, False)
+    assert (end, first) == (len(one), True)
+    assert conversation_head(two, 32768) == (end, False)
+    assert conversation_head(three, 32768) == (end, False)
+    assert two[:end] == one
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("user\nhi", (7, True)),  # no system prompt
+        ("user\nhi\nassistant\nhello\nuser\nmore", (7, False)),
+        ('[{"type":"function"}]\nuser\nhi', (29, True)),  # tools come first
+        ("system\nbe brief", None),  # no user message
+        ("a plain completion prompt", None),
+        ("", None),
+    ],
+)
+def test_conversation_head_shapes(text: str, expected: tuple[int, bool] | None) -> None:
+    assert conversation_head(text, 32768) == expected
+
+
+def test_a_head_longer_than_the_window_is_cut_the_same_way_every_turn() -> None:
+    one = chat("system\nshort", "x" * 500)
+    two = chat("system\nshort", "x" * 500, "next")
+    assert conversation_head(one, 100) == (100, False)  # unknown: maybe not the first turn
+    assert conversation_head(two, 100) == (100, False)
+    assert conversation_head("system\n" + "s" * 200 + "\nuser\nhi", 100) is None
+
+
+def _hot(kit: SimpleNamespace, p: PrefixHash, cs: list[Candidate], text: str) -> dict[str, int]:
+    """Loads that put the prefix's owner at the bound and everyone else at 2."""
+    owner = p._rings.get(kit.ctx(cs)).owner(p.key_point(kit.ctx(cs, kit.view(text))) or 0)
+    load = {c.key: 2 for c in cs}
+    load[owner or ""] = 6  # the bound is at most ceil(1.25 * 17 / 4) = 6: the owner is full
+    return load
+
+
+def test_a_spilled_conversation_keeps_its_worker(kit: SimpleNamespace) -> None:
+    cs = kit.cands(4)
+    p = PrefixHash()
+    turns = ["my order 123 is late", "where is it now?", "and the refund?", "thanks"]
+    first_text = chat(SYSTEM, turns[0])
+    hot = _hot(kit, p, cs, first_text)
+    owner = max(hot, key=lambda k: hot[k])
+    spilled = p.select(kit.ctx(cs, kit.view(first_text), load=hot))
+    assert spilled.key != owner
+    # The owner has room again, but the conversation's history is elsewhere.
+    for n in range(2, len(turns) + 1):
+        text = chat(SYSTEM, *turns[:n])
+        assert p.select(kit.ctx(cs, kit.view(text))) == spilled
+    # Another conversation of the same prefix still goes to the owner.
+    other = chat(SYSTEM, "a different question", "and a follow-up")
+    assert p.select(kit.ctx(cs, kit.view(other))).key == owner
+
+
+def test_without_memory_the_conversation_returns_to_the_owner(kit: SimpleNamespace) -> None:
+    cs = kit.cands(4)
+    p = PrefixHash(spill_memory=0)
+    text = chat(SYSTEM, "my order 123 is late")
+    hot = _hot(kit, p, cs, text)
+    owner = max(hot, key=lambda k: hot[k])
+    assert p.select(kit.ctx(cs, kit.view(text), load=hot)).key != owner
+    later = chat(SYSTEM, "my order 123 is late", "where is it now?")
+    assert p.select(kit.ctx(cs, kit.view(later))).key == owner
+
+
+def test_a_conversation_spills_to_the_same_worker_in_every_process(kit: SimpleNamespace) -> None:
+    cs = kit.cands(6)
+    text = chat(SYSTEM, "question", "follow-up")  # a running conversation: no two-choice
+    a, b = PrefixHash(), PrefixHash()
+    hot = _hot(kit, a, cs, text)
+    assert a.select(kit.ctx(cs, kit.view(text), load=hot)) == b.select(
+        kit.ctx(cs, kit.view(text), load=hot)
+    )
+    # ... and different conversations of one hot prefix spread over the fleet.
+    spread = Counter(
+        a.select(kit.ctx(cs, kit.view(chat(SYSTEM, f"question {i}", "more")), load=hot)).key
+        for i in range(200)
+    )
+    owner = max(hot, key=lambda k: hot[k])
+    assert owner not in spread
+    assert len(spread) == 5
+
+
+def test_a_new_conversation_leaves_the_owner_headroom(kit: SimpleNamespace) -> None:
+    cs = kit.cands(4)
+    p = PrefixHash(first_turn_load_factor=1.0, spill_memory=0)
+    new = chat(SYSTEM, "first question")
+    running = chat(SYSTEM, "first question", "second question")
+    point = p.key_point(kit.ctx(cs, kit.view(new)))
+    owner = p._rings.get(kit.ctx(cs)).owner(point or 0)
+    # Total 15: a new conversation may bring the owner to ceil(1.0 * 16 / 4) = 4,
+    # a running one to ceil(1.25 * 16 / 4) = 5; the owner holds 4.
+    others = iter([4, 4, 3])
+    load = {c.key: 4 if c.key == owner else next(others) for c in cs}
+    assert p.select(kit.ctx(cs, kit.view(new), load=load)).key != owner
+    assert p.select(kit.ctx(cs, kit.view(running), load=load)).key == owner
+    # With the factor at load_factor, the new conversation stays too.
+    q = PrefixHash(first_turn_load_factor=1.25, spill_memory=0)
+    assert q.select(kit.ctx(cs, kit.view(new), load=load)).key == owner
+
+
+def test_spill_memory_is_bounded_and_least_recently_used(kit: SimpleNamespace) -> None:
+    cs = kit.cands(4)
+    p = PrefixHash(spill_memory=2)
+    texts = [chat(SYSTEM, f"question {i}", "more") for i in range(3)]
+    hot = _hot(kit, p, cs, texts[0])
+    for t in texts:
+        p.select(kit.ctx(cs, kit.view(t), load=hot))
+    point = p.key_point(kit.ctx(cs, kit.view(texts[0])))
+    assert point is not None
+    convs = [p.conversation_point(kit.view(t), point) for t in texts]
+    assert list(p._spilled) == [c[0] for c in convs[1:] if c is not None]
+
+
+def test_a_removed_worker_is_forgotten(kit: SimpleNamespace) -> None:
+    cs = kit.cands(3, dp=2)
+    p = PrefixHash()
+    hot = _hot(kit, p, cs, chat(SYSTEM, "q"))
+    for i in range(40):
+        p.select(kit.ctx(cs, kit.view(chat(SYSTEM, f"q{i}", "more")), load=hot))
+    keys = set(p._spilled.values())
+    assert len(keys) >= 2
+    gone = next(c.worker for c in cs if c.key in keys)
+    p.on_removed(gone)
+    assert p._spilled
+    assert all(not k.startswith(gone.id) for k in p._spilled.values())
+
+
+@given(
+    loads=st.lists(st.integers(0, 30), min_size=2, max_size=8),
+    conv=st.integers(0, 50),
+    turns=st.integers(1, 4),
+    chatty=st.booleans(),
+)
+@settings(max_examples=200, deadline=None)
+def test_the_load_bound_always_holds(
+    kit: SimpleNamespace, loads: list[int], conv: int, turns: int, chatty: bool
+) -> None:
+    cs = kit.cands(len(loads))
+    p = PrefixHash(spill_memory=4)
+    load = {c.key: n for c, n in zip(cs, loads, strict=True)}
+    bound = math.ceil(1.25 * (sum(loads) + 1) / len(loads))
+    for k in range(turns):
+        text = chat(SYSTEM, *[f"conversation {conv} turn {i}" for i in range(k + 1)])
+        if not chatty:
+            text = text.replace("user\n", "u:")
+        got = p.select(kit.ctx(cs, kit.view(text), load=load))
+        assert load[got.key] + 1 <= bound
+        # The next turn finds the loads changed: the pick is one request busier.
+        load[got.key] += 1
+        bound = math.ceil(1.25 * (sum(load.values()) + 1) / len(loads))
+
+
+def test_requests_that_are_not_chats_are_placed_as_before(kit: SimpleNamespace) -> None:
+    cs = kit.cands(5)
+    p = PrefixHash()
+    ring = p._rings.get(kit.ctx(cs))
+    r = random.Random(3)
+    for i in range(300):
+        load = {c.key: r.randrange(6) for c in cs}
+        v = kit.view(f"prompt {i % 7} " * 100) if i % 2 else kit.view(token_ids=[i % 5] * 300)
+        point = p.key_point(kit.ctx(cs, v))
+        assert point is not None
+        want = bounded_load_pick(ring, point, cs, load, 1.25)
+        assert p.select(kit.ctx(cs, v, load=load)) == want
+
+
+def test_with_token_ids_the_conversation_still_comes_from_the_text(kit: SimpleNamespace) -> None:
+    cs = kit.cands(4)
+    p = PrefixHash(prefix_token_count=8)
+    head = list(range(100, 108))  # every request of the tenant: the same first 8 tokens
+    owner = p._rings.get(kit.ctx(cs)).owner(p.key_point(kit.ctx(cs, kit.view(token_ids=head))) or 0)
+    hot = {c.key: 2 for c in cs}
+    hot[owner or ""] = 6
+    first = kit.view(chat(SYSTEM, "order 123"), token_ids=head)
+    spilled = p.select(kit.ctx(cs, first, load=hot))
+    assert spilled.key != owner
+    later = kit.view(chat(SYSTEM, "order 123", "and now?"), token_ids=head)
+    assert p.select(kit.ctx(cs, later)) == spilled
+
+
+_Q1 = [{"role": "user", "content": "Q1"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"}, *_Q1]}),
+        ("/v1/messages", {"system": "be brief", "messages": _Q1}),
+        ("/v1/responses", {"instructions": "be brief", "input": _Q1}),
+    ],
+)
+def test_the_head_is_found_in_the_routing_text_meshkit_builds(
+    path: str, body: dict[str, Any]
+) -> None:
+    """The coupling with requests.py: its routing text has ``role\\ncontent`` messages."""
+    match = resolve("POST", path)
+    assert match is not None
+    first = parse_request(match, json.dumps({"model": "m", **body}).encode(), want_text=True)
+    later_body = json.loads(json.dumps(body))
+    key = "input" if "input" in body else "messages"
+    later_body[key] += [{"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]
+    later = parse_request(match, json.dumps({"model": "m", **later_body}).encode(), want_text=True)
+    head = conversation_head(first.routing_text, 32768)
+    assert head == (len(first.routing_text), True)
+    assert first.routing_text.endswith("Q1")
+    assert conversation_head(later.routing_text, 32768) == (head[0], False)

@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshkit.core.policies.ring import HashRing, bounded_load_pick, hash_bytes, hash_token_ids
+from meshkit.core.policies.ring import (
+    HashRing,
+    bounded_load_pick,
+    hash_bytes,
+    hash_token_ids,
+    load_bound,
+)
 
 KEYS = [hash_bytes(b"key-%d" % i) for i in range(10_000)]
 
@@ -70,6 +76,20 @@ def test_walk_yields_each_owner_once() -> None:
     assert HashRing([]).owner(1) is None
 
 
+def test_owner_is_the_first_of_the_walk() -> None:
+    ring = HashRing(_keys(7), virtual_nodes=30)
+    points = [*KEYS[:500], 0, 2**64 - 1, ring._points[0], ring._points[-1], ring._points[-1] + 1]
+    for p in points:
+        assert ring.owner(p) == next(ring.walk(p))
+
+
+def test_load_bound_counts_the_new_request() -> None:
+    assert load_bound({}, ["a", "b"], 1.25) == 1  # ceil(1.25 * 1 / 2)
+    assert load_bound({"a": 10, "b": 2, "c": 0}, ["a", "b", "c"], 1.25) == 6  # ceil(1.25 * 13 / 3)
+    # Only the listed candidates count.
+    assert load_bound({"a": 10, "b": 2, "x": 100}, ["a", "b"], 1.0) == 7
+
+
 def _cands(n: int) -> list[SimpleNamespace]:
     # bounded_load_pick only reads ``key``.
     return [SimpleNamespace(key=k) for k in _keys(n)]
@@ -99,7 +119,7 @@ def test_bounded_load_skips_ineligible_and_unknown_members() -> None:
     # A candidate the ring has never seen is still placeable.
     stranger = SimpleNamespace(key="http://127.0.0.1:9999")
     got = bounded_load_pick(ring, point, [stranger], {}, 1.25)  # type: ignore[list-item]
-    assert got is stranger
+    assert got is stranger  # type: ignore[comparison-overlap]
 
 
 @given(st.lists(st.integers(0, 200), min_size=1, max_size=12), st.integers(0, 2**64 - 1))

@@ -3,7 +3,7 @@ Prefix hash
 ===========
 
 ``prefix_hash`` sends requests that start the same way to the same worker, so the
-worker's prefix (KV) cache stays warm, without keeping any per-request state.
+worker's prefix (KV) cache stays warm.
 
 The key is the first ``prefix_token_count`` token ids when the prepare stage has
 a tokenizer (it fills :attr:`~meshkit.core.requests.RequestView.token_ids`), and
@@ -14,16 +14,56 @@ characters usually share their first ~250 tokens too.
 The key is hashed onto a :class:`~meshkit.core.policies.ring.HashRing` built over
 the *whole* fleet (healthy or not) and rebuilt only when the fleet's version
 changes, so a worker that fails a health check and comes back gets its keys back,
-and a join or leave moves about ``1/N`` of the keys.
+and a join or leave moves about ``1/N`` of the keys. The first eligible owner
+clockwise from the key is the prefix's *owner*.
 
-Hot prefixes are bounded: the walk clockwise skips a candidate whose in-flight
-load would exceed ``ceil(load_factor * (total + 1) / n)`` (consistent hashing
-with bounded loads), so one popular system prompt spills to the next worker on
-the ring instead of pinning all traffic to one (production-stack#957).
+Hot prefixes are bounded: a candidate takes a request only while its in-flight
+load after it stays within ``ceil(load_factor * (total + 1) / n)`` (consistent
+hashing with bounded loads), so one popular system prompt spills over several
+workers instead of pinning all traffic to one (production-stack#957).
+
+Conversations keep their worker through a spill
+-----------------------------------------------
+
+A 256-token key covers a tenant's system prompt, not the conversation: every
+conversation of a hot tenant has the same key and the same owner, and the bound
+spills part of them. A spill decided per request sends a conversation's turns
+wherever load allows at that moment, and each move re-computes the whole
+history on a cold worker. So, for chat-shaped requests:
+
+- A request's *conversation* is its routing text up to the end of its first user
+  message (the routing text is ``role\\ncontent`` per message, joined by
+  newlines, see :mod:`meshkit.core.requests`), looked for in the first
+  ``conversation_chars`` characters. Its hash (the prefix key plus the last 512
+  characters of that head) is the same for every turn of the conversation.
+- A spilled request walks the ring from its *conversation's* point, not from the
+  prefix's, so the spill of one hot prefix spreads over the fleet and a given
+  conversation spills to the same worker in every process. A new conversation
+  (no assistant message yet) takes the less loaded of the first two acceptable
+  workers on that walk.
+- A conversation placed away from its prefix's owner is remembered (a bounded
+  LRU map of ``spill_memory`` conversation hashes to candidate keys), and its next
+  turns go back there while that worker is within the bound. The map only holds
+  spilled conversations; the others follow the ring.
+- A new conversation goes to the prefix's owner only while the owner's load,
+  after it, stays within ``ceil(first_turn_load_factor * (total + 1) / n)``
+  (``1.0``: the mean). Moving a new conversation costs a system prompt; moving a
+  running one costs its history, so the owner's headroom is kept for the turns
+  of conversations it already holds.
+
+Requests without that shape (plain completions, token ids only) are placed as
+before: the owner, then the ring clockwise from the prefix.
+
+Placement is deterministic: the same fleet, loads and history of spills give the
+same choice in every process (hashes are blake2b, never :func:`hash`). With no
+load the choice depends on the prefix only. The spill memory is per process: a
+second mesh that did not see a spill sends the conversation's next turn to the
+owner when the owner has room, else to the same spill target.
 
 Choose ``prefix_token_count`` deeper than prompts' shared part (a common system
-prompt plus tools): a key that covers only the shared part sends every request
-to the same place and leaves the load bound to do all the balancing.
+prompt plus tools) when requests are single-turn: a key that covers only the
+shared part sends every request to the same place and leaves the load bound to
+do all the balancing.
 
 .. code-block:: toml
 
@@ -31,20 +71,56 @@ to the same place and leaves the load bound to do all the balancing.
     [policies.prefix_hash]
     prefix_token_count = 256
     load_factor = 1.25
+    first_turn_load_factor = 1.0
+    spill_memory = 16384
 
 .. autoclass:: PrefixHash
+.. autofunction:: conversation_head
 """
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.policies.ring import HashRing, bounded_load_pick, hash_bytes, hash_token_ids
-from meshkit.core.workers import Candidate
+from meshkit.core.requests import RequestView
+from meshkit.core.workers import Candidate, Worker
 from meshkit.errors import ConfigError
 
-__all__ = ["PrefixHash", "RingCache"]
+__all__ = ["PrefixHash", "RingCache", "conversation_head"]
+
+#: characters at the end of a conversation's head hashed into its key
+_HEAD_TAIL = 512
+_USER = "\nuser\n"
+_ASSISTANT = "\nassistant\n"
+
+
+def conversation_head(text: str, limit: int) -> tuple[int, bool] | None:
+    """Where a chat routing text's first user message ends, and whether it is a new chat.
+
+    Returns ``(end, first)``: ``text[:end]`` runs to the end of the first user
+    message (or to ``limit`` when that message ends later), the same for every
+    turn of the conversation; ``first`` is true when the text has no assistant
+    message yet. ``None`` when there is no user message in the first ``limit``
+    characters (not a chat, or a very long system prompt).
+    """
+    if text.startswith("user\n"):
+        start = 0
+    else:
+        start = text.find(_USER, 0, limit) + 1
+        if start == 0:
+            return None
+    end = text.find(_ASSISTANT, start + 4, limit)
+    if end >= 0:
+        return end, False
+    if len(text) <= limit:
+        return len(text), True
+    # The head runs past the window: every turn has the same first ``limit``
+    # characters, and whether this one is the first is not known.
+    return limit, False
 
 
 class RingCache:
@@ -84,6 +160,12 @@ class PrefixHash(BasePolicy):
         after it stays within ``ceil(load_factor * (total + 1) / n)``; ``>= 1``.
     :param prefix_chars: how many leading characters of the routing text form the
         key when there are no token ids (no tokenizer configured).
+    :param first_turn_load_factor: the same bound for a new conversation on its
+        prefix's owner; ``> 0`` and at most ``load_factor``.
+    :param spill_memory: conversations placed away from their prefix's owner that
+        are remembered (least recently used forgotten first); ``0`` remembers none.
+    :param conversation_chars: how far into the routing text the end of the first
+        user message is looked for.
     """
 
     name = "prefix_hash"
@@ -94,6 +176,9 @@ class PrefixHash(BasePolicy):
         virtual_nodes: int = 150,
         load_factor: float = 1.25,
         prefix_chars: int = 1024,
+        first_turn_load_factor: float = 1.0,
+        spill_memory: int = 16384,
+        conversation_chars: int = 32768,
     ) -> None:
         if prefix_token_count < 1:
             raise ConfigError("policies.prefix_hash.prefix_token_count", "must be >= 1")
@@ -103,13 +188,30 @@ class PrefixHash(BasePolicy):
             raise ConfigError("policies.prefix_hash.load_factor", "must be >= 1.0")
         if prefix_chars < 1:
             raise ConfigError("policies.prefix_hash.prefix_chars", "must be >= 1")
+        if not 0.0 < first_turn_load_factor <= load_factor:
+            raise ConfigError(
+                "policies.prefix_hash.first_turn_load_factor", "must be > 0 and <= load_factor"
+            )
+        if spill_memory < 0:
+            raise ConfigError("policies.prefix_hash.spill_memory", "must be >= 0")
+        if conversation_chars < 1:
+            raise ConfigError("policies.prefix_hash.conversation_chars", "must be >= 1")
 
         self.prefix_token_count = prefix_token_count
         self.virtual_nodes = virtual_nodes
         self.load_factor = float(load_factor)
         self.prefix_chars = prefix_chars
-        self.needs = Needs(text=True, prefix_tokens=prefix_token_count, prefix_chars=prefix_chars)
+        self.first_turn_load_factor = float(first_turn_load_factor)
+        self.spill_memory = spill_memory
+        self.conversation_chars = conversation_chars
+        self.needs = Needs(
+            text=True,
+            prefix_tokens=prefix_token_count,
+            prefix_chars=max(prefix_chars, conversation_chars),
+        )
         self._rings = RingCache(virtual_nodes)
+        #: conversation point -> candidate key, for conversations placed off their owner
+        self._spilled: OrderedDict[int, str] = OrderedDict()
 
     def key_point(self, ctx: PlacementContext) -> int | None:
         """The request's point on the ring, or ``None`` when it has no prefix."""
@@ -121,12 +223,105 @@ class PrefixHash(BasePolicy):
             return hash_bytes(b"c:" + text.encode("utf-8", "surrogatepass"))
         return None
 
+    def conversation_point(self, view: RequestView, point: int) -> tuple[int, bool] | None:
+        """The conversation's point and whether it is new, or ``None`` (not a chat).
+
+        ``point`` is the request's prefix point: two tenants whose users open
+        with the same words are still two conversations.
+        """
+        text = view.routing_text
+        head = conversation_head(text, self.conversation_chars)
+        if head is None:
+            return None
+        end, first = head
+        tail = text[max(0, end - _HEAD_TAIL) : end].encode("utf-8", "surrogatepass")
+        return hash_bytes(b"h:%d:" % point + tail), first
+
     def select(self, ctx: PlacementContext) -> Candidate:
         cands = ctx.candidates
         if len(cands) == 1:
             return cands[0]
+        ring = self._rings.get(ctx)
+        load = ctx.load
         point = self.key_point(ctx)
         if point is None:
             # Nothing to keep warm: start the walk anywhere, the bound balances.
-            point = ctx.rng.getrandbits(64)
-        return bounded_load_pick(self._rings.get(ctx), point, cands, ctx.load, self.load_factor)
+            return bounded_load_pick(ring, ctx.rng.getrandbits(64), cands, load, self.load_factor)
+        by_key: dict[str, Candidate] = {}
+        total = 0
+        for c in cands:
+            by_key[c.key] = c
+            total += load.get(c.key, 0)
+        share = (total + 1) / len(by_key)
+        bound = math.ceil(self.load_factor * share)
+        owner = ring.owner(point)
+        if owner not in by_key:
+            owner = next((k for k in ring.walk(point) if k in by_key), None)
+            if owner is None:  # no eligible candidate is on the ring (no fleet given)
+                return bounded_load_pick(ring, point, cands, load, self.load_factor)
+        owner_load = load.get(owner, 0)
+        first_limit = math.ceil(self.first_turn_load_factor * share)
+        spilled = self._spilled
+        if owner_load + 1 <= first_limit and not spilled:
+            return by_key[owner]  # room for any request, and nothing to send elsewhere
+
+        conv_first = self.conversation_point(ctx.view, point)
+        if conv_first is None:
+            # Not a chat: the owner, else clockwise from the prefix.
+            if owner_load + 1 <= bound:
+                return by_key[owner]
+            return bounded_load_pick(ring, point, cands, load, self.load_factor)
+        conv, first = conv_first
+
+        # 1. A conversation spilled before goes back where its history is.
+        there = spilled.get(conv)
+        if there is not None and there in by_key and load.get(there, 0) + 1 <= bound:
+            spilled.move_to_end(conv)
+            return by_key[there]
+
+        # 2. The prefix's owner; a new conversation leaves it some headroom.
+        if owner_load + 1 <= (first_limit if first else bound):
+            if there is not None:
+                del spilled[conv]
+            return by_key[owner]
+
+        # 3. Spill along the conversation's own walk, so that the same
+        #    conversation spills to the same worker in every process.
+        chosen: str | None = None
+        for key in ring.walk(conv):
+            if key == owner or key not in by_key or load.get(key, 0) + 1 > bound:
+                continue
+            if chosen is None:
+                chosen = key
+                if not first:
+                    break
+            else:
+                # A new conversation takes the less loaded of two acceptable workers.
+                if load.get(key, 0) < load.get(chosen, 0):
+                    chosen = key
+                break
+        if chosen is None:
+            # Everyone else is at the bound: the owner, if it fits, else the
+            # plain walk (the least loaded candidate always fits the bound).
+            if owner_load + 1 <= bound:
+                chosen = owner
+            else:
+                chosen = bounded_load_pick(ring, point, cands, load, self.load_factor).key
+        if chosen == owner:
+            if there is not None:
+                del spilled[conv]
+        elif self.spill_memory:
+            spilled[conv] = chosen
+            spilled.move_to_end(conv)
+            if len(spilled) > self.spill_memory:
+                spilled.popitem(last=False)
+        return by_key[chosen]
+
+    def on_removed(self, worker: Worker) -> None:
+        """Forget the conversations spilled to a worker that left the fleet."""
+        ranks = worker.id + "#dp"
+        gone = [
+            conv for conv, key in self._spilled.items() if key == worker.id or key.startswith(ranks)
+        ]
+        for conv in gone:
+            del self._spilled[conv]

@@ -20,6 +20,7 @@ Usage::
 
 .. autoclass:: HashRing
 .. autofunction:: hash_bytes
+.. autofunction:: load_bound
 .. autofunction:: bounded_load_pick
 """
 
@@ -28,11 +29,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from meshkit.core.workers import Candidate
 
-__all__ = ["HashRing", "bounded_load_pick", "hash_bytes", "hash_token_ids"]
+__all__ = ["HashRing", "bounded_load_pick", "hash_bytes", "hash_token_ids", "load_bound"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -105,7 +106,25 @@ class HashRing:
 
     def owner(self, point: int) -> str | None:
         """The first owner clockwise from ``point`` (``None`` on an empty ring)."""
-        return next(self.walk(point), None)
+        points = self._points
+        if not points:
+            return None
+        at = bisect.bisect_left(points, point & _MASK64)
+        return self.keys[self._owners[at if at < len(points) else 0]]
+
+
+def load_bound(load: Mapping[str, int], keys: Iterable[str], load_factor: float) -> int:
+    """The most requests a candidate may hold *after* one more placement.
+
+    ``ceil(load_factor * (total + 1) / n)``, where ``total`` is the in-flight load
+    over the ``n`` candidates in ``keys`` (at least one).
+    """
+    total = 0
+    n = 0
+    for k in keys:
+        total += load.get(k, 0)
+        n += 1
+    return math.ceil(load_factor * (total + 1) / n)
 
 
 def bounded_load_pick(
@@ -127,10 +146,9 @@ def bounded_load_pick(
     pass the fleet) are tried after the ring's owners, in their given order.
     """
     by_key = {c.key: c for c in eligible}
-    bound = math.inf
+    bound: float = math.inf
     if load_factor is not None:
-        total = sum(load.get(k, 0) for k in by_key)
-        bound = math.ceil(load_factor * (total + 1) / len(by_key))
+        bound = load_bound(load, by_key, load_factor)
     first: Candidate | None = None
     for key in ring.walk(point):
         cand = by_key.get(key)
