@@ -15,10 +15,12 @@ Two scenarios, in each embedding mode (``tests/harness.py``):
 
 ``upstream``
     Two slow streaming workers and ``upstream.pool_limit_per_worker = 4``
-    (capacity 8 streams), with ``10 x 8`` streams at once. meshkit has no
-    admission limit on requests in flight to workers: this reports what the
-    excess gets (today: 502 ``upstream_error`` once ``connect_timeout_s`` passed
-    waiting for a pooled connection).
+    (capacity 8 streams; the admission limits default to the pool's), with
+    ``10 x 8`` streams at once. Expected: the excess is refused at once with 503
+    ``overloaded`` (before any byte goes upstream), no breaker opens, and a
+    request after the burst succeeds. (Before admission control, the excess got
+    502 ``upstream_error`` after waiting ``connect_timeout_s`` for a pooled
+    connection, and the breakers opened.)
 
 Every point reports the status counts, latency percentiles per outcome and the
 process's RSS before/after (``VmRSS``) and peak (``VmHWM``). Wall times are
@@ -193,6 +195,9 @@ def upstream_point(mode_name: str, scale: int, stream_s: float) -> dict[str, Any
         rss1 = _status_kb("VmRSS")
         settled = wait_until(lambda: mesh.total_load() == 0, 30)
         after = mode.request("POST", "/v1/chat/completions", json=CHAT).status
+        rejected = mesh.metrics.registry.get_sample_value(
+            "mesh_router_rejections_total", {"code": "overloaded"}
+        )
         lat: dict[str, list[float]] = {}
         for outcome, seconds in results:
             lat.setdefault(outcome, []).append(seconds)
@@ -208,6 +213,11 @@ def upstream_point(mode_name: str, scale: int, stream_s: float) -> dict[str, Any
             "rss_growth_mib": round((rss1 - rss0) / 1024, 1),
             "recovered_status": after,
             "settled": settled,
+            "rejections_overloaded": int(rejected or 0),
+            "breaker_trips": sum(mesh.lifecycle.trips.values()),
+            "upstream_requests": sum(
+                m.worker.stats.requests_total.get("/v1/chat/completions", 0) for m in mocks
+            ),
         }
     finally:
         mode.close()

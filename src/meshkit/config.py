@@ -71,6 +71,34 @@ class UpstreamConfig:
     max_attempts: int = 3
     backoff_base_s: float = 0.05
     backoff_max_s: float = 1.0
+    # Admission control (503 ``overloaded`` at once, before any byte goes upstream).
+    # None: the pool's own limits, where waiting for a pooled connection would begin;
+    # per worker 0 = no per-worker limit (the global one still applies).
+    max_in_flight_per_worker: int | None = None
+    max_in_flight: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight == 0:
+            raise ConfigError(
+                "upstream.max_in_flight", "must be >= 1: requests in flight are always bounded"
+            )
+
+    @property
+    def in_flight_limit_per_worker(self) -> int:
+        """Upstream requests one worker may have in flight (0: no per-worker limit)."""
+        per = self.max_in_flight_per_worker
+        return self.pool_limit_per_worker if per is None else per
+
+    @property
+    def in_flight_limit(self) -> int:
+        """Upstream requests the whole fleet may have in flight (always finite)."""
+        if self.max_in_flight is not None:
+            return self.max_in_flight
+        return self.pool_limit or DEFAULT_MAX_IN_FLIGHT
+
+
+#: ``upstream.max_in_flight`` when neither it nor ``pool_limit`` is set (0 = unbounded pool)
+DEFAULT_MAX_IN_FLIGHT = 4096
 
 
 @dataclass(frozen=True)
@@ -145,6 +173,12 @@ class ServerConfig:
     log_level: str = "info"
     # Off by default: an access log line carries paths and client addresses.
     access_log: bool = False
+    # The HTTP server: "builtin" (meshkit.server.h1, the fastest), "uvicorn" or "granian".
+    http: str = "builtin"
+    # Built-in server: idle keep-alive connections close after this many seconds.
+    keep_alive_s: float = 5.0
+    # Built-in server: connections over this are answered 503 and closed.
+    max_connections: int = 4096
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ sees an OpenAI error and an Anthropic SDK an Anthropic one::
     MeshError
      ├── InvalidRequest                 400 invalid_request
      ├── UnknownEndpoint                404 unknown_endpoint
+     ├── ModelNotFound                  404 model_not_found
      ├── MethodNotAllowed               405 method_not_allowed
      ├── RequestTooLarge                413 request_too_large
      ├── UnsupportedMediaType           415 unsupported_media_type
@@ -21,6 +22,7 @@ sees an OpenAI error and an Anthropic SDK an Anthropic one::
      ├── Unavailable (Retry-After)
      │    ├── PrepareQueueFull          503 prepare_queue_full
      │    ├── NoAvailableWorkers        503 no_available_workers
+     │    │    └── Overloaded           503 overloaded
      │    ├── WorkerWaking              503 worker_waking
      │    └── PoolUnavailable           503 prepare_pool_unavailable
      ├── PrepareTimeout                 504 prepare_timeout
@@ -44,7 +46,9 @@ __all__ = [
     "InvalidRequest",
     "MeshError",
     "MethodNotAllowed",
+    "ModelNotFound",
     "NoAvailableWorkers",
+    "Overloaded",
     "PoolUnavailable",
     "PrepareQueueFull",
     "PrepareTimeout",
@@ -146,6 +150,15 @@ class UnknownEndpoint(MeshError):
     anthropic_type = "not_found_error"
 
 
+class ModelNotFound(MeshError):
+    """``GET /v1/models/{model}`` for a model no worker lists (OpenAI's own code)."""
+
+    status = 404
+    code = "model_not_found"
+    openai_type = "invalid_request_error"
+    anthropic_type = "not_found_error"
+
+
 class MethodNotAllowed(MeshError):
     status = 405
     code = "method_not_allowed"
@@ -227,6 +240,19 @@ class PrepareQueueFull(Unavailable):
 
 class NoAvailableWorkers(Unavailable):
     code = "no_available_workers"
+
+
+class Overloaded(NoAvailableWorkers):
+    """Every worker that could take the request is at its admission limit
+    (``upstream.max_in_flight_per_worker``), the fleet is at ``upstream.max_in_flight``,
+    or no pooled connection to the worker became free in time. Refused before any
+    byte went upstream; the worker is not blamed.
+
+    A subclass of :class:`NoAvailableWorkers`: the lifecycle treats it as "nobody can
+    take it now" (it may wake a sleeping worker, and tries unverified ones).
+    """
+
+    code = "overloaded"
 
 
 class WorkerWaking(Unavailable):

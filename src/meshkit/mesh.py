@@ -48,7 +48,7 @@ from meshkit.core.forward import (
 )
 from meshkit.core.lifecycle import LeaseEntry, LeaseKind, Verdict
 from meshkit.core.pd import PairLease, pd_flow
-from meshkit.core.placement import configured_for
+from meshkit.core.placement import configured_for, overloaded
 from meshkit.core.policies.affinity import ResponsesAffinity
 from meshkit.core.policies.base import Completion, Policy
 from meshkit.core.policies.registry import create_policy
@@ -134,9 +134,7 @@ class MeshLease:
                 return
             self._released = True
             if mesh.lifecycle.released(self.entry, verdict, now):
-                mesh.fleet.release(self.candidate, self.entry.weight)
-            load = mesh.fleet.load.get(self.candidate.key, 0)
-        mesh.metrics.active.labels(self.candidate.key).set(load)
+                mesh.fleet.release(self.candidate, self.entry.weight, now - self.started)
 
     def abandon(self) -> None:
         """Release without a verdict on the worker (the client left first)."""
@@ -150,9 +148,7 @@ class MeshLease:
                 return
             self._released = True
             if mesh.lifecycle.released(self.entry, verdict, now):
-                mesh.fleet.release(self.candidate, self.entry.weight)
-            load = mesh.fleet.load.get(self.candidate.key, 0)
-        mesh.metrics.active.labels(self.candidate.key).set(load)
+                mesh.fleet.release(self.candidate, self.entry.weight, now - self.started)
 
 
 class Accounting:
@@ -225,19 +221,22 @@ class Accounting:
         lease.release(ok=ok, status=None if self._failed else self.status)
         api = self.view.api.value
         m = mesh.metrics
-        m.requests.labels(api, str(self.status) if completed else "cancelled").inc()
-        m.duration.labels(api).observe(now - lease.started)
-        if acct.ttft is not None:
-            m.ttft.labels(api).observe(acct.ttft)
-            if isinstance(lease, PairLease):
-                mesh.pd.ttft.observe(acct.ttft)
         usage = acct.usage
-        if usage is not None:
-            m.tokens.labels("input").inc(usage.input_tokens)
-            m.tokens.labels("output").inc(usage.output_tokens)
-            m.tokens.labels("cached").inc(usage.cached_tokens)
+        m.series.finished(
+            api,
+            str(self.status) if completed else "cancelled",
+            now - lease.started,
+            acct.ttft,
+            None
+            if usage is None
+            else (usage.input_tokens, usage.output_tokens, usage.cached_tokens),
+        )
+        if acct.ttft is not None and isinstance(lease, PairLease):
+            mesh.pd.ttft.observe(acct.ttft)
         if acct.error is not None:
             m.stream_errors.labels(api).inc()
+        if acct.overflow:
+            m.stream_overflows.labels(api).inc()
         done = Completion(
             status=self.status,
             ok=ok,
@@ -283,7 +282,12 @@ class Mesh:
         self._lock = threading.RLock()
         seed = config.routing.seed
         self.rng = random.Random(seed)
-        self.fleet = Fleet(config.workers)
+        up = config.upstream
+        self.fleet = Fleet(
+            config.workers,
+            max_in_flight=up.in_flight_limit,
+            max_in_flight_per_worker=up.in_flight_limit_per_worker,
+        )
         opts = config.policies.get(config.policy, {}) if isinstance(config.policy, str) else {}
         self.policy: Policy = create_policy(config.policy, opts)
         self.affinity = ResponsesAffinity(
@@ -291,6 +295,7 @@ class Mesh:
             ttl_s=config.routing.responses_affinity_ttl_s,
         )
         self.metrics = RouterMetrics()
+        self.metrics.series.load = self._load_snapshot
         pc = config.prepare
         self.pool = PreparePool(
             PoolConfig(
@@ -463,7 +468,7 @@ class Mesh:
         ep = view.match.endpoint
         if ep.is_resource:
             return resource_flow(self, view, headers, method=method)
-        if ep.op is Op.LIST:
+        if ep.api is Api.MODELS:  # the list, or one model of it
             return models_flow(self, view, headers)
         if self.pd.applies(view):
             return pd_flow(
@@ -545,9 +550,19 @@ class Mesh:
             self.policy.on_placed(cand, view, now)
             return cand
 
-    def lease(self, cand: Candidate, view: RequestView) -> MeshLease:
+    def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> MeshLease:
+        """A lease on ``cand`` (its slot is taken).
+
+        :param admission: check the admission limits again, under the lock that
+            takes the slot (another thread may have taken the last one since
+            placement). False for prefill/decode legs: the pair is admitted when
+            placed, and a refused second leg would strand the first.
+        :raises Overloaded: ``cand``'s worker, or the fleet, is at its limit.
+        """
         now = self.clock()
         with self._lock:
+            if admission and not self.fleet.admits(cand.worker):
+                self._refuse(cand)
             # Lifecycle.take(), inlined: the lease table keyed by Idempotency-Key.
             entry, kind = self.lifecycle.leases.start(
                 cand.worker.id,
@@ -558,15 +573,34 @@ class Mesh:
             )
             if kind is not LeaseKind.JOINED:  # a join shares its twin's capacity
                 self.fleet.acquire(cand, view.prompt_weight)
-            load = self.fleet.load.get(cand.key, 0)
-        self.metrics.active.labels(cand.key).set(load)
         return MeshLease(self, cand, view.prompt_weight, now, entry)
+
+    def _refuse(self, cand: Candidate) -> None:
+        """(lock) Refuse a lease at the admission limit, unless it is the one trial
+        request of a half-open breaker, already placed: refused, it would never end
+        and the breaker would wait for it forever (at most one over the limit)."""
+        wid = cand.worker.id
+        lc = self.lifecycle
+        if wid in lc.breaker_dirty:
+            m = lc.machines.get(wid)
+            if m is not None and m.trial:
+                return
+        fleet = self.fleet
+        cap = fleet.max_in_flight
+        if cap and fleet.in_flight >= cap:
+            raise overloaded(fleet, cap, f"the fleet has {cap} requests in flight")
+        per = fleet.max_in_flight_per_worker
+        raise overloaded(fleet, per, f"the worker has {per} requests in flight")
 
     def remember_response(self, response_id: str, origin: str) -> None:
         """Responses affinity: ``response_id`` lives on ``origin``."""
         now = self.clock()
         with self._lock:
             self.affinity.remember(response_id, origin, now)
+
+    def _load_snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.fleet.load)
 
     def _completed(self, cand: Candidate, view: RequestView, done: Completion, now: float) -> None:
         with self._lock:

@@ -5,9 +5,12 @@ The Mesh side of prefill/decode disaggregation
 :class:`PdRouter` places (prefill, decode) pairs for :func:`meshkit.core.pd.pd_flow`:
 each side has its own policy (``[pd] prefill_policy``, default ``cache_aware``;
 ``decode_policy``, default ``power_of_two``), eligibility is the same as for
-regular workers (API, model, health, lifecycle), and both placements happen under
-the Mesh lock. A fleet is disaggregated for an API when it has prefill and decode
-workers and no regular worker serves that API.
+regular workers (API, model, health, lifecycle, admission limits), and both
+placements happen under the Mesh lock. A pair takes two of the fleet's
+``upstream.max_in_flight`` slots; it is admitted when placed, and its legs' leases
+are not checked again (a refused second leg would strand the first). A fleet is
+disaggregated for an API when it has prefill and decode workers and no regular
+worker serves that API.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from prometheus_client import Counter, Histogram
 from meshkit.core.endpoints import Api
 from meshkit.core.forward import Lease
 from meshkit.core.pd import PdPlacer
-from meshkit.core.placement import eligible
+from meshkit.core.placement import eligible, overloaded
 from meshkit.core.policies.base import PlacementContext, Policy
 from meshkit.core.policies.registry import create_policy
 from meshkit.core.requests import RequestView
@@ -96,13 +99,18 @@ class PdRouter(PdPlacer):
             admit = mesh.admit
             prefills = eligible(mesh.fleet, view, admit=admit, role="prefill")
             decodes = eligible(mesh.fleet, view, admit=admit, role="decode")
+            fleet = mesh.fleet
+            cap = fleet.max_in_flight
+            if cap and fleet.in_flight + 2 > cap:
+                taken = f"the fleet has {fleet.in_flight} of {cap} slots taken"
+                raise overloaded(fleet, cap, taken)
             return (
                 self._pick(self.prefill_policy, prefills, view, now),
                 self._pick(self.decode_policy, decodes, view, now),
             )
 
     def lease(self, cand: Candidate, view: RequestView) -> Lease:
-        return self.mesh.lease(cand, view)
+        return self.mesh.lease(cand, view, admission=False)
 
     def pd_event(self, kind: str) -> None:
         if kind == "request":

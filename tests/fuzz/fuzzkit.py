@@ -48,6 +48,8 @@ STATIC = (
     "/v1/models",
 )
 RESOURCE = re.compile(r"/v1/responses/[A-Za-z0-9_-]{1,256}(/cancel|/input_items)?")
+#: GET /v1/models/{model}: answered by meshkit from the listing (forwards /v1/models)
+MODEL_PATH = "/v1/models/"
 PREFIXES = (
     "/v1/chat",
     "/v1/completions",
@@ -267,6 +269,9 @@ _IDS = st.one_of(
         ]
     ),
 )
+_MODELS = st.sampled_from(
+    ["mock-model", "m", "org%2Fmodel", "org/model", "%2Fdata%2Fm", "nope", "%00", "x" * 600]
+)
 _PASS = ["/", "/health", "/metrics", "/admin", "/v1", "/v2/chat/completions", "/v1/files", "/x"]
 
 
@@ -279,11 +284,12 @@ def paths(draw: st.DrawFn) -> str:
                 "/v1/responses/{id}",
                 "/v1/responses/{id}/cancel",
                 "/v1/responses/{id}/input_items",
+                "/v1/models/{model}",
                 *_PASS,
             ]
         )
     )
-    path = base.replace("{id}", draw(_IDS))
+    path = base.replace("{id}", draw(_IDS)).replace("{model}", draw(_MODELS))
     mutation = draw(
         st.sampled_from(
             [
@@ -398,10 +404,17 @@ _PLAUSIBLE_PATHS = [p for p in STATIC if p != "/v1/models"]
 def plausible_requests(draw: st.DrawFn) -> Req:
     """Well-formed requests to real endpoints (so the forwarding side is exercised
     as much as the refusals), with odd field values."""
-    path = draw(st.sampled_from([*_PLAUSIBLE_PATHS, "/v1/models", "/v1/responses/{id}"]))
+    path = draw(
+        st.sampled_from(
+            [*_PLAUSIBLE_PATHS, "/v1/models", "/v1/models/{model}", "/v1/responses/{id}"]
+        )
+    )
     method = "POST"
     if path == "/v1/models":
         method = "GET"
+    elif path == "/v1/models/{model}":
+        method = "GET"
+        path = path.replace("{model}", draw(_MODELS))
     elif path == "/v1/responses/{id}":
         method = draw(st.sampled_from(["GET", "DELETE"]))
         path = path.replace("{id}", draw(st.from_regex(r"resp_[A-Za-z0-9]{1,12}", fullmatch=True)))

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 from fuzzkit import (
+    MODEL_PATH,
     STATIC,
     AsgiDriver,
     Got,
@@ -104,16 +105,11 @@ def check(name: str, env: Env, req: Req, got: Got, new_paths: list[str], rejecte
     if name == "transport" and not under_prefix(seen_path) and new_paths:
         return "passed_through"
     if got.status < 400:
-        # only meshkit's own answers: the merged model list
-        assert seen_path == "/v1/models" and req.method == "GET", (got.status, seen_path)
+        # only meshkit's own answers: the merged model list, or one model of it
+        listing = seen_path == "/v1/models" or seen_path.startswith(MODEL_PATH)
+        assert listing and req.method == "GET", (got.status, seen_path)
         return "mesh_2xx"
-    if seen_path == "/v1/models" and got.status == 502 and b"the model list" in got.body:
-        # Known bug (docs/reliability.md, section 7 F; core/fanout.py is not this
-        # suite's to fix): when every worker answers the listing with an error (here
-        # their HTTP parser refused a header), the fan-out says 502 instead of
-        # relaying the workers' 4xx. Counted apart; test_faults.py holds the
-        # deterministic expected failure.
-        return "known_models_502"
+    # (When every worker refuses the listing, their own 4xx is relayed: from_worker.)
     assert got.status < 500, f"meshkit answered {got.status}: {got.body[:300]!r}"
     assert _error_shape_ok(got.body, anthropic_path(seen_path)), got.body[:300]
     assert rejected == 1, f"{rejected} rejections counted for one refusal"

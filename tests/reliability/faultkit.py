@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 
-from harness import Mode, wait_until
+from harness import SERVER_MODES, Mode, wait_until
 from meshkit import Mesh
 from meshkit.mock import MockWorkerThread
 
@@ -206,7 +206,7 @@ def leave(sock: socket.socket) -> None:
 def leave_before_body(mode: Mode, path: str, headers: dict[str, str], body: bytes) -> str:
     """Send part of the body, then go. Returns what the client saw."""
     half = max(1, len(body) // 2)
-    if mode.name in ("asgi", "wsgi"):
+    if mode.name in SERVER_MODES:
         sock = raw_request(mode.base_url, path, headers, body, send=half)
         time.sleep(0.005)  # pacing only: let the server start reading
         leave(sock)
@@ -254,7 +254,7 @@ def leave_while_waiting(
 
     The sync transport cannot leave during a blocking call: ``"n/a"``.
     """
-    if mode.name in ("asgi", "wsgi"):
+    if mode.name in SERVER_MODES:
         sock = raw_request(mode.base_url, path, headers, body)
         ok = wait_until(seen, 20)
         leave(sock)

@@ -419,8 +419,23 @@ def test_an_overlong_sse_event_neither_breaks_the_relay_nor_grows_memory(
         assert wait_until(lambda: mesh.total_load() == 0)
         assert accountants
         assert all(a.overflow for a in accountants)
+        # the overflow is visible in metrics (one stream, counted once)
+        assert metric_value(mesh, "mesh_router_stream_overflows_total", api="chat") == 1
         # the accountant's buffer never held much more than one event's bound
         assert peak[0] <= SSE_LINE + 1500 + 1
         assert_settled(mesh)
     finally:
         raw.close()
+
+
+def test_a_stream_within_the_bound_counts_no_overflow(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    mock = mock_factory(name="n", output_tokens=4)
+    mesh = _mesh(mesh_factory, mock.url)
+    mode: Mode = run_mode(mesh)
+    with mode.stream("POST", PATH, json={**_chat(), "stream": True}) as got:
+        relayed = b"".join(got)
+    assert stream_terminal("chat", relayed) == "complete"
+    assert wait_until(lambda: mesh.total_load() == 0)
+    assert metric_value(mesh, "mesh_router_stream_overflows_total", api="chat") == 0

@@ -506,22 +506,48 @@ def test_a_plain_body_cut_short_is_an_error_never_a_short_answer(
         cut.close()
 
 
-@pytest.mark.xfail(
-    reason="core/fanout.py models_flow answers 502 upstream_error when every worker answers "
-    "the listing with an error (a 401 for a wrong client key): it should relay the workers' "
-    "error, as forward_flow does; docs/reliability.md section 7 F",
-    strict=False,
-)
-def test_models_fanout_relays_the_workers_own_refusal(mock_factory: Any, mesh_factory: Any) -> None:
+def test_models_fanout_relays_the_workers_own_refusal(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
     """Workers without a meshkit-held key check the client's own credentials: a
-    wrong key is the client's 401 on /v1/models as on chat, not a 502 (which SDKs
-    retry as a server error)."""
-    from meshkit import MeshTransport
-
+    wrong key is the client's 401 on /v1/models (and /v1/models/{model}) as on chat,
+    not a 502 (which SDKs retry as a server error). In every mode."""
     keyed = [mock_factory(name=f"k{i}", api_key="right") for i in range(2)]
     mesh = mesh_factory(workers=[Worker(m.url) for m in keyed], lifecycle={"probe": False})
-    with httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
-        wrong = {"authorization": "Bearer wrong"}
-        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-        assert client.post("/v1/chat/completions", json=chat, headers=wrong).status_code == 401
-        assert client.get("/v1/models", headers=wrong).status_code == 401
+    mode = run_mode(mesh)
+    wrong = {"authorization": "Bearer wrong"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert mode.request("POST", "/v1/chat/completions", json=chat, headers=wrong).status == 401
+    for path in ("/v1/models", "/v1/models/mock-model"):
+        r = mode.request("GET", path, headers=wrong)
+        assert r.status == 401, r.body
+        assert r.headers["x-mock-worker"] in ("k0", "k1")  # the worker's own answer
+    right = {"authorization": "Bearer right"}
+    assert mode.request("GET", "/v1/models", headers=right).status == 200
+    assert_settled(mesh)
+
+
+def test_the_mock_worker_answers_head_without_a_body(mock_factory: Any) -> None:
+    """Proposal C: a body after a HEAD answer would be read as the start of the next
+    response on that keep-alive connection ("illegal status line")."""
+    import socket
+    from urllib.parse import urlsplit
+
+    mock = mock_factory(name="h")
+    url = urlsplit(mock.url)
+    with socket.create_connection((url.hostname, url.port), timeout=5) as sock:
+        for path in ("/nope", "/v1/chat/completions", "/v1/models", "/health"):
+            sock.sendall(f"HEAD {path} HTTP/1.1\r\nhost: w\r\n\r\n".encode())
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                piece = sock.recv(65536)
+                assert piece, "the worker closed the connection"
+                head += piece
+            assert head.startswith(b"HTTP/1.1 "), head
+            assert head.count(b"\r\n\r\n") == 1 and head.endswith(b"\r\n\r\n"), head
+        # the next request on the same connection gets a clean answer
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: w\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+    with httpx2.Client(base_url=mock.url) as client:
+        assert client.head("/nope").content == b""
+        assert client.get("/v1/models").status_code == 200

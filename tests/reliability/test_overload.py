@@ -8,18 +8,26 @@ hints while the admitted requests are still held — nobody waits for them; then
 the admitted requests complete, the process's memory did not balloon and a
 normal request succeeds.
 
-Upstream: there is no admission limit on requests in flight to workers yet; the
-second test states the wanted behaviour and is expected to fail until there is
-one (docs/reliability.md, "Overload").
+Upstream: requests in flight to workers are bounded by admission control
+(``upstream.max_in_flight_per_worker``, default ``pool_limit_per_worker``, and
+``upstream.max_in_flight``, default ``pool_limit``): past the limit, a request is
+refused at once with 503 ``overloaded`` and retry hints, before any byte goes
+upstream, the worker is not blamed (no breaker opens) and the next request after
+the burst succeeds. A pool-acquire timeout in the upstream adapters (when the pool
+is smaller than the admission limit) is ``Failure.POOL``: 503, never a breaker
+failure. In every mode, and for prefill/decode pairs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 from faultkit import assert_settled, count_submits, metric_value, report, stream_head
 
@@ -115,14 +123,17 @@ def test_prepare_overload_is_refused_at_once_and_recovers(
     )
 
 
-@pytest.mark.xfail(
-    reason="no admission limit on upstream requests in flight: excess requests wait up to "
-    "upstream.connect_timeout_s for a pooled connection, then fail with 502 upstream_error "
-    "instead of a 503 with Retry-After; proposed design in docs/reliability.md",
-    strict=False,
-)
+def _assert_overloaded(status: int, headers: Any, body: bytes) -> None:
+    assert status == 503, body
+    assert 1 <= int(headers["retry-after"]) <= 60
+    assert int(headers["retry-after-ms"]) > 0
+    assert "x-mock-worker" not in headers  # meshkit's own answer
+    error = json.loads(body)["error"]
+    assert error["code"] == "overloaded" and error["type"] == "server_error"
+
+
 def test_upstream_overload_is_refused_with_503(
-    mock_factory: Any, mesh_factory: Any, run_mode: Any
+    mock_factory: Any, mesh_factory: Any, run_mode: Any, mode_name: str
 ) -> None:
     slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)  # ~20 s streams
     mesh: Mesh = mesh_factory(
@@ -133,42 +144,257 @@ def test_upstream_overload_is_refused_with_503(
     mode: Mode = run_mode(mesh)
     body = {**CHAT, "stream": True}
     held: list[tuple[Any, Any]] = []
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(2) as pool:
         try:
-            for _ in range(2):  # the two upstream connections allowed, busy
+            for _ in range(2):  # the two upstream requests allowed, busy
                 cm = mode.stream("POST", PATH, json=body)
                 chunks = iter(cm.__enter__())
                 next(chunks)
                 held.append((cm, chunks))
-            excess = pool.submit(stream_head, mode, PATH, body)
-            status, headers, _ = excess.result(timeout=5)  # a hang fails here
-            assert status == 503
-            assert "retry-after" in headers
+            assert mesh.total_load() == 2
+            # a stream and a plain request over the limit: refused at once
+            streamed = pool.submit(stream_head, mode, PATH, body)
+            status, headers, first = streamed.result(timeout=5)  # a hang fails here
+            _assert_overloaded(status, headers, first)  # the error body is one small piece
+            plain = pool.submit(mode.request, "POST", PATH, json=CHAT).result(timeout=5)
+            _assert_overloaded(plain.status, plain.headers, plain.body)
+            # nothing went upstream for them
+            assert slow.worker.stats.requests_total.get(PATH) == 2
+            assert mesh.total_load() == 2
         finally:
             for cm, _chunks in held:
                 cm.__exit__(None, None, None)
+    assert metric_value(mesh, "mesh_router_rejections_total", code="overloaded") == 2
     assert wait_until(lambda: mesh.total_load() == 0)
+    # no breaker opened against the healthy worker: the next request is served
+    after = mode.request("POST", PATH, json={**CHAT, "max_tokens": 2})
+    assert after.status == 200, after.body
+    assert_settled(mesh)
+
+
+def test_the_limit_is_per_worker_and_global(mock_factory: Any, mesh_factory: Any) -> None:
+    """Two workers with one slot each, a global limit of 3, then of 1: the Mesh
+    lease path refuses exactly past each bound (sync transport, held streams)."""
+    from meshkit import MeshTransport
+
+    mocks = [mock_factory(name=f"w{i}", per_token_ms=50, output_tokens=400) for i in range(3)]
+    mesh: Mesh = mesh_factory(
+        workers=[Worker(m.url) for m in mocks],
+        upstream={"max_in_flight_per_worker": 1, "max_in_flight": 2},
+        lifecycle={"probe": False},
+    )
+    body = {**CHAT, "stream": True}
+    with httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
+        opened = []
+        try:
+            for _ in range(2):  # two workers busy: the global cap is reached
+                r = client.send(client.build_request("POST", PATH, json=body), stream=True)
+                assert r.status_code == 200
+                opened.append(r)
+            assert sorted(mesh.load_of(w) for w in mesh.workers) == [0, 1, 1]
+            r = client.post(PATH, json=CHAT)  # the third worker is free, the fleet is not
+            assert r.status_code == 503
+            assert "2 requests in flight" in r.json()["error"]["message"]
+            opened.pop().close()
+            assert wait_until(lambda: mesh.total_load() == 1)
+            r = client.post(PATH, json={**CHAT, "max_tokens": 1})
+            assert r.status_code == 200  # cap - 1: admitted
+        finally:
+            for r in opened:
+                r.close()
+    assert wait_until(lambda: mesh.total_load() == 0)
+
+
+def test_a_pd_pair_is_admitted_as_a_pair(mock_factory: Any, mesh_factory: Any) -> None:
+    from meshkit import MeshTransport
+
+    prefill = mock_factory(name="p", pd_role="prefill")
+    decode = mock_factory(name="d", pd_role="decode", output_tokens=400, per_token_ms=50)
+    mesh: Mesh = mesh_factory(
+        workers=[
+            Worker(prefill.url, labels={"mesh.role": "prefill"}),
+            Worker(decode.url, labels={"mesh.role": "decode"}),
+        ],
+        upstream={"max_in_flight_per_worker": 1},
+        lifecycle={"probe": False},
+    )
+    body = {**CHAT, "stream": True}
+    with httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
+        r = client.send(client.build_request("POST", PATH, json=body), stream=True)
+        try:
+            assert r.status_code == 200
+            chunks = r.iter_raw()
+            next(chunks)
+            # a pair holds both legs' slots for the whole response: both at their limit
+            assert mesh.total_load() == 2
+            refused = client.post(PATH, json=CHAT)
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "overloaded"
+        finally:
+            r.close()
+    assert wait_until(lambda: mesh.total_load() == 0)
+    assert decode.worker.stats.requests_total.get(PATH) == 1
+
+
+# -- pool-acquire timeouts in the upstream adapters: Failure.POOL ---------------------------
+
+
+def _attempt(url: str, stream: bool = True) -> Any:
+    from meshkit.core.forward import Attempt
+
+    class _Lease:
+        candidate: Any = None
+        started = 0.0
+
+        def release(self, *, ok: bool, status: int | None = None) -> None:
+            return None
+
+    body = json.dumps({**CHAT, "stream": stream}).encode()
+    return Attempt(
+        number=0,
+        candidate=None,  # type: ignore[arg-type]
+        lease=_Lease(),
+        method="POST",
+        url=url + PATH,
+        headers=[(b"content-type", b"application/json")],
+        body=body,
+    )
+
+
+@pytest.mark.parametrize("lib_name", ["httpx", "httpx2"])
+def test_httpx_pool_timeout_is_a_pool_failure(mock_factory: Any, lib_name: str) -> None:
+    import importlib
+
+    from meshkit.adapters.drive import UpstreamFailure
+    from meshkit.adapters.httpx_upstream import send_sync
+    from meshkit.config import UpstreamConfig
+    from meshkit.core.forward import Failure
+
+    lib = importlib.import_module(lib_name)
+    slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)
+    cfg = UpstreamConfig(connect_timeout_s=0.2, pool_limit=1)
+    transport = lib.HTTPTransport(limits=lib.Limits(max_connections=1))
+    try:
+        busy = send_sync(lib, transport, _attempt(slow.url), cfg)
+        try:
+            with pytest.raises(UpstreamFailure) as ei:
+                send_sync(lib, transport, _attempt(slow.url), cfg)
+            assert ei.value.failure is Failure.POOL
+        finally:
+            busy.close()
+    finally:
+        transport.close()
+
+
+def test_aiohttp_pool_wait_timeout_is_a_pool_failure(mock_factory: Any) -> None:
+    from meshkit.adapters.drive import UpstreamFailure
+    from meshkit.adapters.upstream import AiohttpUpstream, _pool_full
+    from meshkit.config import UpstreamConfig
+    from meshkit.core.forward import Failure
+
+    slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)
+
+    async def go() -> tuple[Failure, bool]:
+        up = AiohttpUpstream(UpstreamConfig(connect_timeout_s=0.2, pool_limit_per_worker=1))
+        try:
+            busy = await up.send(_attempt(slow.url))
+            try:
+                with pytest.raises(UpstreamFailure) as full:
+                    await up.send(_attempt(slow.url))
+            finally:
+                await busy.aclose()
+            # with a free slot, a connect timeout stays a connect failure
+            connector = up._session.connector if up._session is not None else None
+            return full.value.failure, _pool_full(connector, slow.url + PATH)
+        finally:
+            await up.aclose()
+
+    pool_failure, still_full = asyncio.run(go())
+    assert pool_failure is Failure.POOL
+    assert not still_full
+
+
+def test_fastrelay_pool_wait_timeout_is_a_pool_failure(mock_factory: Any) -> None:
+    from meshkit.adapters.drive import UpstreamFailure
+    from meshkit.adapters.fastrelay import FastUpstream
+    from meshkit.config import UpstreamConfig
+    from meshkit.core.forward import Failure
+
+    slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)
+
+    async def go() -> Failure:
+        up = FastUpstream(UpstreamConfig(connect_timeout_s=0.2, pool_limit_per_worker=1))
+        try:
+            busy = await up.send(_attempt(slow.url))
+            try:
+                with pytest.raises(UpstreamFailure) as full:
+                    await up.send(_attempt(slow.url))
+            finally:
+                await busy.aclose()
+            return full.value.failure
+        finally:
+            await up.aclose()
+
+    assert asyncio.run(go()) is Failure.POOL
+
+
+def test_a_pool_timeout_answers_503_and_opens_no_breaker(
+    mock_factory: Any, mesh_factory: Any
+) -> None:
+    """The pool smaller than the admission limit (both configurable): the excess
+    waits ``connect_timeout_s`` for a connection, then 503, not 502, and the
+    worker's breaker hears nothing of it."""
+    from meshkit import MeshTransport
+
+    slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)
+    mesh: Mesh = mesh_factory(
+        workers=[Worker(slow.url)],
+        upstream={
+            "pool_limit": 1,
+            "max_in_flight": 10,
+            "max_in_flight_per_worker": 10,
+            "connect_timeout_s": 0.2,
+            "max_attempts": 1,
+        },
+        lifecycle={"probe": False, "breaker_failures": 1},
+    )
+    body = {**CHAT, "stream": True}
+    with httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
+        r = client.send(client.build_request("POST", PATH, json=body), stream=True)
+        try:
+            assert r.status_code == 200
+            refused = client.post(PATH, json=CHAT)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "overloaded"
+        finally:
+            r.close()
+    assert wait_until(lambda: mesh.total_load() == 0)
+    assert mesh.lifecycle.trips.get(slow.url, 0) == 0  # breaker_failures = 1: one would trip
+    with httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
+        assert client.post(PATH, json={**CHAT, "max_tokens": 1}).status_code == 200
 
 
 def test_a_burst_on_a_fresh_transport_builds_one_pool(
     mock_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Threads sharing a new client at once: one inner pool, so the configured
-    connection limits hold (each racing request used to build its own)."""
+    """Threads sharing a new client at once: one connection pool, so the configured
+    connection limits hold (each racing request used to build its own). Counted at
+    the httpcore pool httpx2 is built on, whichever way the transport reaches it."""
+    import httpcore2
     import httpx2
 
     from meshkit import MeshTransport
 
     mock = mock_factory(name="b")
     built: list[object] = []
-    real = httpx2.HTTPTransport
+    real = httpcore2.ConnectionPool
 
     class Counting(real):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any, **kw: Any) -> None:
             built.append(self)
             super().__init__(*args, **kw)
 
-    monkeypatch.setattr(httpx2, "HTTPTransport", Counting)
+    monkeypatch.setattr(httpcore2, "ConnectionPool", Counting)
     mesh = Mesh(workers=[Worker(mock.url)], lifecycle={"probe": False})
     try:
         client = httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh")

@@ -376,3 +376,64 @@ def test_nan_is_config_error(tmp_path: Path, section: str, key: str) -> None:
     with pytest.raises(ConfigError) as ei:
         MeshConfig.from_file(path)
     assert ei.value.key == f"{section}.{key}"
+
+
+# --------------------------------------------------------------------------------------
+# admission limits: upstream.max_in_flight_per_worker, upstream.max_in_flight
+# --------------------------------------------------------------------------------------
+
+
+def test_in_flight_limits_default_to_the_pool_limits() -> None:
+    up = MeshConfig.build().upstream
+    assert (up.max_in_flight_per_worker, up.max_in_flight) == (None, None)
+    assert up.in_flight_limit_per_worker == up.pool_limit_per_worker == 256
+    assert up.in_flight_limit == up.pool_limit == 1000
+    up = MeshConfig.build(upstream={"pool_limit": 8, "pool_limit_per_worker": 4}).upstream
+    assert (up.in_flight_limit, up.in_flight_limit_per_worker) == (8, 4)
+
+
+def test_in_flight_limits_are_always_finite() -> None:
+    from meshkit.config import DEFAULT_MAX_IN_FLIGHT
+
+    up = MeshConfig.build(upstream={"pool_limit": 0, "pool_limit_per_worker": 0}).upstream
+    assert up.in_flight_limit == DEFAULT_MAX_IN_FLIGHT == 4096  # an unbounded pool
+    assert up.in_flight_limit_per_worker == 0  # no per-worker limit; the global one holds
+    with pytest.raises(ConfigError) as ei:
+        MeshConfig.build(upstream={"max_in_flight": 0})
+    assert ei.value.key == "upstream.max_in_flight"
+
+
+def test_in_flight_limits_explicit() -> None:
+    up = MeshConfig.build(
+        upstream={"max_in_flight": 10, "max_in_flight_per_worker": 0, "pool_limit": 2}
+    ).upstream
+    assert (up.in_flight_limit, up.in_flight_limit_per_worker) == (10, 0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        P("max_in_flight", -1, id="global-negative"),
+        P("max_in_flight_per_worker", -1, id="per-worker-negative"),
+        P("max_in_flight", 1.5, id="global-float"),
+        P("max_in_flight_per_worker", "4", id="per-worker-str"),
+    ],
+)
+def test_in_flight_limits_wrong_values(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as ei:
+        MeshConfig.build(upstream={key: value})
+    assert ei.value.key == f"upstream.{key}"
+
+
+def test_mesh_fleet_gets_the_limits() -> None:
+    from meshkit import Mesh
+
+    mesh = Mesh(
+        workers=["http://a:1"],
+        upstream={"max_in_flight": 7, "max_in_flight_per_worker": 3},
+        lifecycle={"probe": False},
+    )
+    try:
+        assert (mesh.fleet.max_in_flight, mesh.fleet.max_in_flight_per_worker) == (7, 3)
+    finally:
+        mesh.close()

@@ -113,7 +113,53 @@ def test_table_covers_the_whole_registry() -> None:
         m = resolve(method, path)
         assert m is not None
         covered.add(m.endpoint.name)
+    for p in MODEL_RETRIEVES:
+        m = resolve(p.values[0], p.values[1])
+        assert m is not None
+        covered.add(m.endpoint.name)
     assert covered == {e.name for e in ENDPOINTS}
+
+
+# GET /v1/models/{model}: any model id (the SDK percent-encodes "/"), answered by the
+# mesh from the merged listing; the path forwarded is the listing's
+MODEL_RETRIEVES = [
+    P("GET", "/v1/models/m", "m", id="plain"),
+    P("GET", "/v1/models/Qwen%2FQwen2.5-0.5B", "Qwen/Qwen2.5-0.5B", id="sdk-slash"),
+    P("GET", "/v1/models/org/model", "org/model", id="raw-slash"),
+    P("GET", "/v1/models/%2Fdata%2Fmodels%2Fqwen", "/data/models/qwen", id="vllm-path-id"),
+    P("GET", "/v1/models/llama3:8b", "llama3:8b", id="colon"),
+    P("GET", "/v1/models/%2e%2e", "..", id="dots-are-just-an-id"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "model"), MODEL_RETRIEVES)
+def test_model_retrieve_resolves(method: str, path: str, model: str) -> None:
+    m = resolve(method, path)
+    assert m is not None
+    assert m.endpoint.name == "models.retrieve"
+    assert (m.endpoint.api, m.endpoint.op) == (Api.MODELS, Op.RETRIEVE)
+    assert m.model == model
+    assert m.resource_id is None
+    assert m.path == "/v1/models"  # the id is never forwarded
+    assert not m.endpoint.is_resource
+
+
+@pytest.mark.parametrize("method", ["POST", "DELETE", "PUT"])
+def test_model_retrieve_other_methods_are_405(method: str) -> None:
+    with pytest.raises(MethodNotAllowed) as ei:
+        resolve(method, "/v1/models/m")
+    assert ei.value.allowed == ("GET",)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [P("x" * 513, id="decoded-over-512"), P("%41" * 513, id="raw-over-3x512")],
+)
+def test_model_id_over_the_bound_is_400(raw: str) -> None:
+    assert resolve("GET", "/v1/models/" + "x" * 512) is not None  # at the bound
+    with pytest.raises(InvalidRequest) as ei:
+        resolve("GET", "/v1/models/" + raw)
+    assert ei.value.param == "model"
 
 
 def test_every_registry_entry_resolves_from_its_template() -> None:
@@ -145,7 +191,7 @@ def test_every_registry_entry_resolves_from_its_template() -> None:
         P("/generate/x", id="generate-subpath"),
         P("/v1/tokenize/x", id="tokenize-subpath"),
         P("/detokenize/x", id="detokenize-subpath"),
-        P("/v1/models/x/y", id="models-subpath"),
+        P("/v1/models/", id="models-trailing-slash"),
     ],
 )
 def test_unknown_path_under_inference_prefix_is_404(path: str) -> None:
@@ -394,6 +440,9 @@ def test_resolve_never_leaves_the_registry(method: str, path: str) -> None:
         assert m.resource_id is not None
         assert _ID_RE.fullmatch(m.resource_id)
         assert m.path == m.endpoint.template.replace("{id}", m.resource_id)
+    elif m.model is not None:
+        assert m.endpoint.name == "models.retrieve"
+        assert m.path == "/v1/models"  # the model id is never forwarded
     else:
         assert m.resource_id is None
         assert m.path == m.endpoint.template

@@ -17,7 +17,9 @@ from meshkit.errors import (
     InvalidRequest,
     MeshError,
     MethodNotAllowed,
+    ModelNotFound,
     NoAvailableWorkers,
+    Overloaded,
     PoolUnavailable,
     PrepareQueueFull,
     PrepareTimeout,
@@ -39,6 +41,7 @@ P = pytest.param
 TABLE = [
     P(InvalidRequest, 400, "invalid_request", "invalid_request_error", id="400"),
     P(UnknownEndpoint, 404, "unknown_endpoint", "not_found_error", id="404"),
+    P(ModelNotFound, 404, "model_not_found", "not_found_error", id="404-model"),
     P(MethodNotAllowed, 405, "method_not_allowed", "invalid_request_error", id="405"),
     P(RequestTooLarge, 413, "request_too_large", "request_too_large", id="413"),
     P(UnsupportedMediaType, 415, "unsupported_media_type", "invalid_request_error", id="415"),
@@ -68,6 +71,7 @@ TABLE = [
     P(PrepareQueueFull, 503, "prepare_queue_full", "overloaded_error", id="503-queue"),
     P(NoAvailableWorkers, 503, "no_available_workers", "overloaded_error", id="503-workers"),
     P(WorkerWaking, 503, "worker_waking", "overloaded_error", id="503-waking"),
+    P(Overloaded, 503, "overloaded", "overloaded_error", id="503-overloaded"),
     P(PoolUnavailable, 503, "prepare_pool_unavailable", "overloaded_error", id="503-pool"),
     P(PrepareTimeout, 504, "prepare_timeout", "timeout_error", id="504-prepare"),
     P(UpstreamTimeout, 504, "upstream_timeout", "timeout_error", id="504-upstream"),
@@ -156,8 +160,21 @@ def test_message_is_json_escaped() -> None:
 # --------------------------------------------------------------------------------------
 
 UNAVAILABLE = [
-    P(c, id=c.code) for c in (PrepareQueueFull, NoAvailableWorkers, WorkerWaking, PoolUnavailable)
+    P(c, id=c.code)
+    for c in (PrepareQueueFull, NoAvailableWorkers, WorkerWaking, PoolUnavailable, Overloaded)
 ]
+
+
+def test_overloaded_is_a_no_available_workers() -> None:
+    """The lifecycle treats it as "nobody can take it now" (it may wake a sleeping
+    worker, and tries unverified ones); its own code tells clients it is load."""
+    err = Overloaded("full", retry_after_s=0.375)
+    assert isinstance(err, NoAvailableWorkers)
+    assert (err.status, err.code) == (503, "overloaded")
+    headers = dict(err.headers())
+    assert (headers[b"retry-after"], headers[b"retry-after-ms"]) == (b"1", b"375")
+    assert json.loads(err.body())["error"]["code"] == "overloaded"
+    assert json.loads(err.body("anthropic"))["error"]["type"] == "overloaded_error"
 
 
 @pytest.mark.parametrize("cls", UNAVAILABLE)

@@ -31,13 +31,15 @@ from meshkit.core.forward import (
     RetryPolicy,
     forward_flow,
 )
-from meshkit.core.placement import configured_for, place
+from meshkit.core.placement import configured_for, overloaded, place
 from meshkit.core.policies.simple import RoundRobin
 from meshkit.core.requests import RequestView, parse_request
 from meshkit.core.workers import Candidate, Fleet, Worker
 from meshkit.errors import (
     MeshError,
+    ModelNotFound,
     NoAvailableWorkers,
+    Overloaded,
     UnsupportedApi,
     UpstreamError,
     UpstreamTimeout,
@@ -48,6 +50,7 @@ OK = AttemptResult.response(200)
 CONNECT = AttemptResult.failed(Failure.CONNECT)
 TIMEOUT = AttemptResult.failed(Failure.TIMEOUT)
 PROTOCOL = AttemptResult.failed(Failure.PROTOCOL)
+POOL = AttemptResult.failed(Failure.POOL)
 CLIENT_HEADERS = [
     (b"Authorization", b"Bearer sk-client"),
     (b"Content-Type", b"application/json"),
@@ -64,19 +67,39 @@ class FakeLease:
     fleet: Fleet
     candidate: Candidate
     weight: int
-    releases: list[tuple[bool, int | None]] = field(default_factory=list)
+    #: (ok, status) per release; (None, None) for a release without a verdict
+    releases: list[tuple[bool | None, int | None]] = field(default_factory=list)
 
     def release(self, *, ok: bool, status: int | None = None) -> None:
-        self.releases.append((ok, status))
+        self._end((ok, status))
+
+    def abandon(self) -> None:
+        self._end((None, None))
+
+    def _end(self, how: tuple[bool | None, int | None]) -> None:
+        self.releases.append(how)
         if len(self.releases) == 1:
             self.fleet.release(self.candidate, self.weight)
 
 
-class FakePlacer:
-    """place/lease/targets over a real Fleet, placement.place and RoundRobin."""
+NEUTRAL = (None, None)
 
-    def __init__(self, workers: Iterable[Worker], *, unhealthy: Iterable[str] = ()) -> None:
-        self.fleet = Fleet(workers)
+
+class FakePlacer:
+    """place/lease/targets over a real Fleet, placement.place and RoundRobin; the
+    lease checks the admission limits again, as ``Mesh.lease`` does."""
+
+    def __init__(
+        self,
+        workers: Iterable[Worker],
+        *,
+        unhealthy: Iterable[str] = (),
+        max_in_flight: int = 0,
+        max_in_flight_per_worker: int = 0,
+    ) -> None:
+        self.fleet = Fleet(
+            workers, max_in_flight=max_in_flight, max_in_flight_per_worker=max_in_flight_per_worker
+        )
         self.fleet.unhealthy.update(unhealthy)
         self.policy = RoundRobin()
         self.rng = random.Random(0)
@@ -88,6 +111,8 @@ class FakePlacer:
         return place(self.fleet, self.policy, view, self.rng, exclude=exclude, attempt=attempt)
 
     def lease(self, cand: Candidate, view: RequestView) -> FakeLease:
+        if not self.fleet.admits(cand.worker):
+            raise overloaded(self.fleet, 1, "full")
         self.fleet.acquire(cand, view.prompt_weight)
         lease = FakeLease(self.fleet, cand, view.prompt_weight)
         self.leases.append(lease)
@@ -732,12 +757,95 @@ def test_models_skips_bad_answers(bad: AttemptResult) -> None:
 
 def test_models_none_answered_is_502() -> None:
     placer = FakePlacer([W("a"), W("b"), W("c")])
-    outcomes = [CONNECT, _err(503, "x"), AttemptResult(status=200, body=b"{}")]
+    outcomes = [CONNECT, TIMEOUT, AttemptResult(status=200, body=b"{}")]
     run = drive(models(placer), outcomes, placer)
     assert type(run.error) is UpstreamError
     assert run.error.status == 502
     assert placer.release_counts() == [1, 1, 1]
     assert all(n == 0 for n in placer.fleet.load.values())
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "status", "marker"),
+    [
+        P([_err(401, "a"), _err(401, "b")], 401, "a", id="all-401-first"),
+        P([CONNECT, _err(401, "b")], 401, "b", id="connect-and-401"),
+        P([_err(500, "a"), _err(403, "b")], 403, "b", id="4xx-over-5xx"),
+        P([_err(500, "a"), _err(503, "b")], 500, "a", id="first-5xx"),
+        P([CONNECT, _err(503, "b")], 503, "b", id="a-5xx-answer-over-failures"),
+        P([_err(404, "a"), AttemptResult(status=200, body=b"{}")], 404, "a", id="404-and-junk"),
+    ],
+)
+def test_models_relays_the_workers_own_refusal(
+    outcomes: list[AttemptResult], status: int, marker: str
+) -> None:
+    """Proposal F: when no worker listed its models and some answered with an error,
+    that answer is the client's (a 401 for a key the workers refuse), not a 502."""
+    placer = FakePlacer([W("a"), W("b")])
+    run = drive(models(placer), outcomes, placer)
+    assert run.error is None
+    assert isinstance(run.final, LocalResponse)
+    assert run.final.status == status
+    assert json.loads(run.final.body)["error"]["message"] == marker
+    assert placer.release_counts() == [1, 1]
+
+
+def test_models_a_listing_beats_refusals() -> None:
+    placer = FakePlacer([W("a"), W("b")])
+    run = drive(models(placer), [_err(401, "a"), _listing("m1")], placer)
+    assert isinstance(run.final, LocalResponse)
+    assert run.final.status == 200
+    assert [m["id"] for m in json.loads(run.final.body)["data"]] == ["m1"]
+
+
+def retrieve(placer: FakePlacer, model: str) -> ForwardFlow:
+    return models_flow(placer, view_of(f"/v1/models/{model}", method="GET"), CLIENT_HEADERS)
+
+
+def test_model_retrieve_answers_its_entry_of_the_union() -> None:
+    placer = FakePlacer([W("a"), W("b")])
+    entry = {"id": "org/m2", "object": "model", "created": 1, "owned_by": "b"}
+    outcomes = [_listing("m1"), _listing(entry)]
+    run = drive(retrieve(placer, "org%2Fm2"), outcomes, placer)
+    assert isinstance(run.final, LocalResponse)
+    assert run.final.status == 200
+    assert json.loads(run.final.body) == entry
+    # the listing is what was asked, never the id
+    assert [a.url for a in run.attempts] == ["http://a:8000/v1/models", "http://b:8000/v1/models"]
+    assert placer.release_counts() == [1, 1]
+
+
+def test_model_retrieve_of_an_unserved_model_is_404() -> None:
+    placer = FakePlacer([W("a")])
+    run = drive(retrieve(placer, "nope"), [_listing("m1")], placer)
+    assert isinstance(run.error, ModelNotFound)
+    assert (run.error.status, run.error.code, run.error.param) == (404, "model_not_found", "model")
+    assert "`nope`" in run.error.message
+    assert placer.release_counts() == [1]
+
+
+def test_model_retrieve_relays_the_workers_refusal() -> None:
+    placer = FakePlacer([W("a")])
+    run = drive(retrieve(placer, "m1"), [_err(401, "a")], placer)
+    assert isinstance(run.final, LocalResponse)
+    assert run.final.status == 401
+
+
+def test_models_pool_timeout_is_503_without_blaming_the_worker() -> None:
+    placer = FakePlacer([W("a"), W("b")])
+    run = drive(models(placer), [_listing("m1"), POOL], placer)
+    assert isinstance(run.error, Overloaded)
+    assert [le.releases for le in placer.leases] == [[(True, 200)], [NEUTRAL]]
+
+
+def test_models_with_a_full_worker_is_503_not_an_incomplete_list() -> None:
+    a, b = W("a"), W("b")
+    placer = FakePlacer([a, b], max_in_flight_per_worker=1)
+    placer.fleet.acquire(placer.fleet.candidates_of(b)[0])  # b is busy
+    run = drive(models(placer), [_listing("m1")], placer)
+    assert isinstance(run.error, Overloaded)
+    assert placer.release_counts() == [1]  # a's lease was released before b's refusal
+    assert placer.fleet.load[a.id] == 0
 
 
 def test_models_empty_list_is_an_answer() -> None:
@@ -758,3 +866,168 @@ def test_models_listed_by_workers_labelled_as_in_design() -> None:
     run = drive(models(placer), [_listing("m1"), _listing("m2")], placer)
     assert isinstance(run.final, LocalResponse)
     assert [m["id"] for m in json.loads(run.final.body)["data"]] == ["m1", "m2"]
+
+
+# --------------------------------------------------------------------------------------
+# admission limits and pool timeouts in the flows
+# --------------------------------------------------------------------------------------
+
+
+def _busy(placer: FakePlacer, worker: Worker, n: int = 1) -> None:
+    """``n`` requests in flight on ``worker`` (other requests than the one tested)."""
+    for _ in range(n):
+        placer.fleet.acquire(placer.fleet.candidates_of(worker)[0])
+
+
+def test_retry_never_goes_to_a_worker_at_its_cap() -> None:
+    a, b, c = W("a"), W("b"), W("c")
+    placer = FakePlacer([a, b, c], max_in_flight_per_worker=1)
+    _busy(placer, b)
+    run = drive(fwd(placer, view_of()), [CONNECT, OK], placer)
+    assert [x.candidate.worker for x in run.attempts] == [a, c]
+    assert run.final is run.attempts[1]
+
+
+@pytest.mark.parametrize(
+    ("first", "expect"),
+    [
+        P(CONNECT, Overloaded, id="failure-then-others-full-is-503"),
+        P(AttemptResult.response(503), "relayed", id="worker-answer-beats-overloaded"),
+    ],
+)
+def test_retry_when_every_other_worker_is_full(first: AttemptResult, expect: Any) -> None:
+    a, b = W("a"), W("b")
+    placer = FakePlacer([a, b], max_in_flight_per_worker=1)
+    _busy(placer, b)
+    run = drive(fwd(placer, view_of()), [first], placer)
+    assert len(run.attempts) == 1
+    if expect == "relayed":
+        assert run.final is run.attempts[0]
+        assert placer.release_counts() == [0]  # the adapter owns the lease now
+    else:
+        assert isinstance(run.error, expect)
+        assert placer.release_counts() == [1]
+
+
+def test_a_retry_counts_its_own_pending_attempt_against_the_global_cap() -> None:
+    """The first worker's retryable answer is still open (its connection too) while
+    the flow looks for another worker: at the global cap, that answer is relayed."""
+    a, b = W("a"), W("b")
+    placer = FakePlacer([a, b], max_in_flight=2)
+    _busy(placer, b)  # 1 elsewhere + this request's attempt = the cap
+    run = drive(fwd(placer, view_of()), [AttemptResult.response(429)], placer)
+    assert run.final is run.attempts[0]
+    assert placer.fleet.in_flight == 2
+
+
+@pytest.mark.parametrize(
+    ("busy", "refused"),
+    [P(0, False, id="cap-1"), P(1, True, id="cap"), P(2, True, id="cap+1")],
+)
+def test_placement_at_the_per_worker_bound(busy: int, refused: bool) -> None:
+    a = W("a")
+    placer = FakePlacer([a], max_in_flight_per_worker=2)
+    _busy(placer, a, 1 + busy)  # 1, 2 or 3 in flight against a cap of 2
+    run = drive(fwd(placer, view_of()), [OK], placer)
+    if refused:
+        assert isinstance(run.error, Overloaded)
+        assert run.error.retry_after_s is not None
+        assert run.attempts == []
+    else:
+        assert run.final is run.attempts[0]
+        assert placer.fleet.worker_load[a.id] == 2
+
+
+def test_pool_timeout_moves_on_without_blaming_the_worker() -> None:
+    placer = FakePlacer([W("a"), W("b")])
+    run = drive(fwd(placer, view_of()), [POOL, OK], placer)
+    assert run.final is run.attempts[1]
+    assert placer.leases[0].releases == [NEUTRAL]
+
+
+def test_pool_timeout_with_no_other_worker_is_503() -> None:
+    placer = FakePlacer([W("a")])
+    run = drive(fwd(placer, view_of()), [POOL], placer)
+    assert isinstance(run.error, Overloaded)
+    assert run.error.status == 503
+    assert placer.leases[0].releases == [NEUTRAL]
+
+
+def test_pool_timeout_on_the_last_attempt_is_503() -> None:
+    placer = FakePlacer([W("a"), W("b")])
+    run = drive(fwd(placer, view_of(), max_attempts=2), [CONNECT, POOL], placer)
+    assert isinstance(run.error, Overloaded)
+    assert placer.leases[0].releases == [(False, None)]
+    assert placer.leases[1].releases == [NEUTRAL]
+
+
+class _Racing(FakePlacer):
+    """Another thread takes the chosen worker's last slot between placement and lease,
+    ``races`` times."""
+
+    def __init__(self, workers: Iterable[Worker], races: int, **kw: Any) -> None:
+        super().__init__(workers, max_in_flight_per_worker=1, **kw)
+        self.races = races
+
+    def lease(self, cand: Candidate, view: RequestView) -> FakeLease:
+        if self.races:
+            self.races -= 1
+            self.fleet.acquire(cand)  # the other thread's request
+        return super().lease(cand, view)
+
+
+def test_a_lost_race_for_the_last_slot_places_again() -> None:
+    a, b = W("a"), W("b")
+    placer = _Racing([a, b], races=1)
+    run = drive(fwd(placer, view_of()), [OK], placer)
+    assert run.final is run.attempts[0]
+    assert run.attempts[0].candidate.worker is b  # a filled up meanwhile
+    assert placer.fleet.worker_load == {a.id: 1, b.id: 1}
+
+
+def test_two_lost_races_are_503_and_leak_nothing() -> None:
+    a, b = W("a"), W("b")
+    placer = _Racing([a, b, W("c")], races=2)
+    run = drive(fwd(placer, view_of()), [OK], placer)
+    assert isinstance(run.error, Overloaded)
+    assert run.attempts == []
+    assert placer.leases == []  # no lease was taken, none to leak
+
+
+def test_a_lost_race_on_a_retry_relays_the_pending_answer() -> None:
+    a, b = W("a"), W("b")
+    placer = _Racing([a, b], races=0)
+    flow = fwd(placer, view_of())
+    first = next(flow)
+    placer.races = 1
+    with pytest.raises(StopIteration) as stop:
+        flow.send(AttemptResult.response(503))
+    assert stop.value.value is first
+    assert placer.release_counts() == [0]
+
+
+def test_resource_skips_a_full_origin_and_relays_a_success() -> None:
+    a, b = W("a"), W("b")
+    placer = FakePlacer([a, b], max_in_flight_per_worker=1)
+    _busy(placer, a)
+    run = drive(res(placer), [OK], placer)
+    assert [x.candidate.worker for x in run.attempts] == [b]
+    assert run.final is run.attempts[0]
+
+
+def test_resource_with_a_full_origin_and_no_success_is_503() -> None:
+    """The full worker may hold the Response: a 404 from the others would be a lie."""
+    a, b = W("a"), W("b")
+    placer = FakePlacer([a, b], max_in_flight_per_worker=1)
+    _busy(placer, a)
+    run = drive(res(placer), [_err(404, "b")], placer)
+    assert isinstance(run.error, Overloaded)
+    assert placer.release_counts() == [1]
+
+
+def test_resource_pool_timeout_is_neutral_and_503() -> None:
+    placer = FakePlacer([W("a"), W("b")])
+    run = drive(res(placer), [POOL, _err(404, "b")], placer)
+    assert isinstance(run.error, Overloaded)
+    assert placer.leases[0].releases == [NEUTRAL]
+    assert placer.leases[1].releases == [(False, 404)]

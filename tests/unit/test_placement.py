@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from meshkit.core.endpoints import resolve
-from meshkit.core.placement import configured_for, eligible, place, state_owner_origin
+from meshkit.core.placement import configured_for, eligible, overloaded, place, state_owner_origin
 from meshkit.core.policies.base import BasePolicy, PlacementContext
 from meshkit.core.policies.simple import RoundRobin
 from meshkit.core.requests import RequestView, parse_request
@@ -18,6 +18,7 @@ from meshkit.core.workers import Candidate, Fleet, Worker
 from meshkit.errors import (
     MeshError,
     NoAvailableWorkers,
+    Overloaded,
     StatefulRoutingUnsupported,
     UnsupportedApi,
 )
@@ -435,3 +436,105 @@ def test_retrieve_view_routes_by_api() -> None:
 def test_models_served_by_any_openai_worker() -> None:
     fleet = Fleet([W("a", apis="chat,completions,responses")])
     assert hosts(eligible(fleet, view(MODELS))) == ["a"]
+
+
+# --------------------------------------------------------------------------------------
+# admission: upstream.max_in_flight_per_worker and upstream.max_in_flight
+# --------------------------------------------------------------------------------------
+
+
+def _fill(fleet: Fleet, host: str, n: int) -> None:
+    cands = [c for c in fleet.candidates if c.worker.host == host]
+    for i in range(n):
+        fleet.acquire(cands[i % len(cands)])
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "expected"),
+    [
+        P(1, ["a", "b"], id="cap-1-eligible"),
+        P(2, ["b"], id="cap-not-eligible"),
+        P(3, ["b"], id="cap+1-not-eligible"),
+    ],
+)
+def test_per_worker_cap_at_the_bound(in_flight: int, expected: list[str]) -> None:
+    fleet = Fleet([W("a"), W("b")], max_in_flight_per_worker=2)
+    _fill(fleet, "a", in_flight)
+    assert hosts(eligible(fleet, view(CHAT))) == expected
+
+
+def test_per_worker_cap_counts_dp_ranks_together() -> None:
+    fleet = Fleet([W("a", dp_size="2"), W("b")], max_in_flight_per_worker=2)
+    _fill(fleet, "a", 2)  # one request on each rank: the worker is at its cap
+    assert hosts(eligible(fleet, view(CHAT))) == ["b"]
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "refused"),
+    [P(2, False, id="cap-1"), P(3, True, id="cap"), P(4, True, id="cap+1")],
+)
+def test_global_cap_at_the_bound(in_flight: int, refused: bool) -> None:
+    fleet = Fleet([W("a"), W("b")], max_in_flight=3)
+    _fill(fleet, "a", in_flight)
+    if not refused:
+        assert hosts(eligible(fleet, view(CHAT))) == ["a", "b"]
+        return
+    with pytest.raises(Overloaded) as ei:
+        eligible(fleet, view(CHAT))
+    assert ei.value.status == 503 and ei.value.code == "overloaded"
+    assert "3 requests in flight" in ei.value.message
+
+
+def test_every_worker_at_its_cap_is_overloaded_not_no_available_workers() -> None:
+    fleet = Fleet([W("a"), W("b"), W("c")], max_in_flight_per_worker=1)
+    fleet.unhealthy.add(W("c").id)
+    _fill(fleet, "a", 1)
+    _fill(fleet, "b", 1)
+    with pytest.raises(Overloaded):
+        eligible(fleet, view(CHAT))
+    # unhealthy only (nobody at a cap): the old refusal
+    fleet.unhealthy.update({W("a").id, W("b").id})
+    with pytest.raises(NoAvailableWorkers) as ei:
+        eligible(fleet, view(CHAT))
+    assert type(ei.value) is NoAvailableWorkers
+
+
+def test_a_full_worker_and_a_tried_one_is_overloaded() -> None:
+    """A retry: the other worker was tried, this one is full: come back later."""
+    fleet = Fleet([W("a"), W("b")], max_in_flight_per_worker=1)
+    _fill(fleet, "b", 1)
+    with pytest.raises(Overloaded):
+        eligible(fleet, view(CHAT), exclude={W("a").id})
+
+
+def test_refusals_of_configuration_come_before_admission() -> None:
+    fleet = Fleet([W("a", apis="chat")], max_in_flight=1, max_in_flight_per_worker=1)
+    _fill(fleet, "a", 1)
+    with pytest.raises(UnsupportedApi):
+        eligible(fleet, view(MESSAGES))
+    with pytest.raises(Overloaded):
+        eligible(fleet, view(CHAT))
+
+
+def test_the_policy_only_sees_workers_below_their_cap() -> None:
+    fleet = Fleet([W("a"), W("b")], max_in_flight_per_worker=1)
+    _fill(fleet, "a", 1)
+    picks = {place(fleet, RoundRobin(), view(CHAT), random.Random(0)).worker.host for _ in range(4)}
+    assert picks == {"b"}
+
+
+@pytest.mark.parametrize(
+    ("hold_s", "slots", "hint"),
+    [
+        P(0.0, 8, 1.0, id="no-request-ended-yet"),
+        P(3.0, 8, 0.375, id="hold-over-slots"),
+        P(0.001, 8, 0.05, id="floor"),
+        P(600.0, 1, 60.0, id="clamped-to-60"),
+    ],
+)
+def test_overloaded_retry_hint(hold_s: float, slots: int, hint: float) -> None:
+    fleet = Fleet([W("a")])
+    fleet.hold_s = hold_s
+    err = overloaded(fleet, slots, "why")
+    assert err.retry_after_s == pytest.approx(hint)
+    assert "why" in err.message

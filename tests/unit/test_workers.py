@@ -387,3 +387,68 @@ def test_userinfo_password_is_not_echoed_with_other_errors(url: str) -> None:
 def test_port_zero_is_config_error() -> None:
     with pytest.raises(ConfigError):
         Worker("http://h:0")
+
+
+# --------------------------------------------------------------------------------------
+# in-flight counters and admission limits (upstream.max_in_flight*)
+# --------------------------------------------------------------------------------------
+
+
+def test_worker_and_fleet_in_flight_follow_the_ranks() -> None:
+    w = Worker("http://h:1", labels={"mesh.dp_size": "2"})
+    other = Worker("http://o:1")
+    fleet = Fleet([w, other], max_in_flight=10, max_in_flight_per_worker=3)
+    c0, c1 = fleet.candidates_of(w)
+    fleet.acquire(c0)
+    fleet.acquire(c1)
+    fleet.acquire(fleet.candidates_of(other)[0])
+    assert (fleet.worker_load[w.id], fleet.worker_load[other.id], fleet.in_flight) == (2, 1, 3)
+    fleet.release(c0)
+    fleet.release(c0)  # a double release changes nothing
+    assert (fleet.worker_load[w.id], fleet.in_flight) == (1, 2)
+
+
+def test_admits_at_the_bounds() -> None:
+    a, b = Worker("http://a:1"), Worker("http://b:1")
+    fleet = Fleet([a, b], max_in_flight=3, max_in_flight_per_worker=2)
+    ca, cb = fleet.candidates
+    fleet.acquire(ca)  # a: cap - 1
+    assert fleet.admits(a)
+    fleet.acquire(ca)  # a: at its cap
+    assert not fleet.admits(a) and fleet.admits(b)
+    fleet.acquire(cb)  # fleet: at its cap
+    assert not fleet.admits(b)
+    fleet.release(ca)
+    assert fleet.admits(a) and fleet.admits(b)
+
+
+def test_zero_limits_mean_none() -> None:
+    w = Worker("http://h:1")
+    fleet = Fleet([w])
+    for _ in range(10_000):
+        fleet.acquire(fleet.candidates[0])
+    assert fleet.admits(w)
+
+
+def test_removed_worker_in_flight_drops_at_zero() -> None:
+    w = Worker("http://h:1")
+    fleet = Fleet([w])
+    c = fleet.candidates[0]
+    fleet.acquire(c)
+    fleet.remove(w.id)
+    assert fleet.worker_load[w.id] == 1
+    fleet.release(c)
+    assert w.id not in fleet.worker_load
+    assert fleet.in_flight == 0
+
+
+def test_hold_time_is_a_moving_average() -> None:
+    fleet = Fleet([Worker("http://h:1")])
+    c = fleet.candidates[0]
+    assert fleet.hold_s == 0.0
+    fleet.acquire(c)
+    fleet.release(c, held_s=2.0)
+    assert fleet.hold_s == 2.0  # the first sample is taken as is
+    fleet.acquire(c)
+    fleet.release(c, held_s=12.0)
+    assert fleet.hold_s == pytest.approx(3.0)

@@ -11,7 +11,8 @@ was ~37 % of a 1 KiB proxy's samples)::
 * one pool of keep-alive connections per origin, bounded by
   ``upstream.pool_limit_per_worker`` per origin and ``upstream.pool_limit`` in all
   (0 = unbounded, as aiohttp); a request over a limit waits for a free connection
-  at most ``connect_timeout_s``, then fails with ``Failure.CONNECT``. Idle
+  at most ``connect_timeout_s``, then fails with ``Failure.POOL`` (503
+  ``overloaded``; the worker is not blamed). Idle
   connections expire after ``idle_timeout_s`` (checked when one is taken, and by
   one sweep timer; the pool is a stack, the most recently used first, so the
   stale ones sink and expire together);
@@ -249,8 +250,9 @@ class FastUpstream:
                 if timer is not None:
                     timer.cancel()
             if not woken:
+                # Nothing was sent: the worker is busy, not failing (503 overloaded).
                 _discard(queue, waiter)
-                raise UpstreamFailure(Failure.CONNECT)
+                raise UpstreamFailure(Failure.POOL)
 
     async def _connect(
         self, pool: Pool, loop: asyncio.AbstractEventLoop, deadline: float | None

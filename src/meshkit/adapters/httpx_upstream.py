@@ -10,7 +10,9 @@ library, and by the WSGI middleware (a pooled ``httpx.HTTPTransport``).
 Transport errors are mapped once, here, to the flow's :class:`Failure` kinds:
 a connection that could not be made, or that closed before a response head, is
 ``CONNECT`` (safe to move to another worker); a timeout waiting for the head is
-``TIMEOUT``.
+``TIMEOUT``; no pooled connection free within the ``pool`` timeout
+(``PoolTimeout``) is ``POOL``: nothing was sent, the worker is busy rather than
+failing (503 ``overloaded``, no breaker failure).
 
 A connection closed or reset before any response byte is tried once more at
 once (a pooled connection the worker had just closed); then it is ``CONNECT``.
@@ -63,7 +65,9 @@ def timeouts(config: UpstreamConfig | None) -> dict[str, float]:
 
 def failure_of(lib: ModuleType, exc: BaseException) -> Failure | None:
     """The flow's failure kind for an httpx/httpx2 transport error (None: not one)."""
-    if isinstance(exc, lib.ConnectTimeout | lib.PoolTimeout):
+    if isinstance(exc, lib.PoolTimeout):
+        return Failure.POOL
+    if isinstance(exc, lib.ConnectTimeout):
         return Failure.CONNECT
     if isinstance(exc, lib.TimeoutException):
         return Failure.TIMEOUT

@@ -15,12 +15,19 @@ reused connection is rarely one the worker already closed; when it is, the
 failure comes before any response byte: it is tried once more at once (on
 another connection), then the forward flow moves it to another worker. A request
 aiohttp refuses to send (a control character in a header value) is a 400.
+
+aiohttp's ``connect`` timeout covers the wait for a pooled connection and the
+connect alike (``ConnectionTimeoutError`` either way): when the connector had no
+free slot for the worker at that moment (``limit`` or ``limit_per_host`` reached)
+it was the pool wait, ``Failure.POOL`` (503 ``overloaded``, the worker not blamed);
+otherwise a connect failure.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -73,6 +80,33 @@ class _AiohttpResponse:
             self._resp.close()
 
 
+def _pool_full(connector: aiohttp.BaseConnector | None, url: str) -> bool:
+    """Whether ``connector`` has no free slot for ``url``'s host (its limits reached).
+
+    Reads the connector's acquired sets (not public API, read defensively: when they
+    are not there, the answer is False and the timeout stays a connect failure).
+    """
+    if connector is None:
+        return False
+    acquired = getattr(connector, "_acquired", None)
+    limit = connector.limit
+    if limit and acquired is not None and len(acquired) >= limit:
+        return True
+    per = connector.limit_per_host
+    by_host = getattr(connector, "_acquired_per_host", None)
+    if not per or not by_host:
+        return False
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return False
+    for key, conns in by_host.items():
+        if getattr(key, "host", None) == parts.hostname and getattr(key, "port", None) == port:
+            return len(conns) >= per
+    return False
+
+
 class AiohttpUpstream:
     """Pooled aiohttp client (created lazily inside the running loop)."""
 
@@ -122,7 +156,8 @@ class AiohttpUpstream:
                     compress=None,
                 )
             except aiohttp.ConnectionTimeoutError as exc:
-                raise UpstreamFailure(Failure.CONNECT) from exc
+                full = _pool_full(session.connector, attempt.url)
+                raise UpstreamFailure(Failure.POOL if full else Failure.CONNECT) from exc
             except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
                 raise UpstreamFailure(Failure.TIMEOUT) from exc
             except aiohttp.ClientResponseError as exc:

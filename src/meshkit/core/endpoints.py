@@ -14,7 +14,10 @@ the same way,
 
 Security: the forwarded path is rebuilt from the matched template and a validated
 resource id, never copied from the client, so dot segments or encoded slashes can
-never reach a path outside this registry.
+never reach a path outside this registry. ``GET /v1/models/{model}`` (the OpenAI
+SDKs' ``models.retrieve``) is answered by the mesh from the merged model list: its
+model id (any characters, slashes included, percent-decoded) is only compared with
+the workers' lists and never forwarded; the path forwarded is ``/v1/models``.
 """
 
 from __future__ import annotations
@@ -93,7 +96,12 @@ class Endpoint:
         return "{id}" in self.template
 
     def path(self, resource_id: str | None = None) -> str:
-        """The canonical path to forward (the id has been validated by :func:`resolve`)."""
+        """The canonical path to forward (the id has been validated by :func:`resolve`).
+
+        A model retrieve forwards the listing it is answered from, ``/v1/models``.
+        """
+        if self.api is Api.MODELS:
+            return _MODELS
         if resource_id is None:
             return self.template
         return self.template.replace("{id}", resource_id)
@@ -155,6 +163,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     _ep("detokenize", Api.TOKENIZE, Op.DETOKENIZE, "POST", "/v1/detokenize"),
     _ep("detokenize.unversioned", Api.TOKENIZE, Op.DETOKENIZE, "POST", "/detokenize"),
     _ep("models", Api.MODELS, Op.LIST, "GET", "/v1/models"),
+    _ep("models.retrieve", Api.MODELS, Op.RETRIEVE, "GET", "/v1/models/{model}"),
 )
 
 #: Paths at or under these belong to meshkit; anything else passes through.
@@ -171,9 +180,17 @@ _PREFIXES: tuple[tuple[str, ErrorShape], ...] = (
     ("/v1/models", "openai"),
 )
 
+_MODELS = "/v1/models"
+_MODELS_PREFIX = _MODELS + "/"
+_MODEL_RETRIEVE = next(e for e in ENDPOINTS if e.name == "models.retrieve")
+#: the longest model id ``GET /v1/models/{model}`` accepts (characters, decoded)
+MAX_MODEL_ID = 512
+
 _STATIC: dict[str, list[Endpoint]] = {}
 _RESOURCE: list[tuple[str, str, Endpoint]] = []  # (head, tail, endpoint) for ".../{id}..."
 for _e in ENDPOINTS:
+    if _e is _MODEL_RETRIEVE:
+        continue
     if _e.is_resource:
         _head, _tail = _e.template.split("{id}")
         _RESOURCE.append((_head, _tail, _e))
@@ -190,6 +207,8 @@ class Match:
 
     endpoint: Endpoint
     resource_id: str | None = None
+    #: the model id of ``GET /v1/models/{model}`` (percent-decoded)
+    model: str | None = None
 
     @property
     def path(self) -> str:
@@ -231,6 +250,8 @@ def resolve(method: str, path: str) -> Match | None:
         return Match(_pick(static, method, path))
     if not _under_prefix(path):
         return None
+    if path.startswith(_MODELS_PREFIX) and len(path) > len(_MODELS_PREFIX):
+        return _model_match(method, path)
     for head, tail, _e in _RESOURCE:
         if not path.startswith(head):
             continue
@@ -247,3 +268,13 @@ def resolve(method: str, path: str) -> Match | None:
         group = [e for h, t, e in _RESOURCE if h == head and t == tail]
         return Match(_pick(group, method, path), rid)
     raise UnknownEndpoint(f"no inference endpoint at {path}")
+
+
+def _model_match(method: str, path: str) -> Match:
+    raw = path[len(_MODELS_PREFIX) :]
+    if len(raw) > 3 * MAX_MODEL_ID:
+        raise InvalidRequest("model id is too long", param="model")
+    model = unquote(raw)
+    if len(model) > MAX_MODEL_ID:
+        raise InvalidRequest("model id is too long", param="model")
+    return Match(_pick([_MODEL_RETRIEVE], method, path), model=model)

@@ -29,6 +29,16 @@ The flow takes a lease on each attempt's worker before yielding it and releases
 it itself when it moves on; the returned attempt's lease belongs to the adapter,
 which releases it when the response ends or the client leaves.
 
+Admission (``upstream.max_in_flight_per_worker``, ``upstream.max_in_flight``):
+placement leaves out workers at their limit, so a retry never goes to a worker
+that is full, and refuses with 503 ``overloaded`` when all are. ``Placer.lease``
+checks the limits again under the same lock as it takes the slot (another thread
+may have taken the last one since placement): that refusal sends the flow back to
+placement once. A pool-acquire timeout in the adapter (``Failure.POOL``: no
+connection to the worker became free in time) is no fault of the worker: its lease
+is released without a verdict, the request may move to another worker, and the
+answer, when none can take it, is 503 ``overloaded``, not 502.
+
 Holding for a wake (issue 6): when the placer finds only sleeping or waking
 workers it raises :class:`WakePending`; the flow then yields a :class:`Hold`
 instead of an attempt. The driver waits (without a lease) until the worker is
@@ -52,6 +62,7 @@ from meshkit.core.workers import Candidate
 from meshkit.errors import (
     MeshError,
     NoAvailableWorkers,
+    Overloaded,
     UpstreamError,
     UpstreamTimeout,
     WorkerWaking,
@@ -73,6 +84,7 @@ __all__ = [
     "WakePending",
     "build_attempt",
     "forward_flow",
+    "release_neutral",
 ]
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504, 529})
@@ -82,6 +94,7 @@ class Failure(enum.Enum):
     CONNECT = "connect"  # refused, DNS, reset before a response: safe to move
     TIMEOUT = "timeout"  # no response head in time: the worker may be working on it
     PROTOCOL = "protocol"  # garbage instead of an HTTP response
+    POOL = "pool"  # no pooled connection became free in time: nothing was sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +132,16 @@ class Lease(Protocol):
     started: float
 
     def release(self, *, ok: bool, status: int | None = None) -> None: ...
+
+
+def release_neutral(lease: Lease) -> None:
+    """Release ``lease`` without a verdict on its worker (a pool timeout, a client
+    that left): Mesh leases have ``abandon()``; others are released as a failure."""
+    abandon = getattr(lease, "abandon", None)
+    if abandon is not None:
+        abandon()
+    else:
+        lease.release(ok=False)
 
 
 class ReadinessWaiter(Protocol):
@@ -162,7 +185,10 @@ class Placer(Protocol):
 
     def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate: ...
 
-    def lease(self, cand: Candidate, view: RequestView) -> Lease: ...
+    def lease(self, cand: Candidate, view: RequestView) -> Lease:
+        """A lease on ``cand``; raises :class:`~meshkit.errors.Overloaded` when it is
+        (by now) at its admission limit."""
+        ...
 
     def targets(self, view: RequestView) -> list[Candidate]:
         """One candidate per origin that may hold a resource (owner first, healthy first)."""
@@ -285,6 +311,7 @@ def forward_flow(
     pending_status = 0
     held = False
     for number in range(max(1, retry.max_attempts)):
+        raced = False
         while True:
             wake: WakePending | None = None
             try:
@@ -293,12 +320,37 @@ def forward_flow(
                 # Whatever stops a retry, a worker's own answer beats meshkit's.
                 if pending is not None:
                     return pending
-                if isinstance(exc, NoAvailableWorkers) and last_error is not None:
+                # After a failed attempt, "nobody else is available" is that
+                # failure; "the others are full" is a 503 worth retrying later.
+                if (
+                    isinstance(exc, NoAvailableWorkers)
+                    and not isinstance(exc, Overloaded)
+                    and last_error is not None
+                ):
                     raise last_error from None
                 raise
             except WakePending as exc:
                 wake = exc
             if wake is None:
+                body = view.body
+                rank = cand.rank if _sends_rank(cand, api) else None
+                if rank is not None and view.match.endpoint.has_body and body:
+                    if base is None:
+                        base = rank_base(body, has_rank=view.has_dp_rank)
+                    body = with_rank(base, rank)
+                try:
+                    attempt = build_attempt(
+                        placer, view, cand, client_headers, method, number, body, rank
+                    )
+                except Overloaded:
+                    # The last slot went to another request since placement: place
+                    # again (once), now that the fleet shows it.
+                    if pending is not None:
+                        return pending
+                    if raced:
+                        raise
+                    raced = True
+                    continue
                 break
             if pending is not None:
                 # A worker already answered (retryably): relay that rather than
@@ -318,13 +370,6 @@ def forward_flow(
         if pending is not None:
             pending.lease.release(ok=False, status=pending_status)
             pending = None
-        body = view.body
-        rank = cand.rank if _sends_rank(cand, api) else None
-        if rank is not None and view.match.endpoint.has_body and body:
-            if base is None:
-                base = rank_base(body, has_rank=view.has_dp_rank)
-            body = with_rank(base, rank)
-        attempt = build_attempt(placer, view, cand, client_headers, method, number, body, rank)
         attempt.delay_s = retry.delay(number, rng)
         attempt.history = history
         result = yield attempt
@@ -337,6 +382,15 @@ def forward_flow(
                 return attempt
             pending, pending_status = attempt, status
             last_error = None
+            continue
+        if result.failure is Failure.POOL:
+            # Nothing was sent: the worker is busy, not failing.
+            release_neutral(attempt.lease)
+            last_error = Overloaded(
+                "no connection to the worker became free in time; retry shortly"
+            )
+            if last:
+                raise last_error
             continue
         attempt.lease.release(ok=False)
         if result.failure is Failure.TIMEOUT:

@@ -43,16 +43,18 @@ from meshkit.core.endpoints import Api
 from meshkit.core.forward import (
     Attempt,
     AttemptResult,
+    Failure,
     ForwardFlow,
     Lease,
     LocalResponse,
     Pair,
     PairResult,
+    release_neutral,
 )
 from meshkit.core.payload import RankBase, append_fields, rank_base
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
-from meshkit.errors import InvalidRequest, UnsupportedApiTopology, UpstreamError
+from meshkit.errors import InvalidRequest, Overloaded, UnsupportedApiTopology, UpstreamError
 
 __all__ = [
     "PD_APIS",
@@ -83,6 +85,11 @@ class PairLease:
     def release(self, *, ok: bool, status: int | None = None) -> None:
         self.prefill.release(ok=ok, status=status)
         self.decode.release(ok=ok, status=status)
+
+    def abandon(self) -> None:
+        """Release both legs without a verdict on either worker."""
+        release_neutral(self.prefill)
+        release_neutral(self.decode)
 
 
 class PdPlacer:
@@ -146,6 +153,14 @@ def _leg(
     )
 
 
+def _pool_refusal(lease: Lease, *results: AttemptResult | None) -> None:
+    """A leg that found no free connection in time: nothing is the workers' fault
+    (no breaker verdict); the request is refused with 503 ``overloaded``."""
+    if any(r is not None and r.failure is Failure.POOL for r in results):
+        release_neutral(lease)
+        raise Overloaded("no connection to a worker became free in time; retry shortly")
+
+
 def _failed(result: AttemptResult | None) -> bool:
     return result is None or result.failure is not None or (result.status or 0) >= 400
 
@@ -186,6 +201,7 @@ def pd_flow(
     p_leg.read_body = "always"
     result = yield Pair(p_leg, d_leg)
     p_result = result.prefill if isinstance(result, PairResult) else None
+    _pool_refusal(lease, p_result, result)
     if _failed(p_result):
         placer.pd_event("bootstrap_failure")
         lease.release(ok=False)
@@ -220,6 +236,7 @@ def _vllm(
     p_leg = _leg(placer, view, prefill, client_headers, method, base, members, 0)
     p_leg.read_body = "always"
     p_result = yield p_leg
+    _pool_refusal(p_leg.lease, p_result)
     params: Any = None
     if not _failed(p_result) and p_result.body:
         try:
@@ -236,6 +253,7 @@ def _vllm(
     d_leg = _leg(placer, view, decode, client_headers, method, base, d_members, 1)
     lease = PairLease(p_leg.lease, d_leg.lease)
     d_result = yield d_leg
+    _pool_refusal(lease, d_result)
     if d_result.failure is not None:
         lease.release(ok=False)
         raise UpstreamError("the decode worker could not be reached")

@@ -15,9 +15,16 @@ Eligibility first, then the policy:
    count in this check, so failover cannot quietly move a conversation to a
    backend that does not hold it (seed 000).
 5. **Health**: unhealthy workers and excluded (already tried) candidates drop out.
+6. **Admission**: a worker with ``upstream.max_in_flight_per_worker`` requests in
+   flight (its DP ranks together) drops out; with ``upstream.max_in_flight`` in
+   flight in the whole fleet, every worker does. Two integer comparisons, on
+   counters the fleet keeps as leases start and end.
 
 No configured worker for the API/model is 501 ``unsupported_api``; some configured
-but none available is 503 ``no_available_workers``.
+but none available is 503 ``no_available_workers``; some available but all at
+their admission limit is 503 ``overloaded`` (:func:`overloaded`), refused at once,
+before any byte goes upstream: past the limit a request would only wait for a
+pooled connection, then fail.
 
 Lifecycle (issue 6) reaches placement only through data: workers that must not
 take new requests (failed, asleep, draining, breaker open) are in
@@ -34,9 +41,19 @@ from meshkit.core.endpoints import Api
 from meshkit.core.policies.base import PlacementContext, Policy
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Fleet, Worker
-from meshkit.errors import NoAvailableWorkers, StatefulRoutingUnsupported, UnsupportedApi
+from meshkit.errors import (
+    NoAvailableWorkers,
+    Overloaded,
+    StatefulRoutingUnsupported,
+    UnsupportedApi,
+)
 
-__all__ = ["configured_for", "eligible", "place", "state_owner_origin"]
+__all__ = ["configured_for", "eligible", "overloaded", "place", "state_owner_origin"]
+
+#: retry hint of an admission refusal before any request has ended (seconds)
+_FIRST_HINT_S = 1.0
+#: the shortest retry hint of an admission refusal (seconds)
+_MIN_HINT_S = 0.05
 
 #: origin -> True when that origin may take new requests (lifecycle states)
 Admit = Callable[[Worker], bool]
@@ -104,19 +121,41 @@ def eligible(
                 "conversation or item_reference) and the workers do not share one state "
                 "domain; label them mesh.responses_state=shared or route by response id"
             )
+    cap = fleet.max_in_flight
+    if cap and fleet.in_flight >= cap:
+        raise overloaded(fleet, cap, f"the fleet has {cap} requests in flight")
+    per = fleet.max_in_flight_per_worker
+    full = 0
     out: list[Candidate] = []
     for w in configured:
         if not fleet.healthy(w) or (admit is not None and not admit(w)):
+            continue
+        if per and fleet.worker_load.get(w.id, 0) >= per:
+            full += 1
             continue
         for c in fleet.candidates_of(w):
             if c.key not in exclude:
                 out.append(c)
     if not out:
+        if full:
+            raise overloaded(
+                fleet, per * full, f"every available worker has {per} requests in flight"
+            )
         raise NoAvailableWorkers(
             f"no healthy worker is available for {view.match.endpoint.template}",
             retry_after_s=1.0,
         )
     return out
+
+
+def overloaded(fleet: Fleet, slots: int, why: str) -> Overloaded:
+    """The 503 ``overloaded`` refusal, with a retry hint: the expected time until one
+    of the ``slots`` full slots frees (how long requests hold one, on average,
+    divided by their number), at least 50 ms; 1 s before any request ended."""
+    hold = fleet.hold_s
+    hint = max(_MIN_HINT_S, hold / max(1, slots)) if hold > 0 else _FIRST_HINT_S
+    message = f"meshkit is at its admission limit: {why}; retry shortly"
+    return Overloaded(message, retry_after_s=hint)
 
 
 def _labelled(fleet: Fleet) -> bool:

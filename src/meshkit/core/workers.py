@@ -18,7 +18,10 @@ A :class:`Candidate` is what a policy picks: a worker and, for DP-aware workers,
 rank. Ranks of one worker share an *origin* (scheme://host:port).
 
 :class:`Fleet` holds the workers, their candidates and the in-flight load of
-each candidate. It is plain data: it holds no lock (``Mesh`` serialises access).
+each candidate, of each worker and of the whole fleet, with the admission limits
+placement compares them to (``upstream.max_in_flight_per_worker``,
+``upstream.max_in_flight``). It is plain data: it holds no lock (``Mesh``
+serialises access).
 
 Security: a worker's ``api_key`` never appears in ``repr``, errors or metrics.
 """
@@ -35,6 +38,8 @@ from meshkit.errors import ConfigError
 __all__ = ["Candidate", "Fleet", "Worker"]
 
 _ROLES = frozenset({"regular", "prefill", "decode"})
+#: weight of the newest sample in :attr:`Fleet.hold_s`
+_HOLD_ALPHA = 0.1
 _API_NAMES = frozenset(a.value for a in Api)
 # Aliases users write in labels.
 _API_ALIASES = {"chat_completions": "chat", "completion": "completions", "message": "messages"}
@@ -176,9 +181,21 @@ class Candidate:
 
 
 class Fleet:
-    """Workers, their candidates, and in-flight load per candidate (no locking)."""
+    """Workers, their candidates, and in-flight load per candidate (no locking).
 
-    def __init__(self, workers: Iterable[Worker] = ()) -> None:
+    :param max_in_flight: admission limit on requests in flight in the whole fleet
+        (0: none; a :class:`~meshkit.Mesh` always sets a finite one).
+    :param max_in_flight_per_worker: the same per worker, all its DP ranks together
+        (0: none).
+    """
+
+    def __init__(
+        self,
+        workers: Iterable[Worker] = (),
+        *,
+        max_in_flight: int = 0,
+        max_in_flight_per_worker: int = 0,
+    ) -> None:
         self._workers: dict[str, Worker] = {}
         self.candidates: tuple[Candidate, ...] = ()
         self._by_worker: dict[str, tuple[Candidate, ...]] = {}
@@ -186,6 +203,13 @@ class Fleet:
         self.load: dict[str, int] = {}
         #: in-flight prompt weight (characters/tokens) per candidate key
         self.weight: dict[str, int] = {}
+        #: in-flight requests per worker id (its DP ranks together) and in all
+        self.worker_load: dict[str, int] = {}
+        self.in_flight = 0
+        self.max_in_flight = max_in_flight
+        self.max_in_flight_per_worker = max_in_flight_per_worker
+        #: moving average of how long a request holds its slot (seconds; 0: none yet)
+        self.hold_s = 0.0
         #: worker ids that health checks / breakers currently exclude
         self.unhealthy: set[str] = set()
         #: a change counter policies use to rebuild derived structures (rings)
@@ -212,6 +236,7 @@ class Fleet:
         for c in cands:
             self.load.setdefault(c.key, 0)
             self.weight.setdefault(c.key, 0)
+        self.worker_load.setdefault(worker.id, 0)
         self._rebuild()
 
     def remove(self, worker_id: str) -> Worker | None:
@@ -224,6 +249,8 @@ class Fleet:
             if self.load.get(c.key, 0) == 0:
                 self.load.pop(c.key, None)
                 self.weight.pop(c.key, None)
+        if self.worker_load.get(worker_id, 0) == 0:
+            self.worker_load.pop(worker_id, None)
         self.unhealthy.discard(worker_id)
         self._rebuild()
         return worker
@@ -235,23 +262,52 @@ class Fleet:
         self.candidates = tuple(c for cs in self._by_worker.values() for c in cs)
         self.version += 1
 
+    def admits(self, worker: Worker) -> bool:
+        """Whether ``worker`` may take one more request under both admission limits."""
+        cap = self.max_in_flight
+        if cap and self.in_flight >= cap:
+            return False
+        per = self.max_in_flight_per_worker
+        return not per or self.worker_load.get(worker.id, 0) < per
+
     def acquire(self, cand: Candidate, weight: int = 0) -> None:
         self.load[cand.key] = self.load.get(cand.key, 0) + 1
         self.weight[cand.key] = self.weight.get(cand.key, 0) + weight
+        wid = cand.worker.id
+        self.worker_load[wid] = self.worker_load.get(wid, 0) + 1
+        self.in_flight += 1
 
-    def release(self, cand: Candidate, weight: int = 0) -> None:
+    def release(self, cand: Candidate, weight: int = 0, held_s: float | None = None) -> None:
+        """Give back one request's slot; ``held_s`` (how long it held it) feeds
+        :attr:`hold_s`, which retry hints of admission refusals are estimated from."""
+        if held_s is not None and held_s >= 0:
+            hold = self.hold_s
+            self.hold_s = held_s if hold == 0.0 else hold + (held_s - hold) * _HOLD_ALPHA
         n = self.load.get(cand.key, 0) - 1
         w = self.weight.get(cand.key, 0) - weight
         if n < 0:
             # Never negative: a double release is a bug upstream, not a reason to
             # corrupt every later placement.
-            n, w = 0, 0
-        if n == 0 and cand.worker.id not in self._workers:
-            self.load.pop(cand.key, None)
-            self.weight.pop(cand.key, None)
+            return
+        wid = cand.worker.id
+        self.in_flight = max(self.in_flight - 1, 0)
+        wn = max(self.worker_load.get(wid, 0) - 1, 0)
+        if wid not in self._workers:
+            # A removed worker's counts live only while its requests do.
+            if n == 0:
+                self.load.pop(cand.key, None)
+                self.weight.pop(cand.key, None)
+            else:
+                self.load[cand.key] = n
+                self.weight[cand.key] = max(w, 0)
+            if wn == 0:
+                self.worker_load.pop(wid, None)
+            else:
+                self.worker_load[wid] = wn
             return
         self.load[cand.key] = n
         self.weight[cand.key] = max(w, 0)
+        self.worker_load[wid] = wn
 
     def healthy(self, worker: Worker) -> bool:
         return worker.id not in self.unhealthy

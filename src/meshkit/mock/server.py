@@ -5,7 +5,9 @@ The mock worker's HTTP/1.1 server
 A raw :class:`asyncio.Protocol` per connection, parsing with
 ``httptools.HttpRequestParser``: keep-alive, pipelining (answers stay in order),
 ``Content-Length`` and chunked request bodies, ``Expect: 100-continue``, chunked
-streaming responses with write back-pressure.
+streaming responses with write back-pressure. A ``HEAD`` request gets the head of
+the answer its ``GET`` would get, never a body (RFC 9110 §9.3.2): stray body bytes
+would be read as the start of the next response on that keep-alive connection.
 
 Complete answers (:class:`bytes`) are written from inside the parser callback, with
 no task and no await: that is the hot path. Delayed answers and streams run as one
@@ -29,7 +31,7 @@ import httptools
 
 from meshkit.mock.app import MockApp
 from meshkit.mock.config import MockConfig, MockStats
-from meshkit.mock.wire import Delayed, Request, Stream, chunk, response
+from meshkit.mock.wire import Delayed, Reply, Request, Stream, chunk, response
 
 __all__ = ["MockWorker"]
 
@@ -44,6 +46,19 @@ _INTERNAL = (
 )
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
+
+
+def _head_only(reply: Reply) -> Reply:
+    """The answer to a HEAD request: the head of ``reply``, without its body."""
+    if isinstance(reply, Stream):
+        return reply.head
+    if isinstance(reply, Delayed):
+        data = reply.data
+        end = data.find(b"\r\n\r\n")
+        head = data if end < 0 else data[: end + 4]
+        return Delayed(reply.delay, head, reply.keep_alive, reply.before)
+    end = reply.find(b"\r\n\r\n")
+    return reply if end < 0 else reply[: end + 4]
 
 
 class _Conn(asyncio.Protocol):
@@ -182,6 +197,8 @@ class _Conn(asyncio.Protocol):
             log.exception("mock worker: error answering %r", req.path)
             reply = response(500, _INTERNAL, self._app.headers, False)
             req.keep_alive = False
+        if req.method == b"HEAD":
+            reply = _head_only(reply)
         if isinstance(reply, bytes):
             transport.write(reply)
             if not req.keep_alive:
