@@ -4,7 +4,8 @@ Shared helpers of the benchmark harness (no third-party imports)
 
 * ``/proc`` readings: CPU seconds (utime + stime) of a process *tree*, its peak
   RSS (``VmHWM``, which :func:`reset_peak_rss` clears between points);
-* the deterministic request bodies every frontend receives;
+* the deterministic request bodies every frontend receives: ``repeated`` prompts
+  (8 per size, cycled) or ``distinct`` ones (a unique head per request);
 * free ports, the Qwen tokenizer path, CPU pinning helpers.
 """
 
@@ -16,12 +17,18 @@ import os
 import random
 import socket
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
     "CLK_TCK",
+    "DISTINCT_HEAD_CHARS",
+    "DISTINCT_POOL",
+    "PROMPT_VARIANTS",
+    "DistinctBodies",
     "bodies",
     "cpu_seconds",
+    "distinct_bodies",
     "free_port",
     "peak_rss_bytes",
     "proc_tree",
@@ -150,6 +157,58 @@ def bodies(size: int, variants: int = 8) -> list[bytes]:
         raw = json.dumps(base, separators=(",", ":")).encode()
         out.append(raw)
     return out
+
+
+#: ``repeated``: the 8 bodies of :func:`bodies`, cycled (a shared system prompt, a
+#: conversation's next turn: a prefix cache hits); ``distinct``: every request of a
+#: measurement starts with its own head (:func:`distinct_bodies`: no cache hits).
+PROMPT_VARIANTS = ("repeated", "distinct")
+#: Characters of the unique head: more than 256 Qwen tokens of this text (~5.5
+#: characters per token), so a 256-token prefix is always unique.
+DISTINCT_HEAD_CHARS = 2048
+#: Unique heads per size; a measurement uses them in order (warm-up included) and
+#: reports how many requests went past the pool (``distinct_repeats``).
+DISTINCT_POOL = 16384
+
+
+@dataclass(frozen=True)
+class DistinctBodies:
+    """Bodies of one size that differ in their first ``DISTINCT_HEAD_CHARS`` prompt
+    characters: body ``i`` is ``prefix + heads[i] + tail`` (all the same length)."""
+
+    prefix: bytes
+    heads: list[bytes]
+    tail: bytes
+
+    def body(self, i: int) -> bytes:
+        return self.prefix + self.heads[i % len(self.heads)] + self.tail
+
+
+def distinct_bodies(size: int, pool: int = DISTINCT_POOL) -> DistinctBodies:
+    """``pool`` ``/v1/completions`` bodies of exactly ``size`` bytes, unique heads.
+
+    The head is ``"Request <i>: "`` and words drawn at random from the vocabulary
+    of :func:`bodies` (same mix, so the same cost per token); the tail is the rest
+    of variant 0's prompt. ASCII without quotes or backslashes: the JSON bytes are
+    the characters, so every body has the same length.
+    """
+    base = {"model": "mock-model", "prompt": "\x00", "max_tokens": 8, "temperature": 0.0}
+    raw = json.dumps(base, separators=(",", ":"))
+    prefix, suffix = raw.split("\\u0000")
+    chars = max(size - len(prefix) - len(suffix), 1)
+    head_len = min(DISTINCT_HEAD_CHARS, chars)
+    rest = _prompt(chars, 0)[head_len:]
+    rng = random.Random(size)
+    heads = []
+    for i in range(pool):
+        words = [f"Request {i}:"]
+        n = len(words[0])
+        while n < head_len:
+            chunk = rng.choices(_WORDS, k=64)
+            words += [w + "." if rng.random() < 0.08 else w for w in chunk]
+            n += sum(len(w) + 1 for w in chunk)
+        heads.append(" ".join(words)[:head_len].encode())
+    return DistinctBodies(prefix.encode(), heads, (rest + suffix).encode())
 
 
 # -- misc ----------------------------------------------------------------------

@@ -14,6 +14,15 @@ parsed by ``httptools`` (C) and their bodies discarded, so the generator costs a
 few tens of µs of CPU per request (reported as ``loadgen_cpu_us_per_req``; a
 pooled aiohttp client costs ~200 µs, PERFORMANCE.md) and is not the bottleneck.
 
+Prompts (``"prompts"`` in a command, ``--prompts`` on the command line):
+``repeated`` cycles 8 bodies per size (:func:`_common.bodies`); ``distinct`` gives
+every request of a measurement its own prompt head (:func:`_common.distinct_bodies`:
+body ``i`` for the ``i``-th request sent, warm-up included, so every frontend gets
+the same sequence), written as the HTTP head, the JSON before the prompt, the
+unique prompt head and the rest with one ``writelines`` (no copy of the body per
+request). ``distinct_repeats`` counts the
+requests that went past the pool of unique heads (0 unless a window is very long).
+
 One measurement: a warm-up (connections opened, not counted), then a window of
 ``duration`` seconds in which completed responses are counted and timed, then a
 drain: no new requests, in-flight ones are awaited (up to ``drain_timeout``) so
@@ -35,7 +44,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
-from _common import bodies, cpu_seconds, tree_cpu_seconds
+from _common import (
+    PROMPT_VARIANTS,
+    DistinctBodies,
+    bodies,
+    cpu_seconds,
+    distinct_bodies,
+    tree_cpu_seconds,
+)
 
 __all__ = ["measure"]
 
@@ -55,6 +71,7 @@ class _Gen:
         self.inflight = 0
         self.first_error = ""
         self.idle: asyncio.Future[None] | None = None
+        self.seq = 0  # requests sent (the index of the next distinct prompt)
 
     def completed(self, status: int, started: float) -> None:
         self.inflight -= 1
@@ -82,12 +99,29 @@ class _Gen:
             self.idle.set_result(None)
 
 
+class _Target:
+    """What one frontend URL is sent: repeated requests, or distinct ones."""
+
+    __slots__ = ("distinct", "head", "host", "port", "reqs")
+
+    def __init__(
+        self, url: str, repeated: list[bytes] | None, distinct: DistinctBodies | None
+    ) -> None:
+        self.host, self.port, _ = _request_bytes(url, b"")
+        self.reqs = [_request_bytes(url, b)[2] for b in repeated or ()]
+        self.distinct = distinct
+        self.head = b""
+        if distinct is not None:
+            self.head = _request_bytes(url, distinct.body(0))[2][: -len(distinct.body(0))]
+
+
 class _Conn(asyncio.Protocol):
     """One closed-loop client on one keep-alive connection."""
 
-    def __init__(self, gen: _Gen, reqs: list[bytes], start: int) -> None:
+    def __init__(self, gen: _Gen, target: _Target, start: int) -> None:
         self.gen = gen
-        self.reqs = reqs
+        self.target = target
+        self.reqs = target.reqs
         self.next = start
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -136,13 +170,23 @@ class _Conn(asyncio.Protocol):
         gen = self.gen
         if not gen.running or self.transport is None:
             return
-        reqs = self.reqs
-        req = reqs[self.next % len(reqs)]
-        self.next += 1
         self.busy = True
         gen.inflight += 1
+        distinct = self.target.distinct
+        if distinct is None:
+            reqs = self.reqs
+            req = reqs[self.next % len(reqs)]
+            self.next += 1
+            self.started = _perf()
+            self.transport.write(req)
+            return
+        i = gen.seq
+        gen.seq += 1
+        heads = distinct.heads
         self.started = _perf()
-        self.transport.write(req)
+        self.transport.writelines(
+            (self.target.head, distinct.prefix, heads[i % len(heads)], distinct.tail)
+        )
 
 
 def _request_bytes(url: str, body: bytes) -> tuple[str, int, bytes]:
@@ -156,16 +200,14 @@ def _request_bytes(url: str, body: bytes) -> tuple[str, int, bytes]:
     return host, port, head + body
 
 
-async def _client(
-    gen: _Gen, host: str, port: int, reqs: list[bytes], index: int, stop: asyncio.Event
-) -> None:
+async def _client(gen: _Gen, target: _Target, index: int, stop: asyncio.Event) -> None:
     """Keeps one client connection going (reconnects while the run lasts)."""
     loop = asyncio.get_running_loop()
     start = index
     while gen.running:
         try:
             _, conn = await loop.create_connection(
-                functools.partial(_Conn, gen, reqs, start), host, port
+                functools.partial(_Conn, gen, target, start), target.host, target.port
             )
         except OSError as exc:
             if not gen.first_error:
@@ -194,12 +236,9 @@ async def measure(cmd: dict[str, Any]) -> dict[str, Any]:
     drain_timeout = float(cmd.get("drain_timeout", 30.0))
     watch: list[int] = list(cmd.get("watch", []))
     backends: list[int] = list(cmd.get("backends", []))
-    raw_bodies: list[bytes] = cmd["_bodies"]
-    targets = []
-    for u in urls:
-        host, port, _ = _request_bytes(u, b"")
-        reqs = [_request_bytes(u, b)[2] for b in raw_bodies]
-        targets.append((host, port, reqs))
+    raw_bodies: list[bytes] | None = cmd.get("_bodies")
+    distinct: DistinctBodies | None = cmd.get("_distinct")
+    targets = [_Target(u, raw_bodies, distinct) for u in urls]
 
     gen = _Gen()
     loop = asyncio.get_running_loop()
@@ -207,8 +246,7 @@ async def measure(cmd: dict[str, Any]) -> dict[str, Any]:
     stop = asyncio.Event()
     tasks = []
     for i in range(clients):
-        host, port, reqs = targets[i % len(targets)]
-        tasks.append(asyncio.ensure_future(_client(gen, host, port, reqs, i, stop)))
+        tasks.append(asyncio.ensure_future(_client(gen, targets[i % len(targets)], i, stop)))
     await asyncio.sleep(warmup)
     me = os.getpid()
     f0, b0, l0, t0 = tree_cpu_seconds(watch), tree_cpu_seconds(backends), cpu_seconds(me), _perf()
@@ -252,6 +290,8 @@ async def measure(cmd: dict[str, Any]) -> dict[str, Any]:
         "frontend_util": (f1 - f0) / wall if wall > 0 else 0.0,
         "load_side_util": ((b1 - b0) + (l1 - l0)) / wall if wall > 0 else 0.0,
         "drained": drained,
+        "prompts": "distinct" if distinct is not None else "repeated",
+        "distinct_repeats": max(0, gen.seq - len(distinct.heads)) if distinct else 0,
     }
 
 
@@ -268,6 +308,7 @@ def serve() -> int:
     loop = _new_loop()
     asyncio.set_event_loop(loop)
     cache: dict[tuple[int, int], list[bytes]] = {}
+    distinct: dict[int, DistinctBodies] = {}
     for line in sys.stdin:
         line = line.strip()
         if not line:
@@ -275,10 +316,16 @@ def serve() -> int:
         cmd = json.loads(line)
         if cmd.get("op") == "quit":
             break
-        key = (int(cmd["size"]), int(cmd.get("variants", 8)))
-        if key not in cache:
-            cache[key] = bodies(*key)
-        cmd["_bodies"] = cache[key]
+        size = int(cmd["size"])
+        if cmd.get("prompts", "repeated") == "distinct":
+            if size not in distinct:
+                distinct[size] = distinct_bodies(size)
+            cmd["_distinct"] = distinct[size]
+        else:
+            key = (size, int(cmd.get("variants", 8)))
+            if key not in cache:
+                cache[key] = bodies(*key)
+            cmd["_bodies"] = cache[key]
         try:
             out = loop.run_until_complete(measure(cmd))
         except Exception as exc:
@@ -298,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=3.0)
     p.add_argument("--warmup", type=float, default=0.5)
     p.add_argument("--watch", type=int, action="append", default=[], help="PID tree to time")
+    p.add_argument("--prompts", choices=PROMPT_VARIANTS, default="repeated")
     ns = p.parse_args(argv)
     if ns.serve:
         return serve()
@@ -309,8 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         "duration": ns.duration,
         "warmup": ns.warmup,
         "watch": ns.watch,
-        "_bodies": bodies(ns.size),
     }
+    if ns.prompts == "distinct":
+        cmd["_distinct"] = distinct_bodies(ns.size)
+    else:
+        cmd["_bodies"] = bodies(ns.size)
     loop = _new_loop()
     try:
         out = loop.run_until_complete(measure(cmd))

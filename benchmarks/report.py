@@ -7,6 +7,13 @@ RESULTS.md and the plots, from ``results.json``
 re-renders a report. Every figure is a median over rounds with its min-max; every
 comparison is a ratio of two frontends measured in the same round (A/B, adjacent
 in time), median over rounds with min-max.
+
+Results are grouped by *series*: the workload, and for the tokenize workload its
+prompt variant (:func:`series`): ``tokenize-repeated`` (8 prompts per size, cycled:
+meshkit's prefix cache hits after the first 8 requests, like a shared system
+prompt) and ``tokenize-distinct`` (a unique 256-token head per request: a fresh
+tokenization every time). A results.json without the ``prompts`` field predates
+the variants: its prompts were the repeated ones.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["aggregate", "parse_pyspy", "ratio", "us_per_req", "write"]
+__all__ = ["aggregate", "parse_pyspy", "ratio", "series", "us_per_req", "write"]
 
 KiB = 1024
 MESHKIT = "meshkit"
@@ -45,7 +52,30 @@ def size_label(n: int) -> str:
 
 # -- aggregation -----------------------------------------------------------------
 
-Key = tuple[str, int, int, str]  # workload, size, clients, frontend
+Key = tuple[str, int, int, str]  # series, size, clients, frontend
+
+#: section titles and target labels per series
+TITLES = {
+    "proxy": "Parse + proxy (round robin, `POST /v1/completions`, non-streamed)",
+    "tokenize-repeated": "Parse + tokenize + proxy (prefix hash over 256 Qwen tokens), "
+    "repeated prompts (8 per size, cycled: meshkit's prefix cache hits)",
+    "tokenize-distinct": "Parse + tokenize + proxy (prefix hash over 256 Qwen tokens), "
+    "distinct prompts (a unique 256-token head per request: no cache hit)",
+}
+_SERIES_ORDER = ["proxy", "tokenize-distinct", "tokenize-repeated"]
+
+
+def series(r: dict[str, Any]) -> str:
+    """``proxy``, ``tokenize-repeated`` or ``tokenize-distinct`` (see the module doc)."""
+    workload: str = r["workload"]
+    prompts = r.get("prompts", "repeated")
+    if workload == "proxy" and prompts == "repeated":
+        return workload
+    return f"{workload}-{prompts}"
+
+
+def _skey(name: str) -> int:
+    return _SERIES_ORDER.index(name) if name in _SERIES_ORDER else len(_SERIES_ORDER)
 
 
 def _stats(xs: Iterable[float]) -> tuple[float, float, float]:
@@ -58,7 +88,7 @@ def _stats(xs: Iterable[float]) -> tuple[float, float, float]:
 def aggregate(results: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
     groups: dict[Key, list[dict[str, Any]]] = defaultdict(list)
     for r in results:
-        groups[(r["workload"], r["size"], r["clients"], r["frontend"])].append(r)
+        groups[(series(r), r["size"], r["clients"], r["frontend"])].append(r)
     out: dict[Key, dict[str, Any]] = {}
     for key, rs in groups.items():
         flags = []
@@ -70,6 +100,8 @@ def aggregate(results: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
             flags.append("†")
         if any(not r.get("drained", True) or r.get("ok", 0) < 20 for r in rs):
             flags.append("‡")
+        if key[3] != "direct" and any(r.get("distinct_repeats", 0) for r in rs):
+            flags.append("R")
         out[key] = {
             "rounds": len(rs),
             "ok": sum(r.get("ok", 0) for r in rs),
@@ -101,7 +133,7 @@ def ratio(
     """
     by: dict[tuple[str, int, int, int], dict[str, dict[str, Any]]] = defaultdict(dict)
     for r in results:
-        by[(r["workload"], r["size"], r["clients"], r["round"])][r["frontend"]] = r
+        by[(series(r), r["size"], r["clients"], r["round"])][r["frontend"]] = r
     per: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     bound: set[tuple[str, int, int]] = set()
     for (w, s, c, _), fes in by.items():
@@ -239,10 +271,16 @@ def targets(data: dict[str, Any]) -> list[str]:
     else:
         why = data.get("unavailable", {}).get(RUST_REF, "not part of this run")
         rows.append(["goal (vs sglang-router 0.3.2)", f"not measured: {why}", "–"])
-    tok = lambda k: k[0] == "tokenize" and k[1] >= 16 * KiB  # noqa: E731
     tok_pts = ratio(res, MESHKIT, BASELINE, "rps")
-    rr = _median_of(tok_pts, tok)
-    if rr:
+    variants = sorted({k[0] for k in tok_pts if k[0].startswith("tokenize")}, key=_skey)
+    for name in variants or ["tokenize"]:
+        tok = lambda k, name=name: k[0] == name and k[1] >= 16 * KiB  # noqa: E731
+        prompts = name.partition("-")[2] or "any"
+        label = f"tokenize workload, {prompts} prompts: ≥ 10× FastAPI req/s at ≥ 16 KiB"
+        rr = _median_of(tok_pts, tok)
+        if not rr:
+            rows.append([label, "not measured", "–"])
+            continue
         low = [
             f"{size_label(k[1])}/{k[2]}c {v[0]:.1f}×"
             for k, v in sorted(tok_pts.items())
@@ -250,7 +288,7 @@ def targets(data: dict[str, Any]) -> list[str]:
         ]
         rows.append(
             [
-                "tokenize workload: ≥ 10× FastAPI req/s at ≥ 16 KiB",
+                label,
                 f"req/s {rr[0]:.2f}× (points {rr[1]:.2f}–{rr[2]:.2f}, n={rr[3]:.0f})",
                 _verdict(rr[0], TOKENIZE_RPS, True)
                 + f" ({_count(tok_pts, tok, TOKENIZE_RPS, True)}"
@@ -259,8 +297,6 @@ def targets(data: dict[str, Any]) -> list[str]:
                 "lower bounds",
             ]
         )
-    else:
-        rows.append(["tokenize ≥ 10× at ≥ 16 KiB", "not measured", "–"])
     client = data.get("client") or {}
     if "ratio" in client:
         r = client["ratio"]
@@ -369,7 +405,7 @@ def plots(data: dict[str, Any], agg: dict[Key, dict[str, Any]], out_dir: Path) -
     res = data["results"]
     files: list[str] = []
     (out_dir / "plots").mkdir(parents=True, exist_ok=True)
-    workloads = sorted({r["workload"] for r in res}, key=lambda w: w != "proxy")
+    workloads = sorted({series(r) for r in res}, key=_skey)
     rps = ratio(res, MESHKIT, BASELINE, "rps")
     cpu = ratio(res, MESHKIT, BASELINE, "cpu")
     if rps:
@@ -505,7 +541,7 @@ def write(data: dict[str, Any], out_dir: Path, notes: str = "") -> Path:
     vs = [BASELINE, RUST_REF, "smg", "vllm-router"]
     present = {r["frontend"] for r in res}
     vs = [v for v in vs if v in present]
-    pts = sorted({(r["workload"], r["size"], r["clients"]) for r in res}, key=_pkey)
+    pts = sorted({(series(r), r["size"], r["clients"]) for r in res}, key=_pkey)
     header = ["workload", "size", "clients"]
     cols: list[dict[tuple[str, int, int], tuple[float, ...]]] = []
     for v in vs:
@@ -519,9 +555,7 @@ def write(data: dict[str, Any], out_dir: Path, notes: str = "") -> Path:
         ]
     rows = []
     for p in pts:
-        if MESHKIT not in {
-            r["frontend"] for r in res if (r["workload"], r["size"], r["clients"]) == p
-        }:
+        if MESHKIT not in {r["frontend"] for r in res if (series(r), r["size"], r["clients"]) == p}:
             continue
         rows.append(
             [p[0], size_label(p[1]), str(p[2])]
@@ -530,11 +564,8 @@ def write(data: dict[str, Any], out_dir: Path, notes: str = "") -> Path:
     L += _table(header, rows)
     L.append("")
 
-    for w in sorted({r["workload"] for r in res}, key=lambda w: w != "proxy"):
-        title = {
-            "proxy": "Parse + proxy (round robin, `POST /v1/completions`, non-streamed)",
-            "tokenize": "Parse + tokenize + proxy (prefix hash over 256 Qwen tokens)",
-        }.get(w, w)
+    for w in sorted({series(r) for r in res}, key=_skey):
+        title = TITLES.get(w, w)
         L.append(f"## {title}")
         L.append("")
         rows = []
@@ -577,7 +608,8 @@ def write(data: dict[str, Any], out_dir: Path, notes: str = "") -> Path:
         "Flags: E = failed requests in a round; † = the load side (CPU of the mock workers "
         "+ load generator) was ≥ 90 % busy while the frontend was < 85 % busy, so req/s is a "
         "lower bound for that frontend (CPU/req stays comparable); ‡ = fewer than 20 "
-        "requests in a window or in-flight requests not drained in time. The load generator "
+        "requests in a window or in-flight requests not drained in time; R = distinct "
+        "prompts ran past the pool of unique heads (some prompts repeated). The load generator "
         "is a raw uvloop + httptools closed loop: its CPU per request is the `loadgen` "
         "column (compare with the frontends' CPU column to see it is not the bottleneck)."
     )
@@ -676,4 +708,4 @@ def _fkey(f: str) -> int:
 
 
 def _pkey(p: tuple[str, int, int]) -> tuple[int, int, int]:
-    return (0 if p[0] == "proxy" else 1, p[1], p[2])
+    return (_skey(p[0]), p[1], p[2])

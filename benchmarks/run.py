@@ -16,8 +16,11 @@ What it does (see README.md for the method):
    mode; an install that fails is reported as not available);
 3. for each workload (``proxy``: round robin; ``tokenize``: prefix hash over 256
    Qwen tokens), starts every frontend pinned to the frontend CPU, warms it up,
-   then for each prompt size and client count measures each frontend in turn,
-   alternating the order every round (A/B), for ``--rounds`` rounds;
+   then for each prompt variant (tokenize: ``--prompts``, by default both
+   ``repeated`` — 8 prompts per size, cycled: a prefix cache hits — and
+   ``distinct`` — a unique 256-token head per request: it never hits), prompt
+   size and client count measures each frontend in turn, alternating the order
+   every round (A/B), for ``--rounds`` rounds;
 4. measures ``MeshTransport`` against a plain ``httpx2.Client`` (client side);
 5. profiles the meshkit standalone frontend with py-spy under the 1 KiB proxy load
    (full mode, when py-spy is installed);
@@ -44,7 +47,13 @@ from pathlib import Path
 from typing import IO, Any
 
 import report
-from _common import free_port, peak_rss_bytes, qwen_tokenizer_path, reset_peak_rss
+from _common import (
+    PROMPT_VARIANTS,
+    free_port,
+    peak_rss_bytes,
+    qwen_tokenizer_path,
+    reset_peak_rss,
+)
 from frontends.launch import FRONTENDS, Frontend, command, ensure_router
 
 HERE = Path(__file__).resolve().parent
@@ -336,6 +345,10 @@ def plan(ns: argparse.Namespace) -> dict[str, Any]:
     tok_clients = (
         [int(c) for c in ns.tokenize_clients.split(",")] if ns.tokenize_clients else clients
     )
+    prompts = [p.strip() for p in ns.prompts.split(",") if p.strip()]
+    for p in prompts:
+        if p not in PROMPT_VARIANTS:
+            raise SystemExit(f"unknown prompt variant {p!r}; known: {', '.join(PROMPT_VARIANTS)}")
     return {
         "sizes": sizes,
         "clients": clients,
@@ -343,6 +356,7 @@ def plan(ns: argparse.Namespace) -> dict[str, Any]:
         "workloads": workloads,
         "tokenize_sizes": tok_sizes,
         "tokenize_clients": tok_clients,
+        "tokenize_prompts": prompts,
         "rounds": ns.rounds or rounds,
         "duration": ns.duration or duration,
         "warmup": ns.warmup if ns.warmup is not None else warmup,
@@ -356,7 +370,7 @@ def plan(ns: argparse.Namespace) -> dict[str, Any]:
 def run_workload(
     workload: str,
     fes: list[Frontend],
-    points: list[tuple[int, int]],
+    points: list[tuple[str, int, int]],
     cfg: dict[str, Any],
     ctx: dict[str, Any],
     lg: LoadGen,
@@ -417,7 +431,7 @@ def run_workload(
                 watch=[],
                 drain_timeout=30,
             )
-        for idx, (size, clients) in enumerate(points):
+        for idx, (prompts, size, clients) in enumerate(points):
             for r in range(cfg["rounds"]):
                 order = list(live)
                 if (r + idx) % 2:
@@ -432,6 +446,7 @@ def run_workload(
                         urls=[url] if p is not None else backends,
                         size=size,
                         clients=clients,
+                        prompts=prompts,
                         duration=cfg["duration"],
                         warmup=cfg["warmup"],
                         watch=[p.pid] if p is not None else [],
@@ -443,6 +458,7 @@ def run_workload(
                         p.truncate_log()
                     out.update(
                         workload=workload,
+                        prompts=prompts,
                         size=size,
                         clients=clients,
                         frontend=fe.key,
@@ -451,7 +467,7 @@ def run_workload(
                     )
                     results.append(out)
                     log(
-                        f"  {workload:8s} {size_label(size):>7s} c={clients:<3d} r{r} "
+                        f"  {workload:8s} {prompts:8s} {size_label(size):>7s} c={clients:<3d} r{r} "
                         f"{fe.key:16s} {out.get('rps', 0):9.1f} req/s "
                         f"cpu {report.us_per_req(out):8.1f} us/req "
                         f"p99 {out.get('lat_p99_ms', float('nan')):8.2f} ms"
@@ -555,6 +571,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default=None, help="e.g. 1,4,16,64")
     ap.add_argument("--tokenize-sizes", default=None, help="sizes of the tokenize workload")
     ap.add_argument("--tokenize-clients", default=None, help="clients of the tokenize workload")
+    ap.add_argument(
+        "--prompts",
+        default=",".join(PROMPT_VARIANTS),
+        help="prompt variants of the tokenize workload: repeated (8 prompts per size, "
+        "cycled: meshkit's prefix cache hits), distinct (a unique 256-token head per "
+        "request: it never hits), or both (default)",
+    )
     ap.add_argument("--frontends", default=None, help=f"subset of {','.join(FRONTENDS)}")
     ap.add_argument("--workloads", default=None, help="proxy,tokenize")
     ap.add_argument("--backends", type=int, default=4, help="mock worker processes")
@@ -656,9 +679,10 @@ def main(argv: list[str] | None = None) -> int:
             wfes = [fe for fe in live_fes if workload in fe.workloads]
             if workload == "tokenize":
                 sizes, clients = cfg["tokenize_sizes"], cfg["tokenize_clients"]
+                variants = cfg["tokenize_prompts"]
             else:
-                sizes, clients = cfg["sizes"], cfg["clients"]
-            points = [(s, c) for s in sizes for c in clients]
+                sizes, clients, variants = cfg["sizes"], cfg["clients"], ["repeated"]
+            points = [(p, s, c) for p in variants for s in sizes for c in clients]
             log(f"workload {workload}: {len(points)} points x {len(wfes)} frontends")
             run_workload(workload, wfes, points, cfg, ctx, lg, results, unavailable, commands)
         log("client side: MeshTransport vs httpx2.Client ...")

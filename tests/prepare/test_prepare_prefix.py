@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -10,13 +12,15 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from meshkit.errors import InvalidRequest
+from meshkit.prepare import tokenizers as tokenizers_module
 from meshkit.prepare.tokenizers import (
     CUT_WHITESPACE,
     LoadedTokenizer,
     TokenizerSpec,
+    appendable,
     classify,
     punct_symbol_codepoints,
     unstable_alnum_codepoints,
@@ -76,22 +80,33 @@ def test_nfc_keeps_what_a_cut_relies_on() -> None:
 
 def _check_cuts(tok: LoadedTokenizer, text: str, starts: list[int], follow: int = 4) -> None:
     """Stronger than the prefix property: the ids before *any* cut the tokenizer
-    picks are exactly the first ids of the whole text (no slack in the count).
+    picks are exactly the first ids of the whole text (no slack in the count), and
+    for an appendable tokenizer the text between two cuts, tokenized alone, has
+    exactly the ids the whole text has there (what continuing from a cut needs).
 
     From each start, the first cut and the ``follow`` cuts after it are checked.
     """
     full = tok.encode(text, add_special_tokens=False)
-    checked = set()
+    heads: dict[int, int] = {0: 0}  # cut -> number of ids before it
     for start in starts:
         cut = tok._find_cut(text, start)
+        previous = None
         for _ in range(follow + 1):
             if cut is None:
                 break
             assert start <= cut < len(text)
-            if cut not in checked:
-                checked.add(cut)
+            if cut not in heads:
                 head = tok.encode(text[:cut], add_special_tokens=False)
                 assert full[: len(head)] == head, (start, cut)
+                heads[cut] = len(head)
+            if tok._info.appendable:
+                for a in (0, previous):
+                    if a is not None:
+                        piece = tok.encode(text[a:cut], add_special_tokens=False)
+                        assert piece == full[heads[a] : heads[cut]], (a, cut)
+                rest = tok.encode(text[cut:], add_special_tokens=False)
+                assert rest == full[heads[cut] :], cut
+            previous = cut
             cut = tok._find_cut(text, cut + 1)
 
 
@@ -145,6 +160,49 @@ def test_classification(tiny: LoadedTokenizer, tiny_dir: Path, tmp_path: Path) -
 
 def test_qwen_is_covered_by_the_proof(qwen: LoadedTokenizer) -> None:
     assert qwen.cut_mode == "regex"
+    assert qwen._info.appendable
+
+
+def test_appendable(tiny: LoadedTokenizer, tiny_dir: Path, tmp_path: Path) -> None:
+    assert tiny._info.appendable
+    data = json.loads((tiny_dir / "tokenizer.json").read_text())
+    prefixed = _variant(
+        tiny_dir, tmp_path, pre_tokenizer={**data["pre_tokenizer"], "add_prefix_space": True}
+    )
+    assert prefixed.cut_mode == "regex"  # a prefix of the text is still exact ...
+    assert not prefixed._info.appendable  # ... but text after a cut is not alone
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert appendable(tok, classify(tok))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    assert not appendable(tok, classify(tok))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_tokens([AddedToken("<x>", rstrip=True)])
+    assert not appendable(tok, "whitespace")
+
+
+def test_why_a_stripping_added_token_forbids_continuing(tiny_dir: Path, tmp_path: Path) -> None:
+    # "<x>" with rstrip absorbs the space after it: cut before that space, the
+    # text after the cut tokenized alone has a space token the whole text has not.
+    base = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    base.add_tokens([AddedToken("<x>", rstrip=True)])
+    base.save(str(tmp_path / "tokenizer.json"))
+    tok = TokenizerSpec(tmp_path).load()
+    assert tok.cut_mode == "regex"
+    assert not tok._info.appendable
+    text = "the<x> quick brown fox " * 40
+    cut = text.index(" ")
+    assert tok._find_cut(text, 4) == cut
+    full = tok.encode(text, add_special_tokens=False)
+    head = tok.encode(text[:cut], add_special_tokens=False)
+    assert full[: len(head)] == head  # the prefix is still exact ...
+    assert head + tok.encode(text[cut:], add_special_tokens=False) != full  # ... this not
+    for n in (1, 5, 50, 200):
+        assert tok.prefix_ids(text, n) == full[:n]
+    # Had it continued anyway, it would have been wrong:
+    wrong = dataclasses.replace(tok._info, appendable=True)
+    tok._info = wrong
+    assert any(tok.prefix_ids(text, n) != full[:n] for n in range(1, 200))
 
 
 # -- strategies ---------------------------------------------------------------------
@@ -328,6 +386,89 @@ def test_prefix_ids_on_a_checked_tokenizer(metaspace: LoadedTokenizer, n: int, t
 def test_adversarial_texts(qwen: LoadedTokenizer, text: str, has_cut: bool) -> None:
     assert (qwen._find_cut(text, 200) is not None) == has_cut
     _check(qwen, text, 16)
+
+
+@pytest.fixture(scope="module")
+def prefixed(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedTokenizer:
+    """The tiny tokenizer with a prefix space: proven cuts, but no continuing."""
+    data = json.loads((tiny_dir / "tokenizer.json").read_text())
+    data["pre_tokenizer"]["add_prefix_space"] = True
+    path = tmp_path_factory.mktemp("prefixed") / "tokenizer.json"
+    path.write_text(json.dumps(data))
+    return TokenizerSpec(path).load()
+
+
+@pytest.mark.parametrize("n", [1, 16, 256])
+@prop(60)
+@given(text=texts)
+def test_prefix_ids_without_continuing(prefixed: LoadedTokenizer, n: int, text: str) -> None:
+    """A tokenizer that may not continue restarts from 0 with longer cuts: exact too."""
+    assert prefixed.cut_mode == "regex"
+    assert not prefixed._info.appendable
+    _check(prefixed, text, n)
+
+
+def _reads(tok: LoadedTokenizer, text: str, n: int) -> tuple[int, int]:
+    """(encode calls, ids produced) for one ``prefix_ids`` without the cache."""
+    calls: list[int] = []
+    real = tokenizers_module._encode
+
+    def counting(inner: Tokenizer, piece: str, add_special_tokens: bool) -> list[int]:
+        ids = real(inner, piece, add_special_tokens)
+        calls.append(len(ids))
+        return ids
+
+    expected = tok.encode(text, add_special_tokens=False)[:n]
+    tok._encode_cut.cache_clear()
+    tokenizers_module._encode = counting  # type: ignore[assignment]
+    try:
+        assert tok.prefix_ids(text, n) == expected
+    finally:
+        tokenizers_module._encode = real
+    return len(calls), sum(calls)
+
+
+def _filler(seed: int, chars: int) -> str:
+    """The benchmark's prompt text (~5.5 characters per Qwen token)."""
+    vocabulary = (
+        "the of and to in is for on that with model token cache prefix router worker "
+        "request latency throughput prompt system user assistant context window attention "
+        "layer batch decode prefill kernel memory vector matrix tensor gradient sample"
+    )
+    words = vocabulary.split(" ")
+    rng = random.Random(seed)
+    return " ".join(rng.choice(words) for _ in range(chars // 4))[:chars]
+
+
+@pytest.mark.parametrize(
+    ("text", "most"),
+    [
+        pytest.param(_filler(1, 16_000), 1.25, id="filler"),
+        pytest.param("The quick brown fox jumps over the lazy dog. " * 400, 1.25, id="english"),
+        pytest.param(Path(tokenizers_module.__file__).read_text()[:16_000], 1.25, id="code"),
+        pytest.param("中文测试，这是一个句子。" * 1500, 1.25, id="cjk"),
+        # 2.5 bytes per token, denser than the aim (3.5): one piece, 3.5/2.5 too long
+        pytest.param("def f(x):\n    return x + 1\n" * 600, 1.45, id="dense"),
+    ],
+)
+def test_a_short_first_cut_is_continued_not_redone(
+    qwen: LoadedTokenizer, text: str, most: float
+) -> None:
+    # Not a timing: how much text the tokenizer reads for 256 ids. The first cut
+    # aims a little short; the continuation reads only the ids still missing.
+    calls, ids = _reads(qwen, text, 256)
+    assert calls <= 3
+    assert 256 <= ids <= 256 * most, (calls, ids)
+
+
+def test_continuing_is_cached_piece_by_piece(qwen: LoadedTokenizer) -> None:
+    text = _filler(7, 16_000)
+    calls, _ = _reads(qwen, text, 256)
+    assert calls == 2  # this text is sparser than the aim: one continuation
+    expected = qwen.prefix_ids(text, 256)
+    info = qwen._encode_cut.cache_info()
+    assert qwen.prefix_ids(text, 256) == expected
+    assert qwen._encode_cut.cache_info().hits == info.hits + 2
 
 
 def test_a_lone_surrogate_is_an_invalid_request(tiny: LoadedTokenizer) -> None:

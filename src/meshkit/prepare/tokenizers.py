@@ -36,10 +36,19 @@ Bounded-prefix tokenization
 A policy that hashes the first ``n`` tokens of a 1 MiB prompt should not
 tokenize 1 MiB. :meth:`LoadedTokenizer.prefix_ids` tokenizes a prefix ``P`` of
 the text ``T = P + S``, cut at a position ``c`` chosen so that the ids of ``P``
-are exactly the first ids of ``T``. It aims at ``n * 8 + 64`` characters, moves
-forward to the next *safe cut*, and doubles the length while ``P`` yields fewer
-than ``n`` ids; when no safe cut exists past the aim, it tokenizes the whole
-text.
+are exactly the first ids of ``T``. It aims at ``n * 3.5`` UTF-8 bytes (with a
+~150k vocabulary English prose runs ~4.5 bytes per token, code ~4.2, Markdown ~3.5,
+CJK ~3: aiming a little short is cheap, see below) and moves forward to the next
+*safe cut*; when no safe cut exists past the aim, it tokenizes the whole text.
+
+When ``P`` yields fewer than ``n`` ids, the ids of ``P`` are kept and the text is
+*continued* from ``c``: the next piece, up to a safe cut past the ids still
+missing (at the characters per token seen so far, plus 15 %), is tokenized on its
+own and its ids appended. The tokenizer's cost is linear in the text it reads
+(~1.2 µs per token for Qwen on one core), so a shortfall costs one more call
+(~10 µs), not a re-encode of the prefix: before this, a short first cut was thrown
+away and twice the text encoded again, ~730 tokens read for 256
+(benchmarks/RESULTS.notes.md, 30 Nov 2026).
 
 When is a cut safe? A tokenizer runs four steps: split out added tokens,
 normalize, pre-tokenize (split into pre-tokens), and apply the model (BPE) to
@@ -111,6 +120,26 @@ safe cut past the aim (one long word, repeated characters, CJK without
 punctuation) is tokenized whole — exact, at the full price (with the GIL
 released), bounded by ``max_tokenize_bytes``.
 
+Continuing from a cut
+---------------------
+
+Why is ``ids(T) == ids(P) + ids(S)`` at a safe cut, so that ``S`` may be
+tokenized on its own? The same steps, from the other side. *Added tokens*: none
+occurs across ``c``, and one before ``c`` ends before it, so the matches at or
+after ``c`` in ``T`` are those of ``S`` — provided no added token strips the
+whitespace next to it (``lstrip``/``rstrip``: a space after ``c`` absorbed in
+``T`` would be a token of ``S``). *Normalization*: ``NFC(P + S) == NFC(P) +
+NFC(S)`` (above). *Pre-tokenization*: the match reaching ``c`` stops there, so
+the next match of ``T`` starts at ``c``; none of the regexes above looks behind
+or anchors, so matching ``T`` from ``c`` is matching ``S`` from 0 — provided no
+step inserts text at the start of its input (``add_prefix_space``, a Metaspace
+``prepend_scheme``). *The model* sees each pre-token alone. And without special
+tokens the post-processor adds nothing. Applied twice, a piece between two safe
+cuts ``T[a:b]`` has the ids ``T`` has there, so pieces are cached by their text.
+A tokenizer the conditions do not cover (whitespace-stripping added tokens, a
+prefix space, the ``checked`` family) restarts from 0 with a longer cut instead.
+The property tests check pieces and their concatenation against the full encode.
+
 With ``add_special_tokens=True`` the tokens the post-processor puts in front of
 every text (a BOS) are prepended; they are measured once per tokenizer.
 """
@@ -143,14 +172,20 @@ __all__ = [
 
 CutMode = Literal["regex", "whitespace", "checked"]
 
-#: Characters tried first beyond ``n * CHARS_PER_TOKEN``: covers a long last word.
-PREFIX_MARGIN: Final = 64
-#: English runs ~4-4.5 characters per token with Qwen's vocabulary: 5 usually
-#: yields the n tokens in one encode (8 encoded ~1.5x too much, measured in
-#: benchmarks/RESULTS.md); denser text (CJK, ~1.5) doubles the cut and retries.
-CHARS_PER_TOKEN: Final = 5
-#: Cut prefixes remembered per tokenizer copy: a shared system prompt longer than
-#: the cut is tokenized once, not once per request.
+#: The first cut aims at ``n * BYTES_PER_TOKEN`` UTF-8 bytes. Bytes per token vary
+#: less across scripts than characters do (Qwen: English prose ~4.5, Markdown ~3.5,
+#: code ~4.2, CJK ~3, benchmark filler ~5.5). Aiming short costs one more call
+#: (continuing from the cut, ~10 us); aiming long costs ~1.2 us per extra token.
+BYTES_PER_TOKEN: Final = 3.5
+#: A continuation aims at the ids still missing times the characters per token
+#: seen so far, times this, plus ``CONTINUE_MARGIN`` characters.
+CONTINUE_SLACK: Final = 1.15
+CONTINUE_MARGIN: Final = 8
+#: After this many short pieces each continuation is at least as long as the text
+#: read so far: a text whose density keeps changing still ends in a few calls.
+CONTINUE_PIECES: Final = 3
+#: Pieces (text between two safe cuts) remembered per tokenizer copy: a shared
+#: system prompt longer than the cut is tokenized once, not once per request.
 PREFIX_CACHE_SIZE: Final = 512
 
 # The pre-tokenizer regexes the proof above covers, as tokenizer.json spells them.
@@ -295,6 +330,29 @@ def _split_regex(pre: dict[str, Any]) -> str | None:
     return regex if isinstance(regex, str) else None
 
 
+def _inserts_text(component: Any) -> bool:
+    """Whether a pre-tokenizer (JSON) may insert text at the start of its input."""
+    if isinstance(component, list):
+        return any(_inserts_text(c) for c in component)
+    if not isinstance(component, dict):
+        return False
+    if component.get("add_prefix_space") is True:
+        return True
+    if component.get("type") == "Metaspace" and component.get("prepend_scheme") != "never":
+        return True
+    return any(_inserts_text(v) for v in component.values() if isinstance(v, dict | list))
+
+
+def appendable(tokenizer: Tokenizer, mode: CutMode) -> bool:
+    """Whether text after a safe cut may be tokenized alone (module documentation)."""
+    if mode == "checked":
+        return False
+    added = tokenizer.get_added_tokens_decoder().values()
+    if any(t.lstrip or t.rstrip for t in added):
+        return False
+    return not _inserts_text(_component(tokenizer.pre_tokenizer))
+
+
 def classify(tokenizer: Tokenizer) -> CutMode:
     """How far the safe-cut argument of the module documentation covers a tokenizer."""
     if not _normalizer_proven(_component(tokenizer.normalizer)):
@@ -431,6 +489,7 @@ class _Info:
     eos_token: str | None
     max_model_len: int | None
     mode: CutMode
+    appendable: bool  # ids(T) == ids(T[:c]) + ids(T[c:]) at a safe cut c
     added: tuple[str, ...]  # added-token contents of 2+ characters, longest first
     normalized_added: bool  # some added token is matched after normalization
     head: tuple[int, ...] | None  # ids the post-processor puts before every text
@@ -460,6 +519,7 @@ class _Info:
             eos_token=eos_token,
             max_model_len=max_model_len,
             mode=mode,
+            appendable=appendable(tokenizer, mode),
             added=tuple(reversed(added)),
             normalized_added=tokenizer.normalizer is not None
             and any(t.normalized for t in added_tokens),
@@ -582,18 +642,46 @@ class LoadedTokenizer:
             if len(head) >= n:
                 return list(head[:n])
             return list(head) + self.prefix_ids(text, n - len(head))
-        info = self._info
-        target = n * CHARS_PER_TOKEN + PREFIX_MARGIN
+        if self._info.appendable:
+            return self._continued_prefix(text, n)
+        return self._restarted_prefix(text, n)
+
+    def _continued_prefix(self, text: str, n: int) -> list[int]:
+        """Pieces between safe cuts, appended until there are ``n`` ids."""
+        ids: list[int] = []
+        start = 0
+        target = _aim(text, n)
+        pieces = 0
+        while True:
+            cut = self._find_cut(text, target)
+            if cut is None:  # no safe cut past the aim: the rest, whole
+                ids += self.encode(text[start:], add_special_tokens=False)
+                return ids[:n]
+            ids += self._encode_cut(text[start:cut])
+            if len(ids) >= n:
+                return ids[:n]
+            pieces += 1
+            # The ids still missing, at the density seen so far, and a little more.
+            step = int((n - len(ids)) * cut / max(len(ids), 1) * CONTINUE_SLACK)
+            step += CONTINUE_MARGIN
+            if pieces >= CONTINUE_PIECES:
+                step = max(step, cut)
+            start, target = cut, cut + step
+
+    def _restarted_prefix(self, text: str, n: int) -> list[int]:
+        """Longer cuts from 0 until one yields ``n`` ids (checked: and agrees)."""
+        checked = self._info.mode == "checked"
+        target = _aim(text, n)
         previous: list[int] | None = None
         while True:
             cut = self._find_cut(text, target)
             if cut is None:
                 return self.encode(text, add_special_tokens=False)[:n]
             ids = list(self._encode_cut(text[:cut]))
-            if len(ids) < n or (info.mode == "checked" and len(ids) == n):
+            if len(ids) < n or (checked and len(ids) == n):
                 target = 2 * cut
                 continue
-            if info.mode != "checked":
+            if not checked:
                 return ids[:n]
             # Not proven for this tokenizer: accept once a cut twice as far agrees.
             if previous is not None and previous[:n] == ids[:n]:
@@ -680,6 +768,16 @@ class LoadedTokenizer:
             extra=extra,
             budget=budget,
         )
+
+
+def _aim(text: str, n: int) -> int:
+    """The characters of ``text`` holding about ``n * BYTES_PER_TOKEN`` UTF-8 bytes."""
+    nbytes = int(n * BYTES_PER_TOKEN)
+    window = text[:nbytes]
+    if window.isascii():
+        return nbytes
+    size = len(window.encode("utf-8", "surrogatepass"))
+    return max(1, nbytes * len(window) // size)
 
 
 def _occurs_across(window: str, cut: int, tokens: Sequence[str]) -> bool:
