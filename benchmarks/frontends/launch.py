@@ -45,7 +45,15 @@ FRONTENDS: dict[str, Frontend] = {
     for f in (
         Frontend(
             "meshkit",
-            "meshkit standalone (uvicorn + MeshMiddleware)",
+            "meshkit standalone (meshkit serve: built-in server)",
+            "python",
+            ("proxy", "tokenize"),
+            module="meshkit_builtin",
+            meshkit=True,
+        ),
+        Frontend(
+            "meshkit-uvicorn",
+            "meshkit standalone on uvicorn (MeshMiddleware)",
             "python",
             ("proxy", "tokenize"),
             module="meshkit_standalone",
@@ -113,6 +121,12 @@ def command(
     prometheus_port: int,
 ) -> Launch:
     """The command line starting ``fe`` on ``port`` in front of ``workers``."""
+    env = {"MESHBENCH_WORKERS": ",".join(workers), "MESHBENCH_WORKLOAD": workload}
+    if tokenizer:
+        env["MESHBENCH_TOKENIZER"] = tokenizer
+    if fe.module == "meshkit_builtin":
+        script = str(HERE / "meshkit_builtin.py")
+        return Launch([*_pin(cpus), sys.executable, script, "--port", str(port)], env)
     if fe.kind == "python":
         argv = [
             *_pin(cpus),
@@ -139,9 +153,6 @@ def command(
         if fe.key == "fastapi":
             # the seed's way: one worker process per core of the allotment
             argv += ["--workers", str(processes)]
-        env = {"MESHBENCH_WORKERS": ",".join(workers), "MESHBENCH_WORKLOAD": workload}
-        if tokenizer:
-            env["MESHBENCH_TOKENIZER"] = tokenizer
         return Launch(argv, env)
     if fe.kind == "rust":
         venv = venvs / fe.key

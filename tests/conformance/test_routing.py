@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from harness import wait_until
+from harness import SERVER_MODES, wait_until
 from meshkit import Worker
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
@@ -276,7 +276,7 @@ def test_non_inference_paths_pass_through(
     mesh = mesh_factory(workers=[Worker(mock.url)])
     mode = run_mode(mesh)
     r = mode.request("GET", "/health")
-    if mode_name in ("asgi", "wsgi"):
+    if mode_name in SERVER_MODES:
         assert r.body == b"host app: /health"
     else:  # the transports send it to a healthy worker
         assert r.status == 200

@@ -28,27 +28,17 @@ sees the disconnect), and the worker's load and lease.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from meshkit.adapters.drive import (
-    Answered,
-    AsyncExchange,
-    Final,
-    Relayed,
-    UpstreamFailure,
-    drive_async,
-)
 from meshkit.adapters.fastrelay import FastUpstream
+from meshkit.adapters.routed import Headers, Routed, error_reply
 from meshkit.adapters.upstream import AsyncUpstream
-from meshkit.core.credentials import response_headers
-from meshkit.core.endpoints import Match, StreamFormat, shape_for_path
+from meshkit.core.endpoints import Match, shape_for_path
 from meshkit.core.requests import check_head
-from meshkit.core.sse import stream_error_event
-from meshkit.errors import MeshError, RequestTooLarge
-from meshkit.mesh import Accounting, Mesh
+from meshkit.errors import ErrorShape, MeshError, RequestTooLarge
+from meshkit.mesh import Mesh
 
 __all__ = ["MeshMiddleware"]
 
@@ -116,30 +106,37 @@ class MeshMiddleware:
         await self.upstream.aclose()
 
 
-async def _send_error(send: Send, exc: MeshError, shape: Any, mesh: Mesh) -> None:
-    mesh.reject(exc)
-    body = exc.body(shape)
-    headers = exc.headers()
-    headers.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+async def _send_error(send: Send, exc: MeshError, shape: ErrorShape, mesh: Mesh) -> None:
+    await _AsgiDown(send).whole(*error_reply(mesh, exc, shape))
+
+
+class _AsgiDown:
+    """A :class:`~meshkit.adapters.routed.Downstream` over ASGI ``send``."""
+
+    __slots__ = ("send",)
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+
+    async def start(self, status: int, headers: Headers) -> None:
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, chunk: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end(self, chunk: bytes = b"") -> None:
+        await self.send({"type": "http.response.body", "body": chunk})
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        headers.append((b"content-length", str(len(body)).encode()))
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
 
 
 class _Exchange:
-    """One routed request (the per-request responder)."""
+    """One routed request: the ASGI side (head, body, disconnects) of a :class:`Routed`."""
 
-    __slots__ = (
-        "acct",
-        "client_left",
-        "final",
-        "match",
-        "mw",
-        "receive",
-        "responded",
-        "scope",
-        "send",
-        "started",
-    )
+    __slots__ = ("match", "mw", "receive", "routed", "scope", "send")
 
     def __init__(
         self, mw: MeshMiddleware, scope: Scope, receive: Receive, send: Send, match: Match
@@ -149,65 +146,45 @@ class _Exchange:
         self.receive = receive
         self.send = send
         self.match = match
-        self.client_left = False
-        self.responded = False  # the final body message was sent
-        self.started = False  # a response head was sent
-        self.acct: Accounting | None = None
-        self.final: Final[AsyncExchange] | None = None
+        self.routed = Routed(mw.mesh, mw.upstream, match, _AsgiDown(send))
 
     async def run(self) -> None:
         mesh = self.mw.mesh
-        shape = self.match.endpoint.shape
         headers: list[tuple[bytes, bytes]] = self.scope["headers"]
         bounds = mesh.config.bounds
+        routed = self.routed
         try:
             check_head(headers, max_bytes=bounds.max_header_bytes, max_count=bounds.max_headers)
             body = await self._read_body(headers, bounds.max_body_bytes)
         except MeshError as exc:
-            await _send_error(self.send, exc, shape, mesh)
+            await routed.fail(exc)
             return
         if body is None:  # the client left while sending its body
             return
         task = asyncio.current_task()
         watcher = asyncio.ensure_future(self.receive())
         watcher.add_done_callback(lambda w: self._on_receive(w, task))
+        query = self.scope.get("query_string", b"").decode("latin-1")
         try:
-            await self._route(body, headers)
+            await routed.route(self.scope["method"], body, headers, query)
         except asyncio.CancelledError:
-            if not self.client_left or task is None:
+            if not routed.client_left or task is None:
                 raise
             # We cancelled ourselves because the client left: finish quietly.
             task.uncancel()
         except MeshError as exc:
-            if not self.started:
-                await _send_error(self.send, exc, shape, mesh)
+            await routed.fail(exc)
         finally:
             watcher.cancel()
-            await self._settle()
+            await routed.settle()
 
     def _on_receive(self, watcher: asyncio.Future[Message], task: asyncio.Task[Any] | None) -> None:
-        if watcher.cancelled() or self.responded:
+        if watcher.cancelled() or self.routed.responded:
             return
         if watcher.exception() is None and watcher.result().get("type") == "http.disconnect":
-            self.client_left = True
+            self.routed.client_left = True
             if task is not None:
                 task.cancel()
-
-    async def _settle(self) -> None:
-        """Release whatever is still held, exactly once (every path ends here)."""
-        final = self.final
-        if final is None:
-            return
-        if self.acct is not None:
-            if self.responded:
-                self.acct.end()
-            else:
-                self.acct.abort(client_left=self.client_left)
-        if isinstance(final, Relayed):
-            await final.exchange.aclose()
-        if final.attempt is not None:
-            # Idempotent: a no-op when accounting released it already.
-            final.attempt.lease.release(ok=self.responded)
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]], limit: int) -> bytes | None:
         if not self.match.endpoint.has_body:
@@ -238,52 +215,3 @@ class _Exchange:
             if not message.get("more_body", False):
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    async def _route(self, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-        mesh = self.mw.mesh
-        query = self.scope.get("query_string", b"").decode("latin-1")
-        view = await mesh.prepare_async(self.match, body, headers, query)
-        flow = mesh.forward(view, headers, self.scope["method"])
-        final = self.final = await drive_async(flow, self.mw.upstream.send)
-        send = self.send
-        if isinstance(final, Answered):
-            local = final.local
-            mesh.account_local(view, final.attempt, local)
-            hdrs = list(local.headers)
-            hdrs.append((b"content-length", str(len(local.body)).encode()))
-            self.started = True
-            await send({"type": "http.response.start", "status": local.status, "headers": hdrs})
-            self.responded = True
-            await send({"type": "http.response.body", "body": local.body})
-            return
-        exchange = final.exchange
-        acct = self.acct = mesh.account(view, final.attempt.lease, exchange.status)
-        self.started = True
-        await send(
-            {
-                "type": "http.response.start",
-                "status": exchange.status,
-                "headers": response_headers(exchange.headers),
-            }
-        )
-        try:
-            async for chunk in exchange.chunks():
-                acct.feed(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except UpstreamFailure:
-            # After the first byte an upstream failure cannot become an HTTP error:
-            # end the stream with an error event in its own framing.
-            fmt = view.match.endpoint.stream_format if view.stream else StreamFormat.NONE
-            tail = stream_error_event(
-                fmt, "upstream_error", "the worker failed while streaming the response"
-            )
-            acct.abort(client_left=False)
-            self.responded = True
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": tail})
-            return
-        self.responded = True
-        # Close the books (lease, Responses affinity) before the client holds the
-        # whole response and can send its next request.
-        acct.end()
-        await send({"type": "http.response.body", "body": b""})

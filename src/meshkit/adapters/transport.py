@@ -14,8 +14,10 @@ credentials and delegates to an inner transport of the client's own library.
 
 One class serves both httpx and httpx2 clients (the openai 3.x and anthropic 2.x
 SDKs use httpx2; a legacy ``httpx.Client`` still works): each request is answered
-in its own library's ``Response`` type. Inner transports are created lazily per
-library (pooled ``HTTPTransport``) unless one is given.
+in its own library's ``Response`` type. Attempts go straight to pools of the
+httpcore the library is built on (:mod:`meshkit.adapters.httpcore_upstream`),
+created lazily per library, unless an ``inner`` transport is given: then they go
+through it as ``httpx`` requests.
 
 Non-inference paths go to a healthy worker as they are; ``GET /v1/models``
 answers the union of the workers' lists.
@@ -32,12 +34,14 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
 import httpx
 
 from meshkit.adapters.drive import Answered, UpstreamFailure, drive_async, drive_sync
+from meshkit.adapters.httpcore_upstream import CoreUpstream, core_for
 from meshkit.adapters.httpx_upstream import send_async, send_sync
 from meshkit.adapters.relay import AsyncRelayStream, Relay, SyncRelayStream
 from meshkit.core.credentials import response_headers
@@ -78,10 +82,9 @@ def _client_headers(request: Any) -> list[tuple[bytes, bytes]]:
 
 
 def _declared_too_large(request: Any, limit: int) -> RequestTooLarge | None:
-    error = RequestTooLarge(f"request body is over {limit} bytes")
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-        return error
+        return RequestTooLarge(f"request body is over {limit} bytes")
     return None
 
 
@@ -142,12 +145,27 @@ class _Common:
     def __init__(self, mesh: Mesh | None, inner: Any) -> None:
         self.mesh = mesh if mesh is not None else Mesh.from_env()
         self._inner: dict[str, Any] = {}
+        self._cores: dict[str, CoreUpstream | None] = {}
         # Clients are shared by threads: without the lock, the first requests of
         # a burst each built a pool of their own (the limits did not hold and the
         # extra pools were never closed).
         self._inner_lock = threading.Lock()
         if inner is not None:
             self._inner[type(inner).__module__.split(".", 1)[0]] = inner
+
+    def _core(self, lib: ModuleType) -> CoreUpstream | None:
+        """The library's httpcore pools, unless an inner transport was given."""
+        name = lib.__name__
+        try:
+            return self._cores[name]
+        except KeyError:
+            pass
+        with self._inner_lock:
+            if name not in self._cores:
+                core = None if name in self._inner else core_for(lib)
+                up = self.mesh.config.upstream
+                self._cores[name] = CoreUpstream(core, up) if core is not None else None
+            return self._cores[name]
 
     def _limits(self, lib: ModuleType) -> Any:
         up = self.mesh.config.upstream
@@ -194,25 +212,32 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
                     t = self._inner[lib.__name__] = lib.HTTPTransport(limits=self._limits(lib))
         return t
 
+    def _sender(self, lib: ModuleType) -> Callable[[Attempt], Any]:
+        core = self._core(lib)
+        if core is not None:
+            return core.send_sync
+        transport = self._transport(lib)
+        upstream = self.mesh.config.upstream
+        return lambda a: send_sync(lib, transport, a, upstream)
+
     def handle_request(self, request: Any) -> Any:
         lib = _lib_of(request)
-        transport = self._transport(lib)
+        send = self._sender(lib)
         mesh = self.mesh
-        upstream = mesh.config.upstream
         path, query = _split(request)
         try:
             match = self._begin(request, path)
             body = _read_sync(request, mesh.config.bounds.max_body_bytes)
             if match is None:
                 attempt = self._pass_through(request, path, query, body)
-                plain = send_sync(lib, transport, attempt, upstream)
+                plain = send(attempt)
                 return lib.Response(
                     plain.status, headers=response_headers(plain.headers), stream=plain.stream
                 )
             headers = _client_headers(request)
             view = mesh.prepare(match, body, headers, query)
             flow = mesh.forward(view, headers, request.method)
-            final = drive_sync(flow, lambda a: send_sync(lib, transport, a, upstream))
+            final = drive_sync(flow, send)
         except MeshError as exc:
             return _error_response(lib, exc, path, mesh)
         except UpstreamFailure:
@@ -232,6 +257,9 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
     def close(self) -> None:
         for t in self._inner.values():
             t.close()
+        for core in self._cores.values():
+            if core is not None:
+                core.close()
 
 
 class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
@@ -249,25 +277,32 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
                     t = self._inner[lib.__name__] = lib.AsyncHTTPTransport(limits=self._limits(lib))
         return t
 
+    def _sender(self, lib: ModuleType) -> Callable[[Attempt], Awaitable[Any]]:
+        core = self._core(lib)
+        if core is not None:
+            return core.send_async
+        transport = self._transport(lib)
+        upstream = self.mesh.config.upstream
+        return lambda a: send_async(lib, transport, a, upstream)
+
     async def handle_async_request(self, request: Any) -> Any:
         lib = _lib_of(request)
-        transport = self._transport(lib)
+        send = self._sender(lib)
         mesh = self.mesh
-        upstream = mesh.config.upstream
         path, query = _split(request)
         try:
             match = self._begin(request, path)
             body = await _read_async(request, mesh.config.bounds.max_body_bytes)
             if match is None:
                 attempt = self._pass_through(request, path, query, body)
-                plain = await send_async(lib, transport, attempt, upstream)
+                plain = await send(attempt)
                 return lib.Response(
                     plain.status, headers=response_headers(plain.headers), stream=plain.stream
                 )
             headers = _client_headers(request)
             view = await mesh.prepare_async(match, body, headers, query)
             flow = mesh.forward(view, headers, request.method)
-            final = await drive_async(flow, lambda a: send_async(lib, transport, a, upstream))
+            final = await drive_async(flow, send)
         except MeshError as exc:
             return _error_response(lib, exc, path, mesh)
         except UpstreamFailure:
@@ -287,3 +322,6 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
     async def aclose(self) -> None:
         for t in self._inner.values():
             await t.aclose()
+        for core in self._cores.values():
+            if core is not None:
+                await core.aclose()

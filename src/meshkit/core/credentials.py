@@ -43,17 +43,27 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+# The rank header is meshkit's to set (DP-rank append), never the client's.
+_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-data-parallel-rank"}
 _CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
+_DROP_KEYED = _DROP_REQUEST | _CREDENTIALS
 
 
 def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
     # Headers named in Connection are hop-by-hop too (RFC 9110 §7.6.1).
     out: set[bytes] = set()
     for k, v in headers:
-        if k.lower() == b"connection":
+        if k == b"connection":
             out.update(t.strip().lower() for t in v.split(b","))
     return frozenset(out)
+
+
+def _dropped(base: frozenset[bytes], items: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """``base``, plus the names a ``Connection`` header lists (rare: no new set then)."""
+    for k, _ in items:
+        if k == b"connection":
+            return base | _connection_tokens(items)
+    return base
 
 
 def request_headers(
@@ -65,10 +75,8 @@ def request_headers(
 ) -> Headers:
     """Headers to send to the worker. Names are lower-cased."""
     items = [(k.lower(), v) for k, v in client]
-    drop = _DROP_REQUEST | _connection_tokens(items)
-    if api_key:
-        drop = drop | _CREDENTIALS
-    out = [(k, v) for k, v in items if k not in drop and k != b"x-data-parallel-rank"]
+    drop = _dropped(_DROP_KEYED if api_key else _DROP_REQUEST, items)
+    out = [(k, v) for k, v in items if k not in drop]
     if api_key:
         key = api_key.encode("latin-1")
         out.append((b"authorization", b"Bearer " + key))
@@ -82,5 +90,5 @@ def request_headers(
 def response_headers(upstream: Iterable[tuple[bytes, bytes]]) -> Headers:
     """Headers to relay to the client (repeated ones kept, content-encoding kept)."""
     items = [(k.lower(), v) for k, v in upstream]
-    drop = HOP_BY_HOP | _connection_tokens(items)
+    drop = _dropped(HOP_BY_HOP, items)
     return [(k, v) for k, v in items if k not in drop]

@@ -34,7 +34,14 @@ import msgspec
 from meshkit.core.endpoints import Api, Match, Op
 from meshkit.errors import HeadersTooLarge, InvalidRequest, UnsupportedMediaType
 
-__all__ = ["MAX_JSON_DEPTH", "RequestView", "check_head", "check_media", "parse_request"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "RequestView",
+    "check_head",
+    "check_media",
+    "head_error",
+    "parse_request",
+]
 
 #: default of ``bounds.max_json_depth``
 MAX_JSON_DEPTH = 64
@@ -184,15 +191,23 @@ def check_head(headers: Iterable[tuple[bytes, bytes]], *, max_bytes: int, max_co
     for k, v in headers:
         count += 1
         size += len(k) + len(v) + 4
+    error = head_error(count, size, max_bytes=max_bytes, max_count=max_count)
+    if error is not None:
+        raise error
+
+
+def head_error(count: int, size: int, *, max_bytes: int, max_count: int) -> HeadersTooLarge | None:
+    """The 431 for a head of ``count`` header lines of ``size`` bytes in all, if over a bound."""
     if count > max_count:
-        raise HeadersTooLarge(
+        return HeadersTooLarge(
             f"the request has {count} header fields; bounds.max_headers allows {max_count}"
         )
     if size > max_bytes:
-        raise HeadersTooLarge(
+        return HeadersTooLarge(
             f"the request header fields are {size} bytes; "
             f"bounds.max_header_bytes allows {max_bytes}"
         )
+    return None
 
 
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from meshkit import __version__
 from meshkit.errors import ConfigError
 from meshkit.mesh import Mesh
-from meshkit.server.settings import LOG_LEVELS, resolve_settings
+from meshkit.server.settings import LOG_LEVELS, SERVERS, resolve_settings
 
 __all__ = ["build_parser", "main"]
 
@@ -72,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--server",
-        choices=("uvicorn", "granian"),
-        default="uvicorn",
-        help="HTTP server (default uvicorn; granian needs meshkit[granian])",
+        choices=SERVERS,
+        default=None,
+        help="HTTP server (default: [server] http, else builtin; granian needs meshkit[granian])",
     )
 
     sub.add_parser(

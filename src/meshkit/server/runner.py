@@ -2,9 +2,11 @@
 Running the gateway
 ===================
 
-:func:`serve` runs the gateway in the foreground (``meshkit serve``) with
-uvicorn (uvloop and httptools when installed) or, when asked, granian.
-:class:`GatewayThread` runs it in a background thread for the demo and tests.
+:func:`serve` runs the gateway in the foreground (``meshkit serve``) on the
+built-in server (:mod:`meshkit.server.h1`: httptools on uvloop, meshkit's routes
+without an ASGI layer), or, when asked (``--server``, ``[server] http``), on
+uvicorn or granian. :class:`GatewayThread` runs it in a background thread for the
+demo and tests.
 
 Graceful shutdown, on SIGTERM or SIGINT:
 
@@ -15,7 +17,7 @@ Graceful shutdown, on SIGTERM or SIGINT:
    releases their leases;
 3. the middleware's upstream pool closes, then the mesh (its prepare pool).
 
-A second SIGINT forces the exit at once (uvicorn's behaviour).
+A second SIGINT forces the exit at once.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import uvicorn
 from meshkit.adapters.asgi import MeshMiddleware
 from meshkit.mesh import Mesh
 from meshkit.server.app import ServeApp, build_gateway
+from meshkit.server.h1_server import H1Server
 from meshkit.server.settings import ServeSettings
 
 __all__ = ["GatewayThread", "listen", "new_event_loop", "serve", "url_of"]
@@ -187,6 +190,46 @@ async def _run_granian(
         await gateway.aclose()
 
 
+async def _run_builtin(
+    gateway: MeshMiddleware,
+    sock: socket.socket,
+    settings: ServeSettings,
+    ready: Callable[[], None],
+    early: list[int],
+) -> None:
+    server = H1Server(
+        gateway,
+        keep_alive_s=settings.keep_alive_s,
+        max_connections=settings.max_connections,
+        access_log=settings.access_log,
+    )
+    app = _serve_app(gateway)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        app.draining = True
+        if signals > 1:  # a second signal: no more grace
+            raise SystemExit(1)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(sig, on_signal)
+    try:
+        await server.start(sock)
+        if early:
+            on_signal()
+        ready()
+        await stop.wait()
+        await server.shutdown(settings.grace_s)
+    finally:
+        await gateway.aclose()
+
+
 def granian_available() -> bool:
     try:
         import granian.server.embed  # noqa: F401
@@ -225,7 +268,9 @@ def serve(
     sock = listen(settings.host, settings.port)
     url = url_of(sock)
     gateway = build_gateway(mesh)
-    run: Runner = _run_granian if settings.server == "granian" else _run_uvicorn
+    run: Runner = {"granian": _run_granian, "uvicorn": _run_uvicorn}.get(
+        settings.server, _run_builtin
+    )
 
     def ready() -> None:
         if on_ready is not None:
@@ -240,27 +285,54 @@ def serve(
 
 
 class GatewayThread:
-    """The gateway on a background thread (uvicorn), for demos and tests.
+    """The gateway on a background thread, for demos and tests.
 
     ::
 
         with GatewayThread(mesh) as url:
             httpx.get(url + "/health")
 
+    :param server: ``"builtin"`` (default) or ``"uvicorn"``.
+
     The mesh is not closed on exit: it belongs to the caller.
     """
 
-    def __init__(self, mesh: Mesh, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        server: str = "builtin",
+        grace_s: float = 5.0,
+        keep_alive_s: float = 5.0,
+        max_connections: int = 4096,
+    ) -> None:
         self.gateway = build_gateway(mesh)
         self._sock = listen(host, port)
         self.url = url_of(self._sock)
-        settings = ServeSettings(
-            host=host, port=port, grace_s=5.0, log_level="warning", access_log=False
+        self.settings = ServeSettings(
+            host=host,
+            port=port,
+            grace_s=grace_s,
+            log_level="warning",
+            access_log=False,
+            server=server,
+            keep_alive_s=keep_alive_s,
+            max_connections=max_connections,
         )
         self._ready = threading.Event()
-        self.server = _Server(
-            _uvicorn_config(self.gateway, settings), _serve_app(self.gateway), self._ready.set
-        )
+        self._started = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.h1: H1Server | None = None
+        self.uvicorn: _Server | None = None
+        if server == "uvicorn":
+            self.uvicorn = _Server(
+                _uvicorn_config(self.gateway, self.settings),
+                _serve_app(self.gateway),
+                self._ready.set,
+            )
         self._thread = threading.Thread(target=self._run, name="meshkit-gateway", daemon=True)
 
     def _run(self) -> None:
@@ -272,19 +344,41 @@ class GatewayThread:
 
     async def _serve(self) -> None:
         try:
-            await self.server.serve(sockets=[self._sock])
+            if self.uvicorn is not None:
+                await self.uvicorn.serve(sockets=[self._sock])
+                return
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            self.h1 = H1Server(
+                self.gateway,
+                keep_alive_s=self.settings.keep_alive_s,
+                max_connections=self.settings.max_connections,
+            )
+            await self.h1.start(self._sock)
+            self._started = True
+            self._ready.set()
+            await self._stop.wait()
+            _serve_app(self.gateway).draining = True
+            await self.h1.shutdown(self.settings.grace_s)
         finally:
             await self.gateway.aclose()
+
+    @property
+    def started(self) -> bool:
+        return self.uvicorn.started if self.uvicorn is not None else self._started
 
     def start(self, timeout: float = 30.0) -> str:
         self._thread.start()
         self._ready.wait(timeout)
-        if not self.server.started:
+        if not self.started:
             raise RuntimeError("the gateway did not start")
         return self.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+        elif self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30.0)
         self._sock.close()
 

@@ -32,9 +32,10 @@ from typing import Any
 from meshkit.config import MeshConfig, parse_worker_arg
 from meshkit.errors import ConfigError
 
-__all__ = ["LOG_LEVELS", "ServeSettings", "resolve_settings"]
+__all__ = ["LOG_LEVELS", "SERVERS", "ServeSettings", "resolve_settings"]
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+SERVERS = ("builtin", "uvicorn", "granian")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class ServeSettings:
     grace_s: float
     log_level: str
     access_log: bool
-    server: str = "uvicorn"
+    server: str = "builtin"
+    keep_alive_s: float = 5.0
+    max_connections: int = 4096
 
 
 def _file_keys(path: str) -> set[str]:
@@ -76,7 +79,7 @@ def resolve_settings(
     grace_s: float | None = None,
     log_level: str | None = None,
     access_log: bool | None = None,
-    server: str = "uvicorn",
+    server: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[MeshConfig, ServeSettings]:
     """Merge flags (the arguments), the file and the environment.
@@ -118,8 +121,17 @@ def resolve_settings(
         grace_s=grace_s if grace_s is not None else s.grace_s,
         log_level=level,
         access_log=access_log if access_log is not None else s.access_log,
-        server=server,
+        server=server or s.http,
+        keep_alive_s=s.keep_alive_s,
+        max_connections=s.max_connections,
     )
+    if settings.server not in SERVERS:
+        where = "--server" if server else source
+        raise ConfigError("server.http", f"must be one of {', '.join(SERVERS)}", source=where)
+    if settings.keep_alive_s <= 0:
+        raise ConfigError("server.keep_alive_s", "must be > 0", source=source)
+    if settings.max_connections < 1:
+        raise ConfigError("server.max_connections", "must be >= 1", source=source)
     if not 0 <= settings.port <= 65535:
         where = "--port" if port is not None else source
         raise ConfigError(
