@@ -82,9 +82,13 @@ def _client_headers(request: Any) -> list[tuple[bytes, bytes]]:
 
 
 def _declared_too_large(request: Any, limit: int) -> RequestTooLarge | None:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-        return RequestTooLarge(f"request body is over {limit} bytes")
+    # The raw list, not headers.get(): that normalises every name per call.
+    for k, v in request.headers.raw:
+        if len(k) == 14 and k.lower() == b"content-length":
+            v = v.strip()
+            if v.isdigit() and int(v) > limit:
+                return RequestTooLarge(f"request body is over {limit} bytes")
+            return None
     return None
 
 

@@ -124,6 +124,7 @@ class H1Conn(asyncio.Protocol):
         self.remaining = 0  # body bytes the head announced, not yet written (LENGTH)
         self.status = 0
         self.read_paused = False
+        self.queued_bytes = 0  # bodies of the queued requests
         self.write_paused = False
         self._drained: asyncio.Future[None] | None = None
 
@@ -338,9 +339,15 @@ class H1Conn(asyncio.Protocol):
             self._start(req)
             return
         self.queue.append(req)
-        if len(self.queue) >= MAX_PIPELINED and self.transport is not None:
+        self.queued_bytes += len(req.body)
+        if self._queue_full() and self.transport is not None:
             self.read_paused = True
             self.transport.pause_reading()
+
+    def _queue_full(self) -> bool:
+        # By count and by bytes: 16 queued bodies of max_body_bytes each would be
+        # 16 x 32 MiB held for one connection.
+        return len(self.queue) >= MAX_PIPELINED or self.queued_bytes > self.max_body
 
     def _start(self, req: Request) -> None:
         self.req = req
@@ -405,8 +412,10 @@ class H1Conn(asyncio.Protocol):
             self.close()
             return
         if self.queue:
-            self._start(self.queue.popleft())
-        if self.read_paused and len(self.queue) < MAX_PIPELINED and self.transport is not None:
+            nxt = self.queue.popleft()
+            self.queued_bytes -= len(nxt.body)
+            self._start(nxt)
+        if self.read_paused and not self._queue_full() and self.transport is not None:
             self.read_paused = False
             self.transport.resume_reading()
 
