@@ -310,7 +310,9 @@ class Mesh:
             ),
             registry=self.metrics.registry,
         )
-        self.tokenizers = TokenizerRegistry(workers_per_tokenizer=pc.workers_per_tokenizer)
+        self.tokenizers = TokenizerRegistry(
+            workers_per_tokenizer=pc.workers_per_tokenizer, fast_tokenizer=pc.fast_tokenizer
+        )
         if config.tokenizer:
             self.tokenizers.register(None, config.tokenizer)
         for model, path in config.tokenizers.items():

@@ -411,20 +411,20 @@ def test_prefix_ids_without_continuing(prefixed: LoadedTokenizer, n: int, text: 
 def _reads(tok: LoadedTokenizer, text: str, n: int) -> tuple[int, int]:
     """(encode calls, ids produced) for one ``prefix_ids`` without the cache."""
     calls: list[int] = []
-    real = tokenizers_module._encode
+    real = LoadedTokenizer._encode_piece
 
-    def counting(inner: Tokenizer, piece: str, add_special_tokens: bool) -> list[int]:
-        ids = real(inner, piece, add_special_tokens)
+    def counting(self: LoadedTokenizer, piece: str) -> list[int]:
+        ids = real(self, piece)
         calls.append(len(ids))
         return ids
 
     expected = tok.encode(text, add_special_tokens=False)[:n]
     tok._encode_cut.cache_clear()
-    tokenizers_module._encode = counting  # type: ignore[assignment]
+    LoadedTokenizer._encode_piece = counting  # type: ignore[method-assign]
     try:
         assert tok.prefix_ids(text, n) == expected
     finally:
-        tokenizers_module._encode = real
+        LoadedTokenizer._encode_piece = real  # type: ignore[method-assign]
     return len(calls), sum(calls)
 
 

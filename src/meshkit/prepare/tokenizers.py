@@ -142,6 +142,20 @@ The property tests check pieces and their concatenation against the full encode.
 
 With ``add_special_tokens=True`` the tokens the post-processor puts in front of
 every text (a BOS) are prepended; they are measured once per tokenizer.
+
+The fast path
+-------------
+
+With ``tiktoken`` installed (the ``fast`` extra) and ``prepare.fast_tokenizer``
+on, a byte-level BPE of the shape :mod:`meshkit.prepare.fastbpe` proves
+equivalent (Qwen, Llama 3, GPT-2 style) also gets a ``tiktoken`` encoder, built
+once per registration and shared by every copy (it has no lock and releases the
+GIL). Only the pieces of :meth:`LoadedTokenizer.prefix_ids` go through it
+(~30 µs instead of ~250 µs for 1,000 characters of Qwen): the cuts, the cache
+and the conditions to restart from 0 are the ones above, since the pieces get
+the very ids ``tokenizers`` gives them. A piece the fast encoder declines (not
+NFC, a code point Python's tables leave unassigned, a surrogate) goes through
+``tokenizers``; ``encode`` and ``decode`` always do.
 """
 
 from __future__ import annotations
@@ -160,6 +174,7 @@ from typing import Any, Final, Literal
 from tokenizers import Tokenizer
 
 from meshkit.errors import ConfigError, InvalidRequest
+from meshkit.prepare.fastbpe import FastEncoder, build_fast_encoder
 from meshkit.prepare.pool import current_worker_index
 from meshkit.prepare.templates import RenderBudget, render_chat_template
 
@@ -430,9 +445,10 @@ class TokenizerSpec:
     def tokenizer_file(self) -> Path:
         return self.path / "tokenizer.json" if self.path.is_dir() else self.path
 
-    def load(self) -> LoadedTokenizer:
+    def load(self, *, fast: bool = True) -> LoadedTokenizer:
         """Read the files and build the first instance.
 
+        :param fast: use tiktoken for prefix ids where it is exact (``fast_bpe``).
         :raises ConfigError: when the files are missing or invalid.
         """
         file = self.tokenizer_file
@@ -466,6 +482,7 @@ class TokenizerSpec:
             bos_token=_token_text(config.get("bos_token")),
             eos_token=_token_text(config.get("eos_token")),
             max_model_len=max_len,
+            fast=fast,
         )
         return LoadedTokenizer(info, tokenizer)
 
@@ -493,6 +510,7 @@ class _Info:
     added: tuple[str, ...]  # added-token contents of 2+ characters, longest first
     normalized_added: bool  # some added token is matched after normalization
     head: tuple[int, ...] | None  # ids the post-processor puts before every text
+    fast: FastEncoder | None  # tiktoken, exact for prefix pieces (shared: it has no lock)
 
     @classmethod
     def build(
@@ -505,6 +523,7 @@ class _Info:
         bos_token: str | None,
         eos_token: str | None,
         max_model_len: int | None,
+        fast: bool = True,
     ) -> _Info:
         _prepare(tokenizer)
         added_tokens = list(tokenizer.get_added_tokens_decoder().values())
@@ -524,6 +543,9 @@ class _Info:
             normalized_added=tokenizer.normalizer is not None
             and any(t.normalized for t in added_tokens),
             head=_measure_head(tokenizer),
+            fast=build_fast_encoder(json_bytes, tokenizer, known_regexes=_KNOWN_REGEXES)
+            if fast
+            else None,
         )
 
 
@@ -572,7 +594,21 @@ class LoadedTokenizer:
         self._encode_cut = functools.lru_cache(maxsize=PREFIX_CACHE_SIZE)(self._encode_tuple)
 
     def _encode_tuple(self, text: str) -> tuple[int, ...]:
-        return tuple(self.encode(text, add_special_tokens=False))
+        return tuple(self._encode_piece(text))
+
+    def _encode_piece(self, text: str) -> list[int]:
+        """``encode(text, add_special_tokens=False)``, through tiktoken where exact."""
+        fast = self._info.fast
+        if fast is not None:
+            ids = fast.encode(text)
+            if ids is not None:
+                return ids
+        return _encode(self.tokenizer, text, False)
+
+    @property
+    def fast_bpe(self) -> bool:
+        """Whether prefix ids go through tiktoken (module documentation)."""
+        return self._info.fast is not None
 
     def __repr__(self) -> str:
         return f"LoadedTokenizer({str(self._info.spec.tokenizer_file)!r})"
@@ -655,7 +691,7 @@ class LoadedTokenizer:
         while True:
             cut = self._find_cut(text, target)
             if cut is None:  # no safe cut past the aim: the rest, whole
-                ids += self.encode(text[start:], add_special_tokens=False)
+                ids += self._encode_piece(text[start:])
                 return ids[:n]
             ids += self._encode_cut(text[start:cut])
             if len(ids) >= n:
@@ -676,7 +712,7 @@ class LoadedTokenizer:
         while True:
             cut = self._find_cut(text, target)
             if cut is None:
-                return self.encode(text, add_special_tokens=False)[:n]
+                return self._encode_piece(text)[:n]
             ids = list(self._encode_cut(text[:cut]))
             if len(ids) < n or (checked and len(ids) == n):
                 target = 2 * cut
@@ -808,15 +844,24 @@ class TokenizerRegistry:
     when the model has none of its own.
     """
 
-    def __init__(self, *, workers_per_tokenizer: int = 4, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        workers_per_tokenizer: int = 4,
+        workers: int | None = None,
+        fast_tokenizer: bool = True,
+    ) -> None:
         """
         :param workers_per_tokenizer: pool threads sharing one copy.
         :param workers: when given, every copy those threads need is made at
             registration instead of on first use.
+        :param fast_tokenizer: prefix ids through tiktoken where it is exact
+            (``prepare.fast_tokenizer``; needs the ``fast`` extra).
         """
         if workers_per_tokenizer < 1:
             raise ConfigError("prepare.workers_per_tokenizer", "must be at least 1")
         self.workers_per_tokenizer = workers_per_tokenizer
+        self.fast_tokenizer = fast_tokenizer
         self._eager_groups = 0 if workers is None else -(-max(1, workers) // workers_per_tokenizer)
         self._entries: dict[str | None, _Entry] = {}
         self._lock = threading.Lock()
@@ -829,7 +874,7 @@ class TokenizerRegistry:
         :raises ConfigError: when the files are missing or invalid.
         """
         spec = path if isinstance(path, TokenizerSpec) else TokenizerSpec(path)
-        base = spec.load()
+        base = spec.load(fast=self.fast_tokenizer)
         entry = _Entry(base)
         for group in range(1, self._eager_groups):
             entry.copies[group] = base.copy()
