@@ -510,8 +510,8 @@ def write(data: dict[str, Any], out_dir: Path, notes: str = "") -> Path:
         f"{cfg['rounds']} round(s), frontends alternating order every round (A/B); each "
         f"frontend got a {cfg['frontend_warmup']} s warm-up after start. Figures are "
         "medians over rounds with (min–max); ratios are taken within a round, then the "
-        "median over rounds. The machine is shared (other engineers' tests ran on both "
-        "CPUs): trust ratios, not absolutes."
+        "median over rounds. Other load on the machine moves absolute figures between "
+        "runs (the `CPU util` column shows it): trust ratios, not absolutes."
     )
     L.append("")
     L.append("Versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items()) + ".")

@@ -72,20 +72,28 @@ def response_head(
     (HTTP/1.1) or ends with the connection (HTTP/1.0). ``bodyless`` (an answer to
     HEAD), 1xx, 204 and 304 answers have no body whatever the headers say.
     """
-    lines = [status_line(status)]
+    lines = []
     declared = -1 if length is None else length
-    for name, value in headers:
-        if b"\r" in value or b"\n" in value or b"\r" in name or b"\n" in name:
-            continue
+    for item in headers:
+        name = item[0]
         if name == b"content-length":
+            value = item[1]
             if declared >= 0 or not value.isdigit():
                 continue  # ours, a repeat or not a length: one framing, stated once
             declared = int(value)
         elif name == b"transfer-encoding" or name == b"connection":
             continue  # ours to decide
-        lines.append(b"%s: %s\r\n" % (name, value))
+        lines.append(b": ".join(item))
+    block = b"\r\n".join(lines)
+    seps = len(lines) - 1
+    if block.count(b"\n") != max(seps, 0) or block.count(b"\r") != max(seps, 0):
+        # Rare: a name or value held CR or LF. Drop those lines (checked once on
+        # the joined block, not per header): nothing may split the response.
+        lines = [line for line in lines if b"\r" not in line and b"\n" not in line]
+        block = b"\r\n".join(lines)
+    tail = []
     if length is not None:
-        lines.append(b"content-length: %d\r\n" % length)
+        tail.append(b"content-length: %d" % length)
     if bodyless or status < 200 or status == 204 or status == 304:
         framing = Framing.LENGTH
         declared = 0
@@ -93,16 +101,18 @@ def response_head(
         framing = Framing.LENGTH
     elif http11:
         framing = Framing.CHUNKED
-        lines.append(b"transfer-encoding: chunked\r\n")
+        tail.append(b"transfer-encoding: chunked")
     else:
         framing = Framing.CLOSE
         keep_alive = False
     if not keep_alive:
-        lines.append(b"connection: close\r\n")
+        tail.append(b"connection: close")
     elif not http11:
-        lines.append(b"connection: keep-alive\r\n")  # an HTTP/1.0 client closes without it
-    lines.append(b"\r\n")
-    return b"".join(lines), framing, keep_alive, declared
+        tail.append(b"connection: keep-alive")  # an HTTP/1.0 client closes without it
+    if tail:
+        block = b"\r\n".join((block, *tail)) if lines else b"\r\n".join(tail)
+    head = status_line(status) + block + b"\r\n\r\n" if block else status_line(status) + b"\r\n"
+    return head, framing, keep_alive, declared
 
 
 def chunk(data: bytes) -> bytes:
