@@ -26,8 +26,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from werkzeug.serving import make_server
 
 from meshkit import AsyncMeshTransport, Mesh, MeshMiddleware, MeshTransport, MeshWSGIMiddleware
-from meshkit.server.h1_server import H1Server
-from meshkit.server.runner import listen, new_event_loop, url_of
+from meshkit.server.runner import GatewayThread
 
 MODES = ("asgi", "wsgi", "transport", "async_transport", "gateway")
 #: modes a client reaches over a real socket (a raw client can reset it)
@@ -93,45 +92,6 @@ class UvicornThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
-
-
-class H1Thread:
-    """meshkit's built-in server (``meshkit serve``) around a middleware, on a thread."""
-
-    def __init__(self, gateway: MeshMiddleware) -> None:
-        self.gateway = gateway
-        self.sock = listen("127.0.0.1", 0)
-        self.url = url_of(self.sock)
-        self.ready = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.stop: asyncio.Event | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(self._serve())
-
-    async def _serve(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.stop = asyncio.Event()
-        server = H1Server(self.gateway)
-        await server.start(self.sock)
-        self.ready.set()
-        await self.stop.wait()
-        await server.shutdown(5.0)
-        await self.gateway.aclose()
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        if not self.ready.wait(10):
-            raise RuntimeError("the built-in server did not start")
-        return self.url
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.loop is not None and self.stop is not None
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(10)
-        self.sock.close()
 
 
 class WerkzeugThread:
@@ -231,7 +191,7 @@ class GatewayMode(_ServerMode):
 
     def __init__(self, mesh: Mesh) -> None:
         self.middleware = MeshMiddleware(_host_app, mesh=mesh)
-        self.server = H1Thread(self.middleware)
+        self.server = GatewayThread(gateway=self.middleware)
         self.base_url = self.server.__enter__()
         super().__init__(mesh)
 

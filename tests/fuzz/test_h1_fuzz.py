@@ -24,20 +24,19 @@ Examples: 300 per property (CI), 10,000 with ``MESHKIT_PROFILE=full``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import json
 import logging
 import os
 import socket
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import h11
 import httptools
@@ -48,10 +47,10 @@ from hypothesis import strategies as st
 
 from meshkit import Mesh
 from meshkit.mock import MockConfig, MockWorkerThread
-from meshkit.server import build_gateway, h1_server
+from meshkit.server import h1_server
 from meshkit.server.h1 import H1Conn, Request
 from meshkit.server.h1_server import H1Server
-from meshkit.server.runner import listen, new_event_loop
+from meshkit.server.runner import GatewayThread
 
 BOUNDS = {"max_body_bytes": 65_536, "max_header_bytes": 8_192, "max_headers": 64}
 FIGURES: dict[str, Counter[str]] = {}
@@ -123,44 +122,16 @@ class Env:
         self.errors = _Errors()
         for name in ("meshkit", "asyncio"):
             logging.getLogger(name).addHandler(self.errors)
-        self.sock = listen("127.0.0.1", 0)
-        self.port = self.sock.getsockname()[1]
-        self.gateway = build_gateway(self.mesh)
-        self.ready = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.stop: asyncio.Event | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.ready.wait(10)
-
-    def _run(self) -> None:
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(self._serve())
-
-    async def _serve(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.stop = asyncio.Event()
         # long keep-alive: only the examples' own bytes close connections
-        self.h1 = H1Server(self.gateway, keep_alive_s=60.0)
-        await self.h1.start(self.sock)
-        self.ready.set()
-        await self.stop.wait()
-        await self.h1.shutdown(5.0)
-        await self.gateway.aclose()
+        self.server = GatewayThread(self.mesh, keep_alive_s=60.0)
+        self.server.start()
+        self.port = int(urlsplit(self.server.url).port or 0)
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        assert self.loop is not None
-
-        async def run() -> Any:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+        return self.server.call(fn)
 
     def close(self) -> None:
-        assert self.loop is not None and self.stop is not None
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(15)
-        self.sock.close()
+        self.server.stop()
         for name in ("meshkit", "asyncio"):
             logging.getLogger(name).removeHandler(self.errors)
         self.mesh.close()

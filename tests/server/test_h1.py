@@ -11,7 +11,6 @@ time is polled for (``wait_until``), and durations only come from the mocks.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -34,7 +33,7 @@ from meshkit.server import build_gateway
 from meshkit.server.h1 import H1Conn
 from meshkit.server.h1_server import H1Server
 from meshkit.server.h1_wire import Framing, response_head
-from meshkit.server.runner import GatewayThread, listen, new_event_loop, url_of
+from meshkit.server.runner import GatewayThread
 from reliability.faultkit import assert_settled, is_anthropic_error, is_openai_error, metric_value
 from reliability.rawworker import TruncatingWorker
 
@@ -48,45 +47,13 @@ BOUNDS = {"max_body_bytes": MAX_BODY, "max_header_bytes": MAX_HEAD, "max_headers
 # -- a server on a thread, and a raw client ---------------------------------------------------
 
 
-class Served:
-    """An :class:`H1Server` around ``gateway`` on its own thread and loop (uvloop,
-    as ``meshkit serve``); :meth:`call` runs a function on that loop."""
+class Served(GatewayThread):
+    """The built-in server around ``gateway`` on its own thread and loop (uvloop,
+    as ``meshkit serve``); ``call`` runs a function on that loop."""
 
     def __init__(self, gateway: MeshMiddleware, **kw: Any) -> None:
-        self.gateway = gateway
-        self.kw = kw
-        self.sock = listen("127.0.0.1", 0)
-        self.url = url_of(self.sock)
-        self.ready = threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.stop_event: asyncio.Event | None = None
-        self.h1: H1Server | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.ready.wait(10), "the built-in server did not start"
-
-    def _run(self) -> None:
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(self._serve())
-
-    async def _serve(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.stop_event = asyncio.Event()
-        self.h1 = H1Server(self.gateway, **self.kw)
-        await self.h1.start(self.sock)
-        self.ready.set()
-        await self.stop_event.wait()
-        await self.h1.shutdown(5.0)
-        await self.gateway.aclose()
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on the server's loop (its state is only read there)."""
-        assert self.loop is not None
-
-        async def run() -> Any:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+        super().__init__(gateway=gateway, **kw)
+        self.start()
 
     def conns(self) -> int:
         return int(self.call(lambda: len(self.server.conns)))
@@ -103,10 +70,7 @@ class Served:
         return self.h1
 
     def close(self) -> None:
-        if self.loop is not None and self.stop_event is not None:
-            self.loop.call_soon_threadsafe(self.stop_event.set)
-        self.thread.join(15)
-        self.sock.close()
+        self.stop()
 
 
 @dataclass

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -52,8 +52,10 @@ __all__ = [
     "Relayed",
     "SyncExchange",
     "UpstreamFailure",
+    "aread_upto",
     "drive_async",
     "drive_sync",
+    "read_upto",
 ]
 
 #: error and listing bodies read into memory are bounded (a worker is not trusted)
@@ -88,6 +90,26 @@ class SyncExchange(Protocol):
     def read(self, limit: int) -> bytes: ...
 
     def close(self) -> None: ...
+
+
+def read_upto(chunks: Iterable[bytes], limit: int) -> bytes:
+    """At most ``limit`` bytes of a body (error and listing bodies are bounded)."""
+    buf = bytearray()
+    for chunk in chunks:
+        buf += chunk
+        if len(buf) >= limit:
+            break
+    return bytes(buf[:limit])
+
+
+async def aread_upto(chunks: AsyncIterable[bytes], limit: int) -> bytes:
+    """:func:`read_upto` for an async body."""
+    buf = bytearray()
+    async for chunk in chunks:
+        buf += chunk
+        if len(buf) >= limit:
+            break
+    return bytes(buf[:limit])
 
 
 X = TypeVar("X")

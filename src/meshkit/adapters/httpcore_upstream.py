@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from meshkit.adapters.drive import UpstreamFailure
+from meshkit.adapters.drive import UpstreamFailure, aread_upto, read_upto
 from meshkit.adapters.httpx_upstream import timeouts
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
@@ -130,12 +130,7 @@ class SyncCoreExchange:
             raise UpstreamFailure(Failure.PROTOCOL) from exc
 
     def read(self, limit: int) -> bytes:
-        buf = bytearray()
-        for chunk in self.chunks():
-            buf += chunk
-            if len(buf) >= limit:
-                break
-        return bytes(buf[:limit])
+        return read_upto(self.chunks(), limit)
 
     def close(self) -> None:
         with contextlib.suppress(*_as_tuple(self._errors)):
@@ -165,12 +160,7 @@ class AsyncCoreExchange:
             raise UpstreamFailure(Failure.PROTOCOL) from exc
 
     async def read(self, limit: int) -> bytes:
-        buf = bytearray()
-        async for chunk in self.chunks():
-            buf += chunk
-            if len(buf) >= limit:
-                break
-        return bytes(buf[:limit])
+        return await aread_upto(self.chunks(), limit)
 
     async def aclose(self) -> None:
         with contextlib.suppress(*_as_tuple(self._errors)):

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
 
-from meshkit.adapters.drive import UpstreamFailure
+from meshkit.adapters.drive import UpstreamFailure, aread_upto, read_upto
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
 from meshkit.errors import InvalidRequest
@@ -107,12 +107,7 @@ class SyncHttpxExchange:
             raise UpstreamFailure(Failure.PROTOCOL) from exc
 
     def read(self, limit: int) -> bytes:
-        buf = bytearray()
-        for chunk in self.chunks():
-            buf += chunk
-            if len(buf) >= limit:
-                break
-        return bytes(buf[:limit])
+        return read_upto(self.chunks(), limit)
 
     def close(self) -> None:
         with contextlib.suppress(self._lib.HTTPError):
@@ -140,12 +135,7 @@ class AsyncHttpxExchange:
             raise UpstreamFailure(Failure.PROTOCOL) from exc
 
     async def read(self, limit: int) -> bytes:
-        buf = bytearray()
-        async for chunk in self.chunks():
-            buf += chunk
-            if len(buf) >= limit:
-                break
-        return bytes(buf[:limit])
+        return await aread_upto(self.chunks(), limit)
 
     async def aclose(self) -> None:
         with contextlib.suppress(self._lib.HTTPError):

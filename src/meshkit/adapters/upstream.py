@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from meshkit.adapters.drive import AsyncExchange, UpstreamFailure
+from meshkit.adapters.drive import AsyncExchange, UpstreamFailure, aread_upto
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
 from meshkit.errors import InvalidRequest
@@ -64,12 +64,7 @@ class _AiohttpResponse:
             raise UpstreamFailure(Failure.PROTOCOL) from exc
 
     async def read(self, limit: int) -> bytes:
-        buf = bytearray()
-        async for chunk in self.chunks():
-            buf += chunk
-            if len(buf) >= limit:
-                break
-        return bytes(buf[:limit])
+        return await aread_upto(self.chunks(), limit)
 
     async def aclose(self) -> None:
         # close(), not release(): an unfinished body must not return its

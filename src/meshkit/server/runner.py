@@ -292,6 +292,9 @@ class GatewayThread:
         with GatewayThread(mesh) as url:
             httpx.get(url + "/health")
 
+    :param mesh: the mesh; the gateway is ``build_gateway(mesh)``...
+    :param gateway: ...unless a gateway (a ``MeshMiddleware`` around any ASGI app)
+        is given; then ``mesh`` may be omitted.
     :param server: ``"builtin"`` (default) or ``"uvicorn"``.
 
     The mesh is not closed on exit: it belongs to the caller.
@@ -299,16 +302,22 @@ class GatewayThread:
 
     def __init__(
         self,
-        mesh: Mesh,
+        mesh: Mesh | None = None,
         *,
+        gateway: MeshMiddleware | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         server: str = "builtin",
         grace_s: float = 5.0,
         keep_alive_s: float = 5.0,
         max_connections: int = 4096,
+        access_log: bool = False,
     ) -> None:
-        self.gateway = build_gateway(mesh)
+        if gateway is None:
+            if mesh is None:
+                raise TypeError("GatewayThread needs a mesh or a gateway")
+            gateway = build_gateway(mesh)
+        self.gateway = gateway
         self._sock = listen(host, port)
         self.url = url_of(self._sock)
         self.settings = ServeSettings(
@@ -316,7 +325,7 @@ class GatewayThread:
             port=port,
             grace_s=grace_s,
             log_level="warning",
-            access_log=False,
+            access_log=access_log,
             server=server,
             keep_alive_s=keep_alive_s,
             max_connections=max_connections,
@@ -353,15 +362,28 @@ class GatewayThread:
                 self.gateway,
                 keep_alive_s=self.settings.keep_alive_s,
                 max_connections=self.settings.max_connections,
+                access_log=self.settings.access_log,
             )
             await self.h1.start(self._sock)
             self._started = True
             self._ready.set()
             await self._stop.wait()
-            _serve_app(self.gateway).draining = True
+            if isinstance(self.gateway.app, ServeApp):
+                self.gateway.app.draining = True
             await self.h1.shutdown(self.settings.grace_s)
         finally:
             await self.gateway.aclose()
+
+    def call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        """``fn()`` run on the built-in server's loop (where its state lives)."""
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("call() needs the built-in server, started")
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout)
 
     @property
     def started(self) -> bool:
