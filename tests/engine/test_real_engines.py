@@ -332,7 +332,7 @@ def _expect_accounted(mesh: Mesh, before: Counts, seen: Seen, *, settled_as_200:
         )
 
     # The client can hold the whole body a moment before meshkit closes the books.
-    wait_until(lambda: moved() == want)
+    wait_until(lambda: moved() == want, 30)
     assert moved() == want, f"{seen.api} (streamed={seen.streamed}): {moved()} != {want}"
     # Not timing thresholds: orderings of nested intervals. The engine's prompt
     # time lies inside meshkit's TTFT...

@@ -104,8 +104,11 @@ class SyncRelayStream(*_SyncStream):  # type: ignore[misc]
                 raise relay.abort() from None
             return
         relay.finished = True
+        # The worker's body ended: close the books now, not when the server or the
+        # client gets round to close() (a whole body's last chunk is still held, so
+        # they close before the client holds all of it).
+        relay.acct.end()
         if held:
-            relay.acct.end()
             yield held
 
     def close(self) -> None:
@@ -141,8 +144,11 @@ class AsyncRelayStream(*_AsyncStream):  # type: ignore[misc]
                 raise relay.abort() from None
             return
         relay.finished = True
+        # The worker's body ended: close the books now, not when the server or the
+        # client gets round to close() (a whole body's last chunk is still held, so
+        # they close before the client holds all of it).
+        relay.acct.end()
         if held:
-            relay.acct.end()
             yield held
 
     async def aclose(self) -> None:
