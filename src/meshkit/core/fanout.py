@@ -40,6 +40,7 @@ from meshkit.core.forward import (
     LocalResponse,
     Placer,
     build_attempt,
+    pool_refusal,
     release_neutral,
 )
 from meshkit.core.requests import RequestView
@@ -87,7 +88,7 @@ def resource_flow(
             return attempt
         if result.failure is Failure.POOL:
             release_neutral(attempt.lease)
-            refused = Overloaded("no connection to the worker became free in time; retry shortly")
+            refused = pool_refusal()
             continue
         attempt.lease.release(ok=False, status=status)
         if status is not None and (best is None or _rank(status) < _rank(best.status or 0)):
@@ -149,7 +150,7 @@ def models_flow(
             if isinstance(item, dict) and isinstance(item.get("id"), str):
                 seen.setdefault(item["id"], item)
     if pool_timeout:
-        raise Overloaded("no connection to a worker became free in time; retry shortly")
+        raise pool_refusal()
     if not answered:
         if refusal is not None and refusal.status is not None:
             return LocalResponse(refusal.status, refusal.headers, refusal.body or b"")

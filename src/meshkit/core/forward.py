@@ -84,6 +84,7 @@ __all__ = [
     "WakePending",
     "build_attempt",
     "forward_flow",
+    "pool_refusal",
     "release_neutral",
 ]
 
@@ -132,6 +133,11 @@ class Lease(Protocol):
     started: float
 
     def release(self, *, ok: bool, status: int | None = None) -> None: ...
+
+
+def pool_refusal() -> Overloaded:
+    """The 503 for a ``Failure.POOL``: no pooled connection became free in time."""
+    return Overloaded("no connection to a worker became free in time; retry shortly")
 
 
 def release_neutral(lease: Lease) -> None:
@@ -386,9 +392,7 @@ def forward_flow(
         if result.failure is Failure.POOL:
             # Nothing was sent: the worker is busy, not failing.
             release_neutral(attempt.lease)
-            last_error = Overloaded(
-                "no connection to the worker became free in time; retry shortly"
-            )
+            last_error = pool_refusal()
             if last:
                 raise last_error
             continue

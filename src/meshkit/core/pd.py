@@ -49,12 +49,13 @@ from meshkit.core.forward import (
     LocalResponse,
     Pair,
     PairResult,
+    pool_refusal,
     release_neutral,
 )
 from meshkit.core.payload import RankBase, append_fields, rank_base
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
-from meshkit.errors import InvalidRequest, Overloaded, UnsupportedApiTopology, UpstreamError
+from meshkit.errors import InvalidRequest, UnsupportedApiTopology, UpstreamError
 
 __all__ = [
     "PD_APIS",
@@ -158,7 +159,7 @@ def _pool_refusal(lease: Lease, *results: AttemptResult | None) -> None:
     (no breaker verdict); the request is refused with 503 ``overloaded``."""
     if any(r is not None and r.failure is Failure.POOL for r in results):
         release_neutral(lease)
-        raise Overloaded("no connection to a worker became free in time; retry shortly")
+        raise pool_refusal()
 
 
 def _failed(result: AttemptResult | None) -> bool:

@@ -106,6 +106,11 @@ class H1Conn(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_size = 0
         self._match: Match | None = None
+        # the request line, split once when the head is complete
+        self._method = ""
+        self._path = ""
+        self._raw_path = b""
+        self._query = b""
         self._refused = False  # stop parsing: an answer and a close are on their way
         # Bytes received since the head being parsed began: httptools buffers a
         # header line whole before any callback, so a line that never ends is only
@@ -224,7 +229,7 @@ class H1Conn(asyncio.Protocol):
         self._count += 1
         if self._size <= self.max_head and self._count <= self.max_headers:
             self._headers.append((name.lower(), value))
-        elif self._size > 2 * self.max_head + 65536:
+        elif self._size > self._head_limit:
             # A head that never ends: refuse with what was measured so far.
             raise _Refused(self._head_error())
         # Over a bound: count on without keeping, so the refusal states the sizes
@@ -248,9 +253,10 @@ class H1Conn(asyncio.Protocol):
                 raise _Refused(InvalidRequest("malformed request target")) from None
             url = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
             self._url = url
-        raw_path, _, _ = url.partition(b"?")
-        path = raw_path.decode("latin-1")
-        method = self.parser.get_method().decode("latin-1")
+        raw_path, _, self._query = url.partition(b"?")
+        self._raw_path = raw_path
+        self._path = path = raw_path.decode("latin-1")
+        self._method = method = self.parser.get_method().decode("latin-1")
         try:
             self._match = self.mesh.resolve(method, path)
         except MeshError as exc:
@@ -295,16 +301,14 @@ class H1Conn(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._in_head = True
         self._head_bytes = 0
-        url = self._url
-        raw_path, _, query = url.partition(b"?")
         parts = self._body
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         parser = self.parser
         req = Request(
-            method=parser.get_method().decode("latin-1"),
-            path=raw_path.decode("latin-1"),
-            raw_path=raw_path,
-            query=query,
+            method=self._method,
+            path=self._path,
+            raw_path=self._raw_path,
+            query=self._query,
             headers=self._headers,
             body=body,
             http11=parser.get_http_version() == "1.1",
