@@ -48,7 +48,7 @@ from meshkit.core.forward import (
 )
 from meshkit.core.lifecycle import LeaseEntry, LeaseKind, Verdict
 from meshkit.core.pd import PairLease, pd_flow
-from meshkit.core.placement import configured_for, overloaded
+from meshkit.core.placement import admission_refusal, configured_for
 from meshkit.core.policies.affinity import ResponsesAffinity
 from meshkit.core.policies.base import Completion, Policy
 from meshkit.core.policies.registry import create_policy
@@ -563,8 +563,10 @@ class Mesh:
         """
         now = self.clock()
         with self._lock:
-            if admission and not self.fleet.admits(cand.worker):
-                self._refuse(cand)
+            if admission:
+                refusal = admission_refusal(self.fleet, cand.worker)
+                if refusal is not None and not self._breaker_trial(cand):
+                    raise refusal
             # Lifecycle.take(), inlined: the lease table keyed by Idempotency-Key.
             entry, kind = self.lifecycle.leases.start(
                 cand.worker.id,
@@ -577,22 +579,16 @@ class Mesh:
                 self.fleet.acquire(cand, view.prompt_weight)
         return MeshLease(self, cand, view.prompt_weight, now, entry)
 
-    def _refuse(self, cand: Candidate) -> None:
-        """(lock) Refuse a lease at the admission limit, unless it is the one trial
-        request of a half-open breaker, already placed: refused, it would never end
-        and the breaker would wait for it forever (at most one over the limit)."""
+    def _breaker_trial(self, cand: Candidate) -> bool:
+        """(lock) Whether ``cand`` carries the one trial request of a half-open
+        breaker, already placed: refused, it would never end and the breaker would
+        wait for it forever (so it may go at most one over the limit)."""
         wid = cand.worker.id
         lc = self.lifecycle
-        if wid in lc.breaker_dirty:
-            m = lc.machines.get(wid)
-            if m is not None and m.trial:
-                return
-        fleet = self.fleet
-        cap = fleet.max_in_flight
-        if cap and fleet.in_flight >= cap:
-            raise overloaded(fleet, cap, f"the fleet has {cap} requests in flight")
-        per = fleet.max_in_flight_per_worker
-        raise overloaded(fleet, per, f"the worker has {per} requests in flight")
+        if wid not in lc.breaker_dirty:
+            return False
+        m = lc.machines.get(wid)
+        return m is not None and bool(m.trial)
 
     def remember_response(self, response_id: str, origin: str) -> None:
         """Responses affinity: ``response_id`` lives on ``origin``."""

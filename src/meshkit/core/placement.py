@@ -48,7 +48,14 @@ from meshkit.errors import (
     UnsupportedApi,
 )
 
-__all__ = ["configured_for", "eligible", "overloaded", "place", "state_owner_origin"]
+__all__ = [
+    "admission_refusal",
+    "configured_for",
+    "eligible",
+    "overloaded",
+    "place",
+    "state_owner_origin",
+]
 
 #: retry hint of an admission refusal before any request has ended (seconds)
 _FIRST_HINT_S = 1.0
@@ -121,9 +128,9 @@ def eligible(
                 "conversation or item_reference) and the workers do not share one state "
                 "domain; label them mesh.responses_state=shared or route by response id"
             )
-    cap = fleet.max_in_flight
-    if cap and fleet.in_flight >= cap:
-        raise overloaded(fleet, cap, f"the fleet has {cap} requests in flight")
+    full_fleet = _fleet_refusal(fleet)
+    if full_fleet is not None:
+        raise full_fleet
     per = fleet.max_in_flight_per_worker
     full = 0
     out: list[Candidate] = []
@@ -146,6 +153,24 @@ def eligible(
             retry_after_s=1.0,
         )
     return out
+
+
+def _fleet_refusal(fleet: Fleet) -> Overloaded | None:
+    cap = fleet.max_in_flight
+    if cap and fleet.in_flight >= cap:
+        return overloaded(fleet, cap, f"the fleet has {cap} requests in flight")
+    return None
+
+
+def admission_refusal(fleet: Fleet, worker: Worker) -> Overloaded | None:
+    """The 503 ``overloaded`` one more request on ``worker`` would get (None: admitted)."""
+    full_fleet = _fleet_refusal(fleet)
+    if full_fleet is not None:
+        return full_fleet
+    per = fleet.max_in_flight_per_worker
+    if per and fleet.worker_load.get(worker.id, 0) >= per:
+        return overloaded(fleet, per, f"the worker has {per} requests in flight")
+    return None
 
 
 def overloaded(fleet: Fleet, slots: int, why: str) -> Overloaded:
