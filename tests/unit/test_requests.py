@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshkit.core.endpoints import Match, resolve
-from meshkit.core.requests import RequestView, check_media, parse_request
+from meshkit.core.requests import RequestView, _too_deep, check_media, parse_request
 from meshkit.errors import InvalidRequest, UnsupportedMediaType
 
 P = pytest.param
@@ -690,3 +690,65 @@ def test_large_realistic_body_parses_quickly() -> None:
     v = parse_request(CHAT, body, want_text=True)
     assert v.body is body
     assert big in v.routing_text
+
+
+# -- JSON depth ----------------------------------------------------------------------
+
+
+def _depth(value: Any) -> int:
+    """The nesting depth of a decoded JSON value (the top container is 1)."""
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    # strings full of what the scan looks for: brackets, quotes, backslashes
+    | st.text(alphabet='[]{}"\\ ab\u00e9', max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=4)
+    ),
+    max_leaves=60,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_json_values, st.integers(min_value=0, max_value=12), st.booleans())
+def test_too_deep_agrees_with_the_decoded_depth(value: Any, limit: int, spaced: bool) -> None:
+    body = json.dumps(value, indent=1 if spaced else None).encode()
+    assert _too_deep(body, limit) == (_depth(value) > limit)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 63, 64, 65, 200])
+def test_too_deep_counts_alternating_brackets(depth: int) -> None:
+    # {"a":[{"a":[ ... ]}]}: two kinds of bracket, one level each
+    body = "1"
+    for i in range(depth):
+        body = "[" + body + "]" if i % 2 else '{"a":' + body + "}"
+    assert _too_deep(body.encode(), 64) == (depth > 64)
+
+
+def test_too_deep_ignores_brackets_inside_strings() -> None:
+    body = json.dumps({"x": "[" * 500 + "{" * 500, "y": '\\"[[[[' * 100}).encode()
+    assert not _too_deep(body, 4)
+
+
+@pytest.mark.parametrize("depth", [63, 64, 65, 3000])
+def test_too_deep_on_long_chains_and_wide_bodies(depth: int) -> None:
+    # a long chain (passes peel little: the accumulate branch) next to wide siblings
+    chain = "[" * (depth - 1) + "]" * (depth - 1)
+    wide = ",".join(['{"a":[1]}'] * 3000)
+    # siblings 10 deep: a pass peels a tenth of them (the accumulate branch too)
+    tall = ",".join(["[" * 10 + "]" * 10] * 1000)
+    bodies = [
+        '{"x":' + chain + "}",
+        '{"w":[' + wide + '],"x":' + chain + "}",
+        '{"t":[' + tall + '],"x":' + chain + "}",
+    ]
+    for body in bodies:
+        assert _too_deep(body.encode(), 64) == (depth > 64), body[:40]

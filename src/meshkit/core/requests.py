@@ -210,8 +210,28 @@ def head_error(count: int, size: int, *, max_bytes: int, max_count: int) -> Head
     return None
 
 
+# Brackets of both kinds become "[" and "]" (which kind closes which is the
+# decoder's concern, not depth's); every other byte but the quote is dropped.
+_STRUCTURE = bytes.maketrans(b"{}", b"[]")
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
-_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_DEPTH_STEP = {ord("["): 1, ord("]"): -1}
+
+
+def _more_than(body: bytes, limit: int) -> bool:
+    """Whether ``body`` holds more than ``limit`` opening brackets.
+
+    ``find`` is memchr-fast; ``bytes.count`` of one byte is a plain loop (40 µs
+    for both brackets on a 64 KiB body, twice the decode). Stops at ``limit + 1``.
+    """
+    n = 0
+    for opener in (b"[", b"{"):
+        at = body.find(opener)
+        while at >= 0:
+            n += 1
+            if n > limit:
+                return True
+            at = body.find(opener, at + 1)
+    return False
 
 
 def _too_deep(body: bytes, max_depth: int) -> bool:
@@ -220,20 +240,35 @@ def _too_deep(body: bytes, max_depth: int) -> bool:
     Most bodies have fewer brackets than the limit and are not scanned at all.
     Otherwise, in C-speed passes: escaped backslashes and quotes are cut out, every
     byte but quotes and brackets is dropped (``bytes.translate``), what lies
-    between quotes (string contents) is dropped, and the running depth of the
-    brackets left is an ``accumulate``. Invalid JSON gets an answer too (any):
-    the decoder refuses it next.
+    between quotes (string contents) is dropped, and then levels are peeled: each
+    ``replace(b"[]", b"")`` removes exactly the innermost containers (it does not
+    rescan what it produced), so the number of passes that empties the string is
+    the depth. At most ``max_depth + 1`` passes run; a long string that a pass
+    barely shortens (one deep chain) is summed up in one ``accumulate`` instead.
+    Invalid JSON gets an answer too (any): the decoder refuses it next.
     """
-    if body.count(b"[") + body.count(b"{") <= max_depth:
+    if not _more_than(body, max_depth):
         return False
-    if b'\\"' in body:  # an escaped quote, or an escaped backslash before a quote
+    # "in" of one byte is memchr; of two bytes it is a byte loop (50 µs on 64 KiB)
+    if b"\\" in body and b'\\"' in body:  # an escaped quote, or a backslash before one
         body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    body = body.translate(None, _NOT_STRUCTURE)
+    body = body.translate(_STRUCTURE, _NOT_STRUCTURE)
     if b'"' in body:
         body = b"".join(body.split(b'"')[::2])
-    if len(body) <= max_depth:
-        return False
-    return max(accumulate(map(_DEPTH_STEP.__getitem__, body))) > max_depth
+    depth = 0
+    while body:
+        peeled = body.replace(b"[]", b"")
+        if len(peeled) == len(body):
+            return False  # unbalanced: not JSON, the decoder says so
+        depth += 1
+        if depth > max_depth:
+            return True
+        if len(peeled) > 4096 and 4 * len(peeled) > 3 * len(body):
+            # A long chain peels little per pass (a pass is linear): what is left
+            # is max_depth - depth levels at most, summed up in one walk instead.
+            return depth + max(accumulate(map(_DEPTH_STEP.__getitem__, peeled))) > max_depth
+        body = peeled
+    return False
 
 
 def parse_request(
