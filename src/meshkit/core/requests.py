@@ -289,7 +289,7 @@ def parse_request(
     api = ep.api
     decoder = _DECODERS.get(api) if ep.op in (Op.CREATE, Op.COUNT_TOKENS) else None
     try:
-        if not body.strip():
+        if not body or body.isspace():  # strip() would copy a body ending in a newline
             raise InvalidRequest("request body is empty; expected a JSON object")
         if _too_deep(body, max_depth):
             raise InvalidRequest(
