@@ -4,11 +4,12 @@ Client side: ``MeshTransport`` CPU per request vs a plain ``httpx2.Client``
 
 ``python benchmarks/client_bench.py --url http://127.0.0.1:9001 [--requests 3000]``
 
-Both clients run in this process, one after the other (A/B, the order swapping
-every round), sequentially posting the same ``/v1/completions`` body to one mock
-worker that runs in another process. CPU per request is the
-``time.process_time()`` delta over ``--requests`` requests (after a warm-up);
-the figure is ``mesh / plain`` per round, median with min-max. Prints JSON.
+Both clients run in this process, taking turns in blocks of 50 requests (A/B,
+the order swapping every block), sequentially posting the same
+``/v1/completions`` body to one mock worker that runs in another process. CPU per
+request is the ``time.process_time()`` delta over a block; a round is
+``--requests`` requests per client (after a warm-up), and the figure is
+``mesh / plain`` per round, median with min-max. Prints JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from meshkit import Mesh
 from meshkit.adapters.transport import MeshTransport
 
 __all__ = ["run"]
+
+#: requests per client before the other client's turn
+BLOCK = 50
 
 
 def _cpu_per_request(client: Any, body: bytes, n: int) -> float:
@@ -47,13 +51,19 @@ def run(url: str, requests: int, rounds: int, size: int, warmup: int) -> dict[st
     try:
         for c in (plain, routed):
             _cpu_per_request(c, body, warmup)
-        for r in range(rounds):
-            order = [("plain", plain), ("mesh", routed)]
-            if r % 2:
-                order.reverse()
-            got: dict[str, float] = {}
-            for name, c in order:
-                got[name] = _cpu_per_request(c, body, requests)
+        # Within a round the clients alternate in blocks of BLOCK requests (the
+        # order swapping each block): both see the same machine, so drift and other
+        # load on it move both figures, not their ratio.
+        blocks = max(1, requests // BLOCK)
+        for _ in range(rounds):
+            spent = {"plain": 0.0, "mesh": 0.0}
+            for b in range(blocks):
+                order = [("plain", plain), ("mesh", routed)]
+                if b % 2:
+                    order.reverse()
+                for name, c in order:
+                    spent[name] += _cpu_per_request(c, body, BLOCK)
+            got = {name: total / blocks for name, total in spent.items()}
             got["ratio"] = got["mesh"] / got["plain"]
             per_round.append(got)
     finally:
@@ -67,6 +77,7 @@ def run(url: str, requests: int, rounds: int, size: int, warmup: int) -> dict[st
 
     return {
         "requests_per_round": requests,
+        "block": BLOCK,
         "rounds": rounds,
         "size": size,
         "plain_us": {k: v * 1e6 for k, v in agg("plain").items()},

@@ -622,8 +622,10 @@ def write(data: dict[str, Any], out_dir: Path, notes: str = "") -> Path:
         L.append(
             f"Same process, sequential `POST /v1/completions` of {client['size']} B to one mock "
             f"worker in another process; `time.process_time()` over "
-            f"{client['requests_per_round']} requests per client per round, "
-            f"{client['rounds']} rounds alternating A/B (httpx2 {client.get('httpx2', '?')})."
+            f"{client['requests_per_round']} requests per client per round, the clients "
+            f"taking turns in blocks of {client.get('block', client['requests_per_round'])} "
+            f"(A/B, the order swapping every block), {client['rounds']} rounds "
+            f"(httpx2 {client.get('httpx2', '?')})."
         )
         L.append("")
         L += _table(

@@ -46,8 +46,8 @@ __all__ = ["CoreUpstream", "core_for"]
 
 #: the httpcore each client library is built on
 _CORES = {"httpx": "httpcore", "httpx2": "httpcore2"}
-#: parsed origins kept before the cache is cleared (workers come and go)
-MAX_ORIGINS = 4096
+#: parsed attempt URLs kept before the cache is cleared (workers come and go)
+MAX_URLS = 4096
 
 _SyncStream: tuple[type, ...] = (httpx.SyncByteStream,) + (
     (httpx2.SyncByteStream,) if httpx2 else ()
@@ -179,8 +179,9 @@ class CoreUpstream:
     def __init__(self, core: ModuleType, config: UpstreamConfig) -> None:
         self.core = core
         self.config = config
-        self._timeouts = timeouts(config)
-        self._origins: dict[str, _Origin] = {}
+        self._extensions = {"timeout": timeouts(config)}
+        #: attempt URL -> (httpcore URL, Host header); httpcore does not mutate them
+        self._urls: dict[str, tuple[Any, bytes]] = {}
         limits = {
             "max_connections": config.pool_limit or None,
             "max_keepalive_connections": config.pool_limit_per_worker or None,
@@ -204,14 +205,11 @@ class CoreUpstream:
 
     def _request(self, attempt: Attempt) -> Any:
         url = attempt.url
-        cut = url.find("/", url.find("//") + 2)
-        origin, target = (url, "/") if cut < 0 else (url[:cut], url[cut:])
-        o = self._origins.get(origin)
-        if o is None:
-            if len(self._origins) >= MAX_ORIGINS:
-                self._origins.clear()
-            o = self._origins[origin] = _Origin(origin)
-        headers = [(b"host", o.host_header), *attempt.headers]
+        known = self._urls.get(url)
+        if known is None:
+            known = self._url(url)
+        target, host_header = known
+        headers = [(b"host", host_header), *attempt.headers]
         body = attempt.body
         method = attempt.method
         if body or method not in ("GET", "DELETE", "HEAD"):
@@ -219,14 +217,22 @@ class CoreUpstream:
             content: bytes | None = body
         else:
             content = None
-        core = self.core
-        return core.Request(
-            method,
-            core.URL(scheme=o.scheme, host=o.host, port=o.port, target=target.encode("latin-1")),
-            headers=headers,
-            content=content,
-            extensions={"timeout": self._timeouts},
+        return self.core.Request(
+            method, target, headers=headers, content=content, extensions=self._extensions
         )
+
+    def _url(self, url: str) -> tuple[Any, bytes]:
+        """httpcore's URL for an attempt's URL and its ``Host`` (parsed once per URL)."""
+        cut = url.find("/", url.find("//") + 2)
+        origin, target = (url, "/") if cut < 0 else (url[:cut], url[cut:])
+        o = _Origin(origin)
+        core_url = self.core.URL(
+            scheme=o.scheme, host=o.host, port=o.port, target=target.encode("latin-1")
+        )
+        if len(self._urls) >= MAX_URLS:
+            self._urls.clear()
+        known = self._urls[url] = (core_url, o.host_header)
+        return known
 
     def _failure(self, exc: BaseException) -> Failure:
         c = self.core

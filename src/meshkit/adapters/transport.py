@@ -44,10 +44,11 @@ from meshkit.adapters.drive import Answered, UpstreamFailure, drive_async, drive
 from meshkit.adapters.httpcore_upstream import CoreUpstream, core_for
 from meshkit.adapters.httpx_upstream import send_async, send_sync
 from meshkit.adapters.relay import AsyncRelayStream, Relay, SyncRelayStream
+from meshkit.config import BoundsConfig
 from meshkit.core.credentials import response_headers
-from meshkit.core.endpoints import Match, shape_for_path
+from meshkit.core.endpoints import shape_for_path
 from meshkit.core.forward import Attempt
-from meshkit.core.requests import RequestView, check_head
+from meshkit.core.requests import RequestView, head_error
 from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
 from meshkit.mesh import Mesh
 
@@ -64,9 +65,16 @@ _AsyncBase: tuple[type, ...] = (httpx.AsyncBaseTransport,) + (
 )
 
 
+_LIBS: dict[type, ModuleType] = {}
+
+
 def _lib_of(request: Any) -> ModuleType:
-    name = type(request).__module__.split(".", 1)[0]
-    return sys.modules.get(name) or importlib.import_module(name)
+    kind = type(request)
+    lib = _LIBS.get(kind)
+    if lib is None:
+        name = kind.__module__.split(".", 1)[0]
+        lib = _LIBS[kind] = sys.modules.get(name) or importlib.import_module(name)
+    return lib
 
 
 def _split(request: Any) -> tuple[str, str]:
@@ -75,28 +83,50 @@ def _split(request: Any) -> tuple[str, str]:
     return path, query
 
 
-def _client_headers(request: Any) -> list[tuple[bytes, bytes]]:
-    """The request's headers as a server would hand them on: values without the
-    optional whitespace around them (RFC 9110 §5.5; h11 refuses to send it)."""
-    return [(k, v.strip(b" \t")) for k, v in request.headers.raw]
+def _head(request: Any, inference: bool, bounds: BoundsConfig) -> list[tuple[bytes, bytes]]:
+    """The request's headers as a server would hand them on, in one pass.
 
-
-def _declared_too_large(request: Any, limit: int) -> RequestTooLarge | None:
-    # The raw list, not headers.get(): that normalises every name per call.
+    Values lose the optional whitespace around them (RFC 9110 §5.5; h11 refuses
+    to send it). An inference request's head is held to the header bounds (431,
+    measured on the raw lines as every mode does), and any request whose
+    ``Content-Length`` is over ``bounds.max_body_bytes`` is refused (413) before
+    its body is read.
+    """
+    out: list[tuple[bytes, bytes]] = []
+    size = 0
+    declared = b""
     for k, v in request.headers.raw:
-        if len(k) == 14 and k.lower() == b"content-length":
-            v = v.strip()
-            if v.isdigit() and int(v) > limit:
-                return RequestTooLarge(f"request body is over {limit} bytes")
-            return None
-    return None
+        size += len(k) + len(v) + 4
+        if len(k) == 14 and not declared and k.lower() == b"content-length":
+            declared = v.strip() or b"-"
+        out.append((k, v.strip(b" \t")))
+    if inference:
+        error = head_error(
+            len(out), size, max_bytes=bounds.max_header_bytes, max_count=bounds.max_headers
+        )
+        if error is not None:
+            raise error
+    if declared.isdigit() and int(declared) > bounds.max_body_bytes:
+        raise RequestTooLarge(f"request body is over {bounds.max_body_bytes} bytes")
+    return out
 
 
-def _read_sync(request: Any, limit: int) -> bytes:
+def _content(lib: ModuleType, request: Any) -> bytes | None:
+    """The body, when the client library holds it in memory already (``content=``)."""
+    try:
+        body = request.content
+    except lib.RequestNotRead:  # a streamed body: read piece by piece
+        return None
+    return body if isinstance(body, bytes) else None
+
+
+def _read_sync(lib: ModuleType, request: Any, limit: int) -> bytes:
     """The request body, refused as soon as it is over ``limit`` (never buffered whole)."""
-    error = _declared_too_large(request, limit)
-    if error is not None:
-        raise error
+    body = _content(lib, request)
+    if body is not None:
+        if len(body) > limit:
+            raise RequestTooLarge(f"request body is over {limit} bytes")
+        return body
     chunks: list[bytes] = []
     total = 0
     for chunk in request.stream:
@@ -107,10 +137,12 @@ def _read_sync(request: Any, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _read_async(request: Any, limit: int) -> bytes:
-    error = _declared_too_large(request, limit)
-    if error is not None:
-        raise error
+async def _read_async(lib: ModuleType, request: Any, limit: int) -> bytes:
+    body = _content(lib, request)
+    if body is not None:
+        if len(body) > limit:
+            raise RequestTooLarge(f"request body is over {limit} bytes")
+        return body
     chunks: list[bytes] = []
     total = 0
     async for chunk in request.stream:
@@ -179,16 +211,10 @@ class _Common:
             keepalive_expiry=up.idle_timeout_s,
         )
 
-    def _begin(self, request: Any, path: str) -> Match | None:
-        """Resolve the path; check an inference request's head."""
-        match = self.mesh.resolve(request.method, path)
-        if match is not None:
-            b = self.mesh.config.bounds
-            check_head(request.headers.raw, max_bytes=b.max_header_bytes, max_count=b.max_headers)
-        return match
-
-    def _pass_through(self, request: Any, path: str, query: str, body: bytes) -> Attempt:
-        return self.mesh.pass_through(request.method, path, query, _client_headers(request), body)
+    def _pass_through(
+        self, request: Any, path: str, query: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> Attempt:
+        return self.mesh.pass_through(request.method, path, query, headers, body)
 
     def _answer(self, lib: ModuleType, final: Answered, view: RequestView) -> Any:
         self.mesh.account_local(view, final.attempt, final.local)
@@ -230,15 +256,16 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
         mesh = self.mesh
         path, query = _split(request)
         try:
-            match = self._begin(request, path)
-            body = _read_sync(request, mesh.config.bounds.max_body_bytes)
+            match = mesh.resolve(request.method, path)
+            bounds = mesh.config.bounds
+            headers = _head(request, match is not None, bounds)
+            body = _read_sync(lib, request, bounds.max_body_bytes)
             if match is None:
-                attempt = self._pass_through(request, path, query, body)
+                attempt = self._pass_through(request, path, query, headers, body)
                 plain = send(attempt)
                 return lib.Response(
                     plain.status, headers=response_headers(plain.headers), stream=plain.stream
                 )
-            headers = _client_headers(request)
             view = mesh.prepare(match, body, headers, query)
             flow = mesh.forward(view, headers, request.method)
             final = drive_sync(flow, send)
@@ -295,15 +322,16 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
         mesh = self.mesh
         path, query = _split(request)
         try:
-            match = self._begin(request, path)
-            body = await _read_async(request, mesh.config.bounds.max_body_bytes)
+            match = mesh.resolve(request.method, path)
+            bounds = mesh.config.bounds
+            headers = _head(request, match is not None, bounds)
+            body = await _read_async(lib, request, bounds.max_body_bytes)
             if match is None:
-                attempt = self._pass_through(request, path, query, body)
+                attempt = self._pass_through(request, path, query, headers, body)
                 plain = await send(attempt)
                 return lib.Response(
                     plain.status, headers=response_headers(plain.headers), stream=plain.stream
                 )
-            headers = _client_headers(request)
             view = await mesh.prepare_async(match, body, headers, query)
             flow = mesh.forward(view, headers, request.method)
             final = await drive_async(flow, send)
