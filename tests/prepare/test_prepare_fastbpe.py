@@ -103,6 +103,11 @@ def test_fast_prefix_ids_equal_the_full_encode_qwen(
     assert qwen._encode_piece(text) == full
     qwen._encode_cut.cache_clear()
     assert qwen.prefix_ids(text, n) == full[:n]
+    # The event loop's variant: the same ids, or None (then the pool's prefix_ids).
+    inline = qwen.prefix_ids_fast(text, n)
+    assert inline is None or inline == full[:n]
+    if text.isascii():
+        assert inline == full[:n]
 
 
 def test_the_fast_path_answers_for_ordinary_text(qwen: LoadedTokenizer) -> None:
@@ -128,6 +133,24 @@ def test_texts_the_fast_path_declines(qwen: LoadedTokenizer, text: str) -> None:
     # Not NFC, an unassigned code point (U+E0080, U+0378) or a surrogate: tokenizers.
     assert qwen._info.fast is not None
     assert qwen._info.fast.encode(text) is None
+
+
+@pytest.mark.parametrize("at", [0, 3000])
+def test_prefix_ids_fast_declines_what_tiktoken_does_not_cover(
+    qwen: LoadedTokenizer, at: int
+) -> None:
+    # A piece that is not NFC, at the start or past the first cut (the cached
+    # pieces before it do not make the whole answer).
+    text = "word " * (at // 5) + "e\u0301 caf\u00e9 " + "more words " * 300
+    qwen._encode_cut.cache_clear()
+    assert qwen.prefix_ids_fast(text, 2000) is None
+    assert qwen.prefix_ids(text, 2000) == qwen.encode(text, add_special_tokens=False)[:2000]
+    assert qwen.prefix_ids_fast("plain text " * 100, 0) == []
+
+
+def test_prefix_ids_fast_is_off_without_tiktoken_paths(small_path: Path) -> None:
+    off = TokenizerSpec(small_path).load(fast=False)
+    assert off.prefix_ids_fast("hello world " * 50, 16) is None
 
 
 def test_why_nfc_is_not_applied_to_the_whole_text(qwen: LoadedTokenizer) -> None:

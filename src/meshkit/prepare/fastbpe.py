@@ -139,13 +139,18 @@ class FastEncoder:
         self._nfc = nfc
         self._suspect = _bmp_unassigned()
 
+    def covers(self, text: str) -> bool:
+        """Whether :meth:`encode` gives ids for ``text`` (cheap: no encoding)."""
+        if text.isascii():
+            return True
+        if self._nfc and not unicodedata.is_normalized("NFC", text):
+            return False
+        return _assigned(text, self._suspect)
+
     def encode(self, text: str) -> list[int] | None:
         """The ids, or ``None`` for a text this encoder does not cover."""
-        if not text.isascii():
-            if self._nfc and not unicodedata.is_normalized("NFC", text):
-                return None
-            if not _assigned(text, self._suspect):
-                return None
+        if not self.covers(text):
+            return None
         ids: list[int] = self._encoding.encode(text, allowed_special="all")
         return ids
 

@@ -577,6 +577,10 @@ def _measure_head(tokenizer: Tokenizer) -> tuple[int, ...] | None:
 # -- one instance -------------------------------------------------------------------
 
 
+class _Declined(Exception):
+    """A prefix piece the fast encoder does not cover (``prefix_ids_fast``)."""
+
+
 class LoadedTokenizer:
     """One tokenizer instance with its chat template and special tokens.
 
@@ -682,18 +686,44 @@ class LoadedTokenizer:
             return self._continued_prefix(text, n)
         return self._restarted_prefix(text, n)
 
-    def _continued_prefix(self, text: str, n: int) -> list[int]:
-        """Pieces between safe cuts, appended until there are ``n`` ids."""
+    def prefix_ids_fast(self, text: str, n: int) -> list[int] | None:
+        """:meth:`prefix_ids` when tiktoken (or the piece cache) covers every piece.
+
+        ``None`` when a piece would need ``tokenizers`` or the cuts must restart
+        from 0: then the caller runs :meth:`prefix_ids` on the prepare pool. Bounded
+        by ``n`` (a few hundred ids: tens of µs), it is cheap enough for an event
+        loop, where the hop to a pool thread and back costs more than the encode.
+        """
+        fast = self._info.fast
+        if fast is None or not self._info.appendable:
+            return None
+        if n <= 0:
+            return []
+        try:
+            return self._continued_prefix(text, n, fast)
+        except _Declined:
+            return None
+
+    def _continued_prefix(
+        self, text: str, n: int, fast_only: FastEncoder | None = None
+    ) -> list[int]:
+        """Pieces between safe cuts, appended until there are ``n`` ids.
+
+        :param fast_only: raise :class:`_Declined` at a piece this encoder does not cover.
+        """
         ids: list[int] = []
         start = 0
         target = _aim(text, n)
         pieces = 0
         while True:
             cut = self._find_cut(text, target)
+            piece = text[start:] if cut is None else text[start:cut]
+            if fast_only is not None and not fast_only.covers(piece):
+                raise _Declined
             if cut is None:  # no safe cut past the aim: the rest, whole
-                ids += self._encode_piece(text[start:])
+                ids += self._encode_piece(piece)
                 return ids[:n]
-            ids += self._encode_cut(text[start:cut])
+            ids += self._encode_cut(piece)
             if len(ids) >= n:
                 return ids[:n]
             pieces += 1
