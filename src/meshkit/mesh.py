@@ -50,7 +50,7 @@ from meshkit.core.lifecycle import LeaseEntry, LeaseKind, Verdict
 from meshkit.core.pd import PairLease, pd_flow
 from meshkit.core.placement import admission_refusal, configured_for
 from meshkit.core.policies.affinity import ResponsesAffinity
-from meshkit.core.policies.base import Completion, Policy
+from meshkit.core.policies.base import BasePolicy, Completion, Policy
 from meshkit.core.policies.registry import create_policy
 from meshkit.core.requests import RequestView, check_media, parse_request
 from meshkit.core.streams import StreamAccountant
@@ -70,10 +70,32 @@ Headers = list[tuple[bytes, bytes]]
 #: Idempotency-Key values longer than this are ignored (the lease table is bounded).
 _MAX_IDEMPOTENCY_KEY = 256
 _JSON = ((b"content-type", b"application/json"),)
+# Enum members used per request: a module global is read ~4x faster than
+# the member's class attribute.
+_TOKENIZE, _MODELS, _RESPONSES = Api.TOKENIZE, Api.MODELS, Api.RESPONSES
+_SUCCESS, _FAILURE, _JOINED = Verdict.SUCCESS, Verdict.FAILURE, LeaseKind.JOINED
+#: request headers prepare reads (besides routing.session_header)
+_WANTED_HEADERS = (b"content-type", b"content-encoding", b"idempotency-key", b"x-mesh-wait")
+
+
+class _Heads:
+    """The header values prepare found (raw), for the view."""
+
+    __slots__ = ("idempotency", "session", "wait")
+
+    def __init__(self) -> None:
+        self.session: bytes | None = None
+        self.idempotency: bytes | None = None
+        self.wait: bytes | None = None
 
 
 def _worker_id(worker: Worker | str) -> str:
     return worker.id if isinstance(worker, Worker) else Worker(worker).id
+
+
+def _hears_completions(policy: Policy) -> bool:
+    """Whether ``policy.on_complete`` may do something (BasePolicy's is a no-op)."""
+    return getattr(policy.on_complete, "__func__", None) is not BasePolicy.on_complete
 
 
 def _local_flow(local: LocalResponse) -> ForwardFlow:
@@ -122,10 +144,12 @@ class MeshLease:
     def release(self, *, ok: bool, status: int | None = None) -> None:
         # No status: the attempt failed before an answer (connect, protocol,
         # timeout) or mid-body; a 5xx is a failure too; any other answer is a success.
+        if self._released:  # set once, under the lock: no need to take it to see it
+            return
         if status is None:
-            verdict = Verdict.SUCCESS if ok else Verdict.FAILURE
+            verdict = _SUCCESS if ok else _FAILURE
         else:
-            verdict = Verdict.FAILURE if status >= 500 else Verdict.SUCCESS
+            verdict = _FAILURE if status >= 500 else _SUCCESS
         # _settle inlined: this runs once per request.
         mesh = self._mesh
         now = mesh.clock()
@@ -180,7 +204,7 @@ class Accounting:
         self._done = False
         # A streamed Response names its id in its first event: remember the owner
         # then, not at the end, so a follow-up can use it while this one streams.
-        self._rid_pending = view.stream and view.api is Api.RESPONSES
+        self._rid_pending = view.stream and view.api is _RESPONSES
         self._failed = False
 
     @property
@@ -222,30 +246,36 @@ class Accounting:
         api = self.view.api.value
         m = mesh.metrics
         usage = acct.usage
+        ttft = acct.ttft
+        duration = now - lease.started
         m.series.finished(
             api,
             str(self.status) if completed else "cancelled",
-            now - lease.started,
-            acct.ttft,
+            duration,
+            ttft,
             None
             if usage is None
             else (usage.input_tokens, usage.output_tokens, usage.cached_tokens),
         )
-        if acct.ttft is not None and isinstance(lease, PairLease):
-            mesh.pd.ttft.observe(acct.ttft)
+        if ttft is not None and isinstance(lease, PairLease):
+            mesh.pd.ttft.observe(ttft)
         if acct.error is not None:
             m.stream_errors.labels(api).inc()
         if acct.overflow:
             m.stream_overflows.labels(api).inc()
+        rid = acct.response_id
+        # Nothing to remember and nobody listening: no Completion, no lock.
+        if not (rid and ok) and not _hears_completions(mesh.policy):
+            return
         done = Completion(
             status=self.status,
             ok=ok,
-            ttft=acct.ttft,
-            duration=now - lease.started,
+            ttft=ttft,
+            duration=duration,
             input_tokens=usage.input_tokens if usage else 0,
             output_tokens=usage.output_tokens if usage else 0,
             cached_tokens=usage.cached_tokens if usage else 0,
-            response_id=acct.response_id,
+            response_id=rid,
         )
         mesh._completed(lease.candidate, self.view, done, now)
 
@@ -328,6 +358,9 @@ class Mesh:
             if config.routing.session_header
             else None
         )
+        self._header_lens = frozenset(
+            len(n) for n in (*_WANTED_HEADERS, self._session_header) if n is not None
+        )
         #: lifecycle gate: False for a worker that must not take new requests
         self.admit: Callable[[Worker], bool] | None = None
         self._closed = False
@@ -358,13 +391,13 @@ class Mesh:
         return resolve(method, path)
 
     def _needs_pool(self, match: Match, body: bytes) -> bool:
-        tokenizing = self.policy.needs.prefix_tokens or match.endpoint.api is Api.TOKENIZE
+        tokenizing = self.policy.needs.prefix_tokens or match.endpoint.api is _TOKENIZE
         if tokenizing and self.tokenizers.has_any():
             return True
         return len(body) > self.config.prepare.inline_threshold_bytes
 
     def _prepare_job(self, match: Match, body: bytes) -> RequestView:
-        if match.endpoint.api is Api.TOKENIZE and self.tokenizers.has_any():
+        if match.endpoint.api is _TOKENIZE and self.tokenizers.has_any():
             return self._tokenize_job(match, body)
         needs = self.policy.needs
         want_text = needs.text or needs.prefix_tokens is not None
@@ -405,60 +438,76 @@ class Mesh:
         view.extra["local"] = LocalResponse(200, _JSON, msgspec.json.encode(out))
         return view
 
-    def _finish_view(
-        self, view: RequestView, headers: Iterable[tuple[bytes, bytes]], query: str
-    ) -> RequestView:
-        view.query = query
-        session = self._session_header
-        for k, v in headers:
-            lk = k.lower()
-            if lk == session and v:
-                view.routing_key = v.decode("latin-1")
-                session = None  # the first one counts
-            elif lk == b"idempotency-key" and 0 < len(v) <= _MAX_IDEMPOTENCY_KEY:
-                # Scoped by path: the same key on two endpoints is two requests.
-                view.extra[IDEMPOTENCY_KEY] = view.match.path + " " + v.decode("latin-1")
-            elif lk == b"x-mesh-wait":
-                # x-mesh-wait: false: answer 503 worker_waking at once instead of
-                # holding the request while a sleeping worker wakes.
-                view.extra[NO_WAIT] = v.strip().lower() in (b"false", b"0", b"no")
-        return view
-
-    def _check(self, match: Match, headers: Iterable[tuple[bytes, bytes]]) -> None:
-        if not match.endpoint.has_body or match.endpoint.op is Op.CANCEL:
-            return
+    def _read_headers(self, match: Match, headers: Iterable[tuple[bytes, bytes]]) -> _Heads:
+        """One pass over the request headers: the media check (415) now, the
+        values the view takes later. A name is lower-cased only when its length
+        is that of a wanted name (ASGI's are lower-case already, httpx's not)."""
         ctype = cenc = None
+        got = _Heads()
+        session = self._session_header
+        lens = self._header_lens
         for k, v in headers:
+            if len(k) not in lens:
+                continue
             lk = k.lower()
             if lk == b"content-type":
-                ctype = v.decode("latin-1")
+                ctype = v
             elif lk == b"content-encoding":
-                cenc = v.decode("latin-1")
-        check_media(ctype, cenc)
+                cenc = v
+            if lk == session and v:
+                got.session = v
+                session = None  # the first one counts
+            elif lk == b"idempotency-key" and 0 < len(v) <= _MAX_IDEMPOTENCY_KEY:
+                got.idempotency = v
+            elif lk == b"x-mesh-wait":
+                got.wait = v
+        ep = match.endpoint
+        # The usual JSON content type needs no parsing.
+        if (cenc is not None or (ctype is not None and ctype != b"application/json")) and (
+            ep.has_body and ep.op is not Op.CANCEL
+        ):
+            check_media(
+                None if ctype is None else ctype.decode("latin-1"),
+                None if cenc is None else cenc.decode("latin-1"),
+            )
+        return got
+
+    def _finish_view(self, view: RequestView, heads: _Heads, query: str) -> RequestView:
+        view.query = query
+        if heads.session is not None:
+            view.routing_key = heads.session.decode("latin-1")
+        if heads.idempotency is not None:
+            # Scoped by path: the same key on two endpoints is two requests.
+            view.extra[IDEMPOTENCY_KEY] = (
+                view.match.path + " " + heads.idempotency.decode("latin-1")
+            )
+        if heads.wait is not None:
+            # x-mesh-wait: false: answer 503 worker_waking at once instead of
+            # holding the request while a sleeping worker wakes.
+            view.extra[NO_WAIT] = heads.wait.strip().lower() in (b"false", b"0", b"no")
+        return view
 
     def prepare(
         self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]], query: str = ""
     ) -> RequestView:
         """Parse and prepare a request, blocking only the calling thread."""
-        headers = list(headers)
-        self._check(match, headers)
+        heads = self._read_headers(match, headers)
         if self._needs_pool(match, body):
             view = self.pool.run(lambda: self._prepare_job(match, body))
         else:
             view = self._prepare_job(match, body)
-        return self._finish_view(view, headers, query)
+        return self._finish_view(view, heads, query)
 
     async def prepare_async(
         self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]], query: str = ""
     ) -> RequestView:
         """Parse and prepare a request without blocking the event loop."""
-        headers = list(headers)
-        self._check(match, headers)
+        heads = self._read_headers(match, headers)
         if self._needs_pool(match, body):
             view = await self.pool.run_async(lambda: self._prepare_job(match, body))
         else:
             view = self._prepare_job(match, body)
-        return self._finish_view(view, headers, query)
+        return self._finish_view(view, heads, query)
 
     def forward(self, view: RequestView, headers: Headers, method: str = "POST") -> ForwardFlow:
         """The flow for a prepared request: forward with retries, fan out, or answer locally."""
@@ -470,7 +519,7 @@ class Mesh:
         ep = view.match.endpoint
         if ep.is_resource:
             return resource_flow(self, view, headers, method=method)
-        if ep.api is Api.MODELS:  # the list, or one model of it
+        if ep.api is _MODELS:  # the list, or one model of it
             return models_flow(self, view, headers)
         if self.pd.applies(view):
             return pd_flow(
@@ -562,22 +611,20 @@ class Mesh:
         :raises Overloaded: ``cand``'s worker, or the fleet, is at its limit.
         """
         now = self.clock()
+        fleet = self.fleet
+        weight = view.prompt_weight
         with self._lock:
-            if admission:
-                refusal = admission_refusal(self.fleet, cand.worker)
+            if admission and fleet.at_limit(cand.worker):
+                refusal = admission_refusal(fleet, cand.worker)
                 if refusal is not None and not self._breaker_trial(cand):
                     raise refusal
             # Lifecycle.take(), inlined: the lease table keyed by Idempotency-Key.
             entry, kind = self.lifecycle.leases.start(
-                cand.worker.id,
-                cand.key,
-                now,
-                key=view.extra.get(IDEMPOTENCY_KEY),
-                weight=view.prompt_weight,
+                cand.worker.id, cand.key, now, key=view.extra.get(IDEMPOTENCY_KEY), weight=weight
             )
-            if kind is not LeaseKind.JOINED:  # a join shares its twin's capacity
-                self.fleet.acquire(cand, view.prompt_weight)
-        return MeshLease(self, cand, view.prompt_weight, now, entry)
+            if kind is not _JOINED:  # a join shares its twin's capacity
+                fleet.acquire(cand, weight)
+        return MeshLease(self, cand, weight, now, entry)
 
     def _breaker_trial(self, cand: Candidate) -> bool:
         """(lock) Whether ``cand`` carries the one trial request of a half-open

@@ -66,6 +66,23 @@ def _dropped(base: frozenset[bytes], items: list[tuple[bytes, bytes]]) -> frozen
     return base
 
 
+def _kept(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> Headers:
+    """``headers`` with lower-cased names, minus ``drop`` and the names a
+    ``Connection`` header lists (rare: a second pass then)."""
+    if not isinstance(headers, list | tuple):
+        headers = list(headers)
+    out = []
+    for k, v in headers:
+        k = k.lower()
+        if k not in drop:
+            out.append((k, v))
+        elif k == b"connection":
+            items = [(k.lower(), v) for k, v in headers]
+            drop = _dropped(drop, items)
+            return [(k, v) for k, v in items if k not in drop]
+    return out
+
+
 def request_headers(
     client: Iterable[tuple[bytes, bytes]],
     *,
@@ -74,9 +91,7 @@ def request_headers(
     rank: int | None = None,
 ) -> Headers:
     """Headers to send to the worker. Names are lower-cased."""
-    items = [(k.lower(), v) for k, v in client]
-    drop = _dropped(_DROP_KEYED if api_key else _DROP_REQUEST, items)
-    out = [(k, v) for k, v in items if k not in drop]
+    out = _kept(client, _DROP_KEYED if api_key else _DROP_REQUEST)
     if api_key:
         key = api_key.encode("latin-1")
         out.append((b"authorization", b"Bearer " + key))
@@ -89,6 +104,4 @@ def request_headers(
 
 def response_headers(upstream: Iterable[tuple[bytes, bytes]]) -> Headers:
     """Headers to relay to the client (repeated ones kept, content-encoding kept)."""
-    items = [(k.lower(), v) for k, v in upstream]
-    drop = _dropped(HOP_BY_HOP, items)
-    return [(k, v) for k, v in items if k not in drop]
+    return _kept(upstream, HOP_BY_HOP)

@@ -89,6 +89,7 @@ __all__ = [
 ]
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504, 529})
+_NONE: frozenset[str] = frozenset()
 
 
 class Failure(enum.Enum):
@@ -321,7 +322,9 @@ def forward_flow(
         while True:
             wake: WakePending | None = None
             try:
-                cand = placer.place(view, exclude=frozenset(tried), attempt=number)
+                cand = placer.place(
+                    view, exclude=frozenset(tried) if tried else _NONE, attempt=number
+                )
             except MeshError as exc:
                 # Whatever stops a retry, a worker's own answer beats meshkit's.
                 if pending is not None:

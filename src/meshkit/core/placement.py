@@ -68,18 +68,33 @@ Admit = Callable[[Worker], bool]
 
 def configured_for(fleet: Fleet, view: RequestView, role: str = "regular") -> list[Worker]:
     """Workers that serve this API, topology and model — healthy or not."""
-    api = view.api
-    model = view.model
-    out = []
-    for w in fleet.workers:
-        if w.role != role and api is not Api.MODELS:  # every role lists its models
-            continue
-        if not w.serves(api):
-            continue
-        if model and w.model and w.model != model and api is not Api.MODELS:
-            continue
-        out.append(w)
-    return out
+    return [w for w, _ in _serving(fleet, view.api, view.model, role)]
+
+
+#: entries of Fleet.derived kept per fleet version (clients choose model names)
+_MAX_DERIVED = 256
+_Serving = tuple[tuple[Worker, tuple[Candidate, ...]], ...]
+
+
+def _serving(fleet: Fleet, api: Api, model: str | None, role: str) -> _Serving:
+    """(worker, its candidates) of :func:`configured_for`, computed once per fleet version."""
+    key = (api, model, role)
+    got: _Serving | None = fleet.derived.get(key)
+    if got is None:
+        out = []
+        for w in fleet.workers:
+            if w.role != role and api is not Api.MODELS:  # every role lists its models
+                continue
+            if not w.serves(api):
+                continue
+            if model and w.model and w.model != model and api is not Api.MODELS:
+                continue
+            out.append((w, fleet.candidates_of(w)))
+        got = tuple(out)
+        if len(fleet.derived) >= _MAX_DERIVED:
+            fleet.derived.clear()
+        fleet.derived[key] = got
+    return got
 
 
 def state_owner_origin(workers: Sequence[Worker]) -> str | bool | None:
@@ -111,18 +126,18 @@ def eligible(
     :param owner: the origin known (by Responses affinity) to hold the referenced state.
     :param admit: lifecycle gate: False for workers that must not take new requests.
     """
-    configured = configured_for(fleet, view, role)
-    if not configured:
+    entries = _serving(fleet, view.api, view.model, role)
+    if not entries:
         what = f"model {view.model!r} on " if view.model and _labelled(fleet) else ""
         raise UnsupportedApi(f"no configured worker serves {what}{view.match.endpoint.template}")
     if view.stateful:
         if owner is not None:
-            configured = [w for w in configured if w.origin == owner]
-            if not configured:
+            entries = tuple(e for e in entries if e[0].origin == owner)
+            if not entries:
                 raise StatefulRoutingUnsupported(
                     "the worker holding the referenced Responses state is no longer configured"
                 )
-        elif state_owner_origin(configured) is None:
+        elif state_owner_origin([w for w, _ in entries]) is None:
             raise StatefulRoutingUnsupported(
                 "this request references stored Responses state (previous_response_id, "
                 "conversation or item_reference) and the workers do not share one state "
@@ -132,17 +147,20 @@ def eligible(
     if full_fleet is not None:
         raise full_fleet
     per = fleet.max_in_flight_per_worker
+    unhealthy = fleet.unhealthy  # Fleet.healthy(), without the call
+    worker_load = fleet.worker_load
     full = 0
     out: list[Candidate] = []
-    for w in configured:
-        if not fleet.healthy(w) or (admit is not None and not admit(w)):
+    for w, cands in entries:
+        if w.id in unhealthy or (admit is not None and not admit(w)):
             continue
-        if per and fleet.worker_load.get(w.id, 0) >= per:
+        if per and worker_load.get(w.id, 0) >= per:
             full += 1
             continue
-        for c in fleet.candidates_of(w):
-            if c.key not in exclude:
-                out.append(c)
+        if exclude:
+            out += [c for c in cands if c.key not in exclude]
+        else:
+            out += cands
     if not out:
         if full:
             raise overloaded(
@@ -211,17 +229,12 @@ def place(
             if c.key == prefer:
                 return c
     ctx = PlacementContext(
-        candidates=cands,
-        view=view,
-        load=fleet.load,
-        weight=fleet.weight,
-        rng=rng,
-        fleet=fleet.candidates,
-        fleet_version=fleet.version,
-        now=now,
-        attempt=attempt,
+        cands, view, fleet.load, fleet.weight, rng, fleet.candidates, fleet.version, now, attempt
     )
     chosen = policy.select(ctx)
+    for c in cands:  # by identity first: Candidate.__eq__ is slow
+        if c is chosen:
+            return chosen
     if chosen not in cands:
         raise UnsupportedApi(f"policy {policy.name!r} chose an ineligible worker")
     return chosen

@@ -24,7 +24,7 @@ as stateful.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -112,14 +112,11 @@ class _Any(msgspec.Struct):
     data_parallel_rank: Json = msgspec.UNSET
 
 
-_DECODERS: dict[Api, msgspec.json.Decoder[Any]] = {
-    Api.CHAT: msgspec.json.Decoder(_Chat),
-    Api.COMPLETIONS: msgspec.json.Decoder(_Completion),
-    Api.MESSAGES: msgspec.json.Decoder(_Messages),
-    Api.RESPONSES: msgspec.json.Decoder(_Responses),
-    Api.GENERATE: msgspec.json.Decoder(_Generate),
-}
 _ANY = msgspec.json.Decoder(_Any)
+# Read per request: module globals are cheaper than enum members' attributes.
+_CANCEL, _COUNT_TOKENS = Op.CANCEL, Op.COUNT_TOKENS
+_TYPED_OPS = (Op.CREATE, Op.COUNT_TOKENS)
+_UNSET = msgspec.UNSET
 
 
 @dataclass(slots=True)
@@ -284,10 +281,10 @@ def parse_request(
     """
     view = RequestView(match=match, body=body)
     ep = match.endpoint
-    if not ep.has_body or ep.op in (Op.CANCEL,):
+    op = ep.op
+    if not ep.has_body or op is _CANCEL:
         return view
-    api = ep.api
-    decoder = _DECODERS.get(api) if ep.op in (Op.CREATE, Op.COUNT_TOKENS) else None
+    parser = _PARSERS.get(ep.api) if op in _TYPED_OPS else None
     try:
         if not body or body.isspace():  # strip() would copy a body ending in a newline
             raise InvalidRequest("request body is empty; expected a JSON object")
@@ -295,7 +292,7 @@ def parse_request(
             raise InvalidRequest(
                 f"request body nests arrays and objects deeper than {max_depth} levels"
             )
-        parsed = (decoder or _ANY).decode(body)
+        parsed = (_ANY if parser is None else parser[0]).decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(_validation_message(exc), param=_param_of(exc)) from None
     except msgspec.DecodeError as exc:
@@ -303,20 +300,11 @@ def parse_request(
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply") from None
     view.model = parsed.model
-    view.has_dp_rank = parsed.data_parallel_rank is not msgspec.UNSET
-    if decoder is None:
+    view.has_dp_rank = parsed.data_parallel_rank is not _UNSET
+    if parser is None:
         return view
-    if isinstance(parsed, _Chat):
-        _chat(view, parsed, want_text)
-    elif isinstance(parsed, _Completion):
-        _completion(view, parsed, want_text)
-    elif isinstance(parsed, _Messages):
-        _messages(view, parsed, want_text)
-    elif isinstance(parsed, _Responses):
-        _responses(view, parsed, want_text)
-    elif isinstance(parsed, _Generate):
-        _generate(view, parsed, want_text)
-    if ep.op is Op.COUNT_TOKENS:
+    parser[1](view, parsed, want_text)
+    if op is _COUNT_TOKENS:
         view.stream = False
     return view
 
@@ -501,3 +489,13 @@ def _content_text(content: Json) -> str:
                     chunks.append("<" + str(part.get("type", "part")) + ">")
         return "\n".join(chunks)
     return ""
+
+
+#: the typed decoder of each API's create body, and what reads the result
+_PARSERS: dict[Api, tuple[msgspec.json.Decoder[Any], Callable[[RequestView, Any, bool], None]]] = {
+    Api.CHAT: (msgspec.json.Decoder(_Chat), _chat),
+    Api.COMPLETIONS: (msgspec.json.Decoder(_Completion), _completion),
+    Api.MESSAGES: (msgspec.json.Decoder(_Messages), _messages),
+    Api.RESPONSES: (msgspec.json.Decoder(_Responses), _responses),
+    Api.GENERATE: (msgspec.json.Decoder(_Generate), _generate),
+}

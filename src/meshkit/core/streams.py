@@ -104,6 +104,8 @@ class _Indexed(msgspec.Struct):
 _lifecycle_decoder = msgspec.json.Decoder(_Lifecycle)
 _index_decoder = msgspec.json.Decoder(_Indexed)
 
+# Read per request: a module global is cheaper than an enum member's attribute.
+_NONE, _RESPONSES = StreamFormat.NONE, StreamFormat.RESPONSES
 _DONE = b"[DONE]"
 _BOM = b"\xef\xbb\xbf"
 # After a "usage" key: a non-null value never starts with "n", and whitespace
@@ -149,7 +151,13 @@ _HANDLERS = {
 }
 
 
+def _ignore(name: bytes | None, payload: bytes, now: float) -> None:
+    return None
+
+
 def _int(v: object) -> int:
+    if type(v) is int:  # the common case, without two isinstance calls
+        return v if v > 0 else 0
     if isinstance(v, int) and not isinstance(v, bool):
         return v if v > 0 else 0
     if isinstance(v, float) and v.is_integer() and v > 0:
@@ -308,7 +316,7 @@ class StreamAccountant:
         self.malformed = 0
         #: the Responses API id of the stored response
         self.response_id: str | None = None
-        self._sse = streaming and fmt is not StreamFormat.NONE
+        self._sse = streaming and fmt is not _NONE
         self._buf = bytearray()
         self._scan = 0
         self._cr = False
@@ -319,7 +327,10 @@ class StreamAccountant:
         self._gen_raw: dict[int, bytes] = {}
         self._gen_usage: dict[int, Usage] = {}
         self._anthropic_usage = [0, 0, 0, 0]
-        self._handler: _Handler = getattr(self, _HANDLERS.get(fmt, "_on_ignored"))
+        # Only SSE bodies are framed into events (no bound method otherwise).
+        self._handler: _Handler = (
+            getattr(self, _HANDLERS.get(fmt, "_on_ignored")) if self._sse else _ignore
+        )
 
     # -- results ---------------------------------------------------------------
 
@@ -389,11 +400,12 @@ class StreamAccountant:
         if self._stopped:
             return
         self._stopped = True
+        if not self._sse:
+            self._finish_body(self._buf, now)  # decoded in place, not copied
+            self._buf.clear()
+            return
         tail = bytes(self._buf)
         self._buf.clear()
-        if not self._sse:
-            self._finish_body(tail, now)
-            return
         if self._cr:
             tail += b"\n"
             self._cr = False
@@ -649,8 +661,8 @@ class StreamAccountant:
             self.error = _code(err, "error")
             self._set_done()
 
-    def _finish_body(self, body: bytes, now: float) -> None:
-        if not body.strip():
+    def _finish_body(self, body: bytes | bytearray, now: float) -> None:
+        if not body or body.isspace():  # strip() would copy the body
             return
         try:
             obj = _decode(body)
@@ -683,7 +695,7 @@ class StreamAccountant:
             self._usage = total
         if output:
             self.first_token_at = now
-        if self.fmt is StreamFormat.RESPONSES and isinstance(obj, dict):
+        if self.fmt is _RESPONSES and isinstance(obj, dict):
             rid = obj.get("id")
             if isinstance(rid, str) and rid:
                 self.response_id = rid

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from meshkit.core.endpoints import Api
@@ -214,6 +215,9 @@ class Fleet:
         self.unhealthy: set[str] = set()
         #: a change counter policies use to rebuild derived structures (rings)
         self.version = 0
+        #: what callers derive from the workers alone (placement's eligibility
+        #: lists), cleared when they change; workers are not mutated once added
+        self.derived: dict[object, Any] = {}
         for w in workers:
             self.add(w)
 
@@ -261,14 +265,19 @@ class Fleet:
     def _rebuild(self) -> None:
         self.candidates = tuple(c for cs in self._by_worker.values() for c in cs)
         self.version += 1
+        self.derived.clear()
 
     def admits(self, worker: Worker) -> bool:
         """Whether ``worker`` may take one more request under both admission limits."""
+        return not self.at_limit(worker)
+
+    def at_limit(self, worker: Worker) -> bool:
+        """Whether one more request on ``worker`` would pass an admission limit."""
         cap = self.max_in_flight
         if cap and self.in_flight >= cap:
-            return False
+            return True
         per = self.max_in_flight_per_worker
-        return not per or self.worker_load.get(worker.id, 0) < per
+        return bool(per) and self.worker_load.get(worker.id, 0) >= per
 
     def acquire(self, cand: Candidate, weight: int = 0) -> None:
         self.load[cand.key] = self.load.get(cand.key, 0) + 1
@@ -283,30 +292,36 @@ class Fleet:
         if held_s is not None and held_s >= 0:
             hold = self.hold_s
             self.hold_s = held_s if hold == 0.0 else hold + (held_s - hold) * _HOLD_ALPHA
-        n = self.load.get(cand.key, 0) - 1
-        w = self.weight.get(cand.key, 0) - weight
+        key = cand.key
+        n = self.load.get(key, 0) - 1
+        w = self.weight.get(key, 0) - weight
         if n < 0:
             # Never negative: a double release is a bug upstream, not a reason to
             # corrupt every later placement.
             return
         wid = cand.worker.id
-        self.in_flight = max(self.in_flight - 1, 0)
-        wn = max(self.worker_load.get(wid, 0) - 1, 0)
+        if self.in_flight > 0:
+            self.in_flight -= 1
+        wn = self.worker_load.get(wid, 0) - 1
+        if wn < 0:
+            wn = 0
+        if w < 0:
+            w = 0
         if wid not in self._workers:
             # A removed worker's counts live only while its requests do.
             if n == 0:
-                self.load.pop(cand.key, None)
-                self.weight.pop(cand.key, None)
+                self.load.pop(key, None)
+                self.weight.pop(key, None)
             else:
-                self.load[cand.key] = n
-                self.weight[cand.key] = max(w, 0)
+                self.load[key] = n
+                self.weight[key] = w
             if wn == 0:
                 self.worker_load.pop(wid, None)
             else:
                 self.worker_load[wid] = wn
             return
-        self.load[cand.key] = n
-        self.weight[cand.key] = max(w, 0)
+        self.load[key] = n
+        self.weight[key] = w
         self.worker_load[wid] = wn
 
     def healthy(self, worker: Worker) -> bool:

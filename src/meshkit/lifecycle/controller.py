@@ -74,6 +74,7 @@ IDEMPOTENCY_KEY = "mesh.idempotency_key"
 NO_WAIT = "mesh.no_wait"
 
 _ROUTABLE = (Disposition.ROUTE, Disposition.FALLBACK)
+_SUCCESS = Verdict.SUCCESS  # read per request: a global is cheaper than the member
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 
 
@@ -408,7 +409,7 @@ class Lifecycle:
         ended = self.leases.end(entry, now)
         wid = entry.worker_id
         # A success on a worker whose breaker is clean changes nothing: skip it.
-        if verdict is not Verdict.SUCCESS or wid in self.breaker_dirty:
+        if verdict is not _SUCCESS or wid in self.breaker_dirty:
             m = self.machines.get(wid)
             if m is not None:
                 before = (m.breaker, m.trial, m.breaker_failures > 0)

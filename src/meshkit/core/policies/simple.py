@@ -23,8 +23,16 @@ class RoundRobin(BasePolicy):
 
     def select(self, ctx: PlacementContext) -> Candidate:
         order = ctx.fleet or ctx.candidates
-        allowed = {c.key for c in ctx.candidates}
         n = len(order)
+        if n:
+            # The candidate at the cursor is usually eligible: found by identity,
+            # it is what the walk below would pick, without building a key set.
+            at = order[self._next % n]
+            for c in ctx.candidates:
+                if c is at:
+                    self._next = (self._next + 1) % n
+                    return at
+        allowed = {c.key for c in ctx.candidates}
         for step in range(n):
             cand = order[(self._next + step) % n]
             if cand.key in allowed:
