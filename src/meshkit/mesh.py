@@ -391,28 +391,47 @@ class Mesh:
         return resolve(method, path)
 
     def _needs_pool(self, match: Match, body: bytes) -> bool:
-        tokenizing = self.policy.needs.prefix_tokens or match.endpoint.api is _TOKENIZE
-        if tokenizing and self.tokenizers.has_any():
+        if match.endpoint.api is _TOKENIZE and self.tokenizers.has_any():
             return True
         return len(body) > self.config.prepare.inline_threshold_bytes
 
     def _prepare_job(self, match: Match, body: bytes) -> RequestView:
         if match.endpoint.api is _TOKENIZE and self.tokenizers.has_any():
             return self._tokenize_job(match, body)
+        view = self._parse(match, body)
+        self._prefix(view, fast_only=False)
+        return view
+
+    def _parse(self, match: Match, body: bytes) -> RequestView:
         needs = self.policy.needs
         want_text = needs.text or needs.prefix_tokens is not None
         depth = self.config.bounds.max_json_depth
-        view = parse_request(match, body, want_text=want_text, max_depth=depth)
-        n = needs.prefix_tokens
-        if n and view.token_ids is None and view.routing_text:
-            tok = self.tokenizers.get(view.model)
-            if tok is not None:
-                if len(body) > self.config.prepare.max_tokenize_bytes:
-                    raise RequestTooLarge(
-                        "the prompt is larger than prepare.max_tokenize_bytes allows"
-                    )
-                view.token_ids = tok.prefix_ids(view.routing_text, n)
-        return view
+        return parse_request(match, body, want_text=want_text, max_depth=depth)
+
+    def _prefix(self, view: RequestView, *, fast_only: bool) -> bool:
+        """The prefix token ids the policy reads, when it reads some.
+
+        :param fast_only: only through tiktoken (``prefix_ids_fast``), as on the
+            calling thread: a prefix of a few hundred ids costs tens of µs there,
+            less than the hop to a pool thread and back. False when a piece needs
+            ``tokenizers`` (slower): then the caller runs this on the pool.
+        """
+        n = self.policy.needs.prefix_tokens
+        if not n or view.token_ids is not None or not view.routing_text:
+            return True
+        tok = self.tokenizers.get(view.model)
+        if tok is None:
+            return True
+        if len(view.body) > self.config.prepare.max_tokenize_bytes:
+            raise RequestTooLarge("the prompt is larger than prepare.max_tokenize_bytes allows")
+        if not fast_only:
+            view.token_ids = tok.prefix_ids(view.routing_text, n)
+            return True
+        ids = tok.prefix_ids_fast(view.routing_text, n)
+        if ids is None:
+            return False
+        view.token_ids = ids
+        return True
 
     def _tokenize_job(self, match: Match, body: bytes) -> RequestView:
         """/v1/tokenize and /v1/detokenize answered by the mesh in the vLLM shapes."""
@@ -495,7 +514,9 @@ class Mesh:
         if self._needs_pool(match, body):
             view = self.pool.run(lambda: self._prepare_job(match, body))
         else:
-            view = self._prepare_job(match, body)
+            view = self._parse(match, body)
+            if not self._prefix(view, fast_only=True):
+                self.pool.run(lambda: self._prefix(view, fast_only=False))
         return self._finish_view(view, heads, query)
 
     async def prepare_async(
@@ -506,7 +527,9 @@ class Mesh:
         if self._needs_pool(match, body):
             view = await self.pool.run_async(lambda: self._prepare_job(match, body))
         else:
-            view = self._prepare_job(match, body)
+            view = self._parse(match, body)
+            if not self._prefix(view, fast_only=True):
+                await self.pool.run_async(lambda: self._prefix(view, fast_only=False))
         return self._finish_view(view, heads, query)
 
     def forward(self, view: RequestView, headers: Headers, method: str = "POST") -> ForwardFlow:

@@ -1,0 +1,121 @@
+"""Prefix tokens on the calling thread where tiktoken covers them, on the pool otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshkit import Mesh
+from meshkit.prepare.tokenizers import LoadedTokenizer
+
+pytest.importorskip("tiktoken")
+
+N = 64
+HEADERS = [(b"content-type", b"application/json")]
+
+
+@pytest.fixture
+def mesh(qwen_path: Path) -> Any:
+    m = Mesh(
+        workers=["http://127.0.0.1:9"],
+        policy="prefix_hash",
+        tokenizer=str(qwen_path),
+        policies={"prefix_hash": {"prefix_token_count": N}},
+        lifecycle={"probe": False},
+    )
+    yield m
+    m.close()
+
+
+def _body(prompt: str) -> bytes:
+    return json.dumps({"model": "m", "prompt": prompt}).encode()
+
+
+def _threads_that_tokenized(mesh: Mesh, prepare: Any) -> set[str]:
+    """Run ``prepare`` and name the threads that called prefix_ids / prefix_ids_fast."""
+    seen: set[str] = set()
+    base = mesh.tokenizers.get(None)
+    assert base is not None
+    calls: list[tuple[str, str]] = []
+    real_fast, real_full = LoadedTokenizer.prefix_ids_fast, LoadedTokenizer.prefix_ids
+
+    def fast(self: LoadedTokenizer, text: str, n: int) -> list[int] | None:
+        calls.append(("fast", threading.current_thread().name))
+        return real_fast(self, text, n)
+
+    def full(self: LoadedTokenizer, text: str, n: int, **kw: Any) -> list[int]:
+        calls.append(("full", threading.current_thread().name))
+        return real_full(self, text, n, **kw)
+
+    LoadedTokenizer.prefix_ids_fast = fast  # type: ignore[method-assign]
+    LoadedTokenizer.prefix_ids = full  # type: ignore[method-assign]
+    try:
+        prepare()
+    finally:
+        LoadedTokenizer.prefix_ids_fast = real_fast  # type: ignore[method-assign]
+        LoadedTokenizer.prefix_ids = real_full  # type: ignore[method-assign]
+    for kind, name in calls:
+        seen.add(f"{kind}@{'caller' if name == threading.current_thread().name else 'pool'}")
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_covered_prompt_is_tokenized_on_the_calling_thread(
+    mesh: Mesh, qwen: LoadedTokenizer, mode: str
+) -> None:
+    prompt = "Every word here is plain ASCII text. " * 40
+    match = mesh.resolve("POST", "/v1/completions")
+    assert match is not None
+    views: list[Any] = []
+
+    def prepare() -> None:
+        if mode == "sync":
+            views.append(mesh.prepare(match, _body(prompt), HEADERS))
+        else:
+            views.append(asyncio.run(mesh.prepare_async(match, _body(prompt), HEADERS)))
+
+    assert _threads_that_tokenized(mesh, prepare) == {"fast@caller"}
+    assert views[0].token_ids == qwen.encode(prompt, add_special_tokens=False)[:N]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_prompt_tiktoken_declines_goes_to_the_pool(
+    mesh: Mesh, qwen: LoadedTokenizer, mode: str
+) -> None:
+    prompt = "cafe\u0301 is not NFC. " + "more words " * 40  # a decomposed accent
+    match = mesh.resolve("POST", "/v1/completions")
+    assert match is not None
+    views: list[Any] = []
+
+    def prepare() -> None:
+        if mode == "sync":
+            views.append(mesh.prepare(match, _body(prompt), HEADERS))
+        else:
+            views.append(asyncio.run(mesh.prepare_async(match, _body(prompt), HEADERS)))
+
+    assert _threads_that_tokenized(mesh, prepare) == {"fast@caller", "full@pool"}
+    assert views[0].token_ids == qwen.encode(prompt, add_special_tokens=False)[:N]
+
+
+def test_without_the_fast_path_prefix_tokens_stay_on_the_pool(qwen_path: Path) -> None:
+    mesh = Mesh(
+        workers=["http://127.0.0.1:9"],
+        policy="prefix_hash",
+        tokenizer=str(qwen_path),
+        policies={"prefix_hash": {"prefix_token_count": N}},
+        lifecycle={"probe": False},
+        prepare={"fast_tokenizer": False},
+    )
+    try:
+        match = mesh.resolve("POST", "/v1/completions")
+        assert match is not None
+        body = _body("plain words " * 40)
+        seen = _threads_that_tokenized(mesh, lambda: mesh.prepare(match, body, HEADERS))
+        assert seen == {"fast@caller", "full@pool"}
+    finally:
+        mesh.close()
