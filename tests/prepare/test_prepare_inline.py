@@ -65,10 +65,17 @@ def _threads_that_tokenized(mesh: Mesh, prepare: Any) -> set[str]:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_covered_prompt_is_tokenized_on_the_calling_thread(
-    mesh: Mesh, qwen: LoadedTokenizer, mode: str
+@pytest.mark.parametrize(
+    ("prompt", "where"),
+    [
+        ("Every word here is plain ASCII text. " * 40, {"fast@caller"}),
+        # a decomposed accent: not NFC, so tiktoken declines the piece
+        ("cafe\u0301 is not NFC. " + "more words " * 40, {"fast@caller", "full@pool"}),
+    ],
+)
+def test_prefix_ids_where_tiktoken_covers_them_else_on_the_pool(
+    mesh: Mesh, qwen: LoadedTokenizer, mode: str, prompt: str, where: set[str]
 ) -> None:
-    prompt = "Every word here is plain ASCII text. " * 40
     match = mesh.resolve("POST", "/v1/completions")
     assert match is not None
     views: list[Any] = []
@@ -79,26 +86,7 @@ def test_a_covered_prompt_is_tokenized_on_the_calling_thread(
         else:
             views.append(asyncio.run(mesh.prepare_async(match, _body(prompt), HEADERS)))
 
-    assert _threads_that_tokenized(mesh, prepare) == {"fast@caller"}
-    assert views[0].token_ids == qwen.encode(prompt, add_special_tokens=False)[:N]
-
-
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_prompt_tiktoken_declines_goes_to_the_pool(
-    mesh: Mesh, qwen: LoadedTokenizer, mode: str
-) -> None:
-    prompt = "cafe\u0301 is not NFC. " + "more words " * 40  # a decomposed accent
-    match = mesh.resolve("POST", "/v1/completions")
-    assert match is not None
-    views: list[Any] = []
-
-    def prepare() -> None:
-        if mode == "sync":
-            views.append(mesh.prepare(match, _body(prompt), HEADERS))
-        else:
-            views.append(asyncio.run(mesh.prepare_async(match, _body(prompt), HEADERS)))
-
-    assert _threads_that_tokenized(mesh, prepare) == {"fast@caller", "full@pool"}
+    assert _threads_that_tokenized(mesh, prepare) == where
     assert views[0].token_ids == qwen.encode(prompt, add_special_tokens=False)[:N]
 
 
