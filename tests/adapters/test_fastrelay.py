@@ -590,6 +590,60 @@ def test_stalled_body_is_protocol(run: Callable[[Coroutine[Any, Any, None]], Non
     run(go())
 
 
+def test_silence_is_bounded_on_every_request_of_a_keep_alive_connection(
+    run: Callable[[Coroutine[Any, Any, None]], None],
+) -> None:
+    """The read timer stays armed across the requests of a connection (it is not
+    re-created per request): it still bounds the silence of a later request, and
+    never closes the connection while it idles in the pool."""
+
+    async def script(srv: RawServer, w: asyncio.StreamWriter, n: int, h: bytes, b: bytes) -> bool:
+        if n < 2:
+            return await ok_script(srv, w, n, h, b)
+        return await _stall(srv, w, n, h, b)
+
+    async def go() -> None:
+        async with RawServer(script) as srv:
+            up = FastUpstream(config(read_timeout_s=0.1))
+            try:
+                assert (await collect(up, attempt(srv.url + "/x", b"{}")))[2] == b"ok"
+                await asyncio.sleep(0.3)  # idle past the timeout: the timer finds it idle
+                assert (await collect(up, attempt(srv.url + "/x", b"{}")))[2] == b"ok"
+                assert srv.accepts == 1 and srv.eofs == 0
+                with pytest.raises(UpstreamFailure) as info:
+                    await up.send(attempt(srv.url + "/x", b"{}"))
+                assert info.value.failure is Failure.TIMEOUT
+                assert srv.accepts == 1
+                await asyncio.sleep(0.05)
+                assert srv.eofs == 1
+                assert settled(up)
+            finally:
+                await up.aclose()
+
+    run(go())
+
+
+def test_whole_is_the_body_only_once_it_ended(
+    run: Callable[[Coroutine[Any, Any, None]], None],
+) -> None:
+    async def go() -> None:
+        reply = scripted(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n01234", b"56789")
+        async with RawServer(reply) as srv:
+            up = FastUpstream()
+            try:
+                ex = await up.send(attempt(srv.url + "/x", b"{}"))
+                assert ex.whole() is None  # half of it arrived
+                await asyncio.sleep(0.1)
+                assert ex.whole() == b"0123456789"
+                assert [c async for c in ex.chunks()] == []  # taken
+                await ex.aclose()
+                assert settled(up)
+            finally:
+                await up.aclose()
+
+    run(go())
+
+
 @pytest.mark.parametrize("how", ["reset", "fin-chunked", "fin-length"])
 def test_reset_mid_body_is_protocol(
     run: Callable[[Coroutine[Any, Any, None]], None], how: str

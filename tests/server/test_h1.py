@@ -11,6 +11,7 @@ time is polled for (``wait_until``), and durations only come from the mocks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -372,6 +373,41 @@ def test_keep_alive_serves_many_requests_on_one_connection(gateway: Any) -> None
     assert served.conns() == 1
     assert api_requests(worker) == 25
     raw.close()
+    assert_settled(mesh)
+
+
+def test_one_task_answers_a_connection_in_turn_and_ends_with_it(gateway: Any) -> None:
+    """A connection's requests, one after another or pipelined, run in one task
+    that idles between them and ends with the connection: none is left behind."""
+    served, _, mesh = gateway(output_tokens=3)
+
+    def tasks() -> int:
+        return int(served.call(lambda: len(asyncio.all_tasks())))
+
+    before = tasks()
+    raw = Raw(served.url)
+    raw.send(request("POST", PATH, chat("q")))
+    assert raw.response().status == 200
+    conn = served.conn_of(raw)
+    assert conn is not None
+
+    def runner() -> int:
+        return int(served.call(lambda: id(conn._runner)))
+
+    runners = {runner()}
+    for i in range(2):
+        raw.send(request("POST", PATH, chat(f"q{i}")))
+        assert raw.response().status == 200
+        runners.add(runner())
+    raw.send(b"".join(request("POST", PATH, chat(f"p{i}")) for i in range(3)))
+    for _ in range(3):
+        assert raw.response().status == 200
+    runners.add(runner())
+    assert len(runners) == 1
+    assert wait_until(lambda: tasks() == before + 1)  # the idle runner
+    raw.close()
+    assert wait_until(lambda: served.conns() == 0)
+    assert wait_until(lambda: tasks() == before)
     assert_settled(mesh)
 
 

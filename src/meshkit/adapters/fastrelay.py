@@ -25,7 +25,7 @@ was ~37 % of a 1 KiB proxy's samples)::
   ``Content-Length``, chunked and read-until-close bodies; interim 1xx skipped;
 * ``read_timeout_s`` bounds the worker's silence while a response head or a body
   chunk is awaited (``Failure.TIMEOUT`` before the head, ``Failure.PROTOCOL``
-  from ``chunks()`` after it) with one timer per request, re-armed lazily;
+  from ``chunks()`` after it) with one timer per connection, re-armed lazily;
 * a *reused* connection that ends before any response byte (the worker closed an
   idle keep-alive, as SGLang does after 5 s) is retried once, transparently, on a
   new connection; a new connection that does the same is ``Failure.CONNECT``, so

@@ -14,10 +14,11 @@ The moving parts behind :class:`~meshkit.adapters.fastrelay.FastUpstream`:
 A connection serves one request at a time. It goes back to its pool when the
 parser reports the end of the response (the body is then buffered in the
 exchange, whoever reads it), keep-alive allowed and nothing went wrong; any other
-end closes it. Silence is bounded by one timer per request, re-armed lazily from
-the time of the last byte received (no timer per chunk). Reading pauses while
-more than :data:`HIGH_WATER` bytes wait unread and resumes below
-:data:`LOW_WATER`.
+end closes it. Silence is bounded by one timer per connection, re-armed lazily
+from the time of the last byte received: none per chunk, and none per request of
+a keep-alive connection (it stays armed, and drops once it finds the connection
+idle). Reading pauses while more than :data:`HIGH_WATER` bytes wait unread and
+resumes below :data:`LOW_WATER`.
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ class Exchange:
 
     def chunks(self) -> Exchange:
         return self
+
+    def whole(self) -> bytes | None:
+        """The entire body when it already ended (the common small response, read
+        with its head), else None: then read it from :meth:`chunks`."""
+        if not self._done:
+            return None
+        q = self._chunks
+        data = q.popleft() if len(q) == 1 else b"".join(q)
+        q.clear()
+        self._buffered = 0
+        return data
 
     def __aiter__(self) -> Exchange:
         return self
@@ -202,7 +214,10 @@ class Conn(asyncio.Protocol):
         self._head_only = head_only
         if self._timeout > 0:
             self._last_io = self._time()
-            self._timer = self.loop.call_later(self._timeout, self._on_timer)
+            if self._timer is None:
+                # Left armed across the requests of a keep-alive connection: it
+                # re-arms from _last_io when it fires, and drops when idle.
+                self._timer = self.loop.call_later(self._timeout, self._on_timer)
         if body:
             transport.writelines((head, body))
         else:
@@ -242,10 +257,6 @@ class Conn(asyncio.Protocol):
         assert ex is not None
         self._ex = None
         self._headers = []
-        timer = self._timer
-        if timer is not None:
-            self._timer = None
-            timer.cancel()
         ex._conn = None
         ex._done = True
         ex._wake()

@@ -8,9 +8,9 @@ the worker's response (or meshkit's own answer) and settle the books exactly
 once. The front end supplies a :class:`Downstream`, the only thing that differs
 between :class:`~meshkit.MeshMiddleware` (ASGI ``send`` messages) and the built-in
 server (bytes on its own transport), so both take the same steps in the same
-order: accounting closes before the client holds the last byte of a response,
-and an upstream failure after the first byte ends the stream with one error
-event in its own framing.
+order: accounting closes before the loop takes the client's next request (with
+no await between the last write and the books), and an upstream failure after
+the first byte ends the stream with one error event in its own framing.
 """
 
 from __future__ import annotations
@@ -106,6 +106,21 @@ class Routed:
         acct = self.acct = mesh.account(view, final.attempt.lease, exchange.status)
         self.started = True
         await down.start(exchange.status, response_headers(exchange.headers))
+        # An exchange may offer ``whole()``: the body, when it all arrived with its
+        # head (the common small answer). One write then, and no iteration.
+        whole = getattr(exchange, "whole", None)
+        data = whole() if whole is not None else None
+        if data is not None:
+            acct.feed(data)
+            self.responded = True
+            await down.end(data)
+            # Closed after the write, yet before the loop can read the client's next
+            # request: ``end`` hands its bytes over before it could suspend (for a
+            # drain, which wakes this task before the client can have read them).
+            # Writing first lets that request arrive while this one finishes.
+            acct.end()
+            self.final = None  # the books are closed and the exchange ended: nothing to settle
+            return
         try:
             async for chunk in exchange.chunks():
                 acct.feed(chunk)
@@ -132,13 +147,15 @@ class Routed:
         final = self.final
         if final is None:
             return
-        if self.acct is not None:
+        acct = self.acct
+        if acct is not None:
+            # Closing the books releases the lease (once): nothing else to release.
             if self.responded:
-                self.acct.end()
+                acct.end()
             else:
-                self.acct.abort(client_left=self.client_left)
+                acct.abort(client_left=self.client_left)
         if isinstance(final, Relayed):
             await final.exchange.aclose()
-        if final.attempt is not None:
+        if acct is None and final.attempt is not None:
             # Idempotent: a no-op when accounting released it already.
             final.attempt.lease.release(ok=self.responded)

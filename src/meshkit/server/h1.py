@@ -120,7 +120,12 @@ class H1Conn(asyncio.Protocol):
         self._head_limit = 2 * self.max_head + 65536
         # the request being answered, and those parsed behind it
         self.queue: deque[Request] = deque()
+        #: the task answering a request (None when idle): the connection's runner
         self.task: asyncio.Task[None] | None = None
+        # One runner task per connection answers its requests in turn (a task per
+        # request costs more than waking one); it idles on _waiter between them.
+        self._runner: asyncio.Task[None] | None = None
+        self._waiter: asyncio.Future[Request | None] | None = None
         self.routed: Routed | None = None
         self.req: Request | None = None
         self.framing = Framing.LENGTH
@@ -150,6 +155,9 @@ class H1Conn(asyncio.Protocol):
             if self.routed is not None:
                 self.routed.client_left = True
             self.task.cancel()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)  # the idle runner ends
         self._wake_writer()
 
     def eof_received(self) -> bool | None:
@@ -358,7 +366,27 @@ class H1Conn(asyncio.Protocol):
         self.keep_alive = req.keep_alive and not self.server.draining
         self.pending = b""
         self.status = 0
-        self.task = self.loop.create_task(self._run(req))
+        runner = self._runner
+        if runner is None:
+            runner = self._runner = self.loop.create_task(self._serve(req))
+        elif self._waiter is not None:
+            waiter, self._waiter = self._waiter, None
+            waiter.set_result(req)
+        # else: _finish started a pipelined request; the runner takes it next
+        self.task = runner
+
+    async def _serve(self, req: Request | None) -> None:
+        try:
+            while req is not None:
+                await self._run(req)
+                req = self.req  # the pipelined request _finish started, if any
+                if req is None:
+                    if self.closed:
+                        return
+                    waiter = self._waiter = self.loop.create_future()
+                    req = await waiter
+        finally:
+            self._runner = self._waiter = None
 
     async def _run(self, req: Request) -> None:
         try:
@@ -367,7 +395,23 @@ class H1Conn(asyncio.Protocol):
             elif req.match is None:
                 await self.server.bridge(self, req)
             else:
-                await self._route(req, req.match)
+                # Inlined (not a coroutine of its own): one frame less to create
+                # and to resume through on every wake-up of the request.
+                routed = self.routed = Routed(self.mesh, self.server.upstream, req.match, self)
+                try:
+                    await routed.route(
+                        req.method, req.body, req.headers, req.query.decode("latin-1")
+                    )
+                except asyncio.CancelledError:
+                    if not routed.client_left:
+                        raise
+                    task = asyncio.current_task()
+                    if task is not None:
+                        task.uncancel()
+                except MeshError as exc:
+                    await routed.fail(exc)
+                finally:
+                    await routed.settle()
         except asyncio.CancelledError:
             self.keep_alive = False  # shutdown: no pipelined request starts after this one
             if not self.closed:
@@ -381,21 +425,6 @@ class H1Conn(asyncio.Protocol):
                 await self.whole(500, [(b"content-type", b"application/json")], _INTERNAL)
         finally:
             self._finish(req)
-
-    async def _route(self, req: Request, match: Match) -> None:
-        routed = self.routed = Routed(self.mesh, self.server.upstream, match, self)
-        try:
-            await routed.route(req.method, req.body, req.headers, req.query.decode("latin-1"))
-        except asyncio.CancelledError:
-            if not routed.client_left:
-                raise
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
-        except MeshError as exc:
-            await routed.fail(exc)
-        finally:
-            await routed.settle()
 
     def _finish(self, req: Request) -> None:
         self.task = None
