@@ -164,3 +164,17 @@ def test_response_headers_keep_repeats_and_encoding() -> None:
 def test_response_hop_by_hop_dropped(name: bytes) -> None:
     out = response_headers([(name.upper(), b"x"), (b"x-a", b"1")])
     assert out == [(b"x-a", b"1")]
+
+
+@pytest.mark.parametrize("value", [b"keep-alive", b"Keep-Alive", b"close", b"keep-alive, x-hop"])
+def test_connection_values_on_the_short_path_and_the_long_one(value: bytes) -> None:
+    upstream: H = [
+        (b"Connection", value),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"X-Hop", b"1"),
+        (b"Content-Type", b"application/json"),
+    ]
+    kept = names(response_headers(upstream))
+    assert b"connection" not in kept and b"keep-alive" not in kept
+    assert (b"x-hop" in kept) == (b"x-hop" not in value)
+    assert b"content-type" in kept

@@ -66,6 +66,10 @@ def _dropped(base: frozenset[bytes], items: list[tuple[bytes, bytes]]) -> frozen
     return base
 
 
+# The usual Connection values name no other header: no second pass for them.
+_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close"})
+
+
 def _kept(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> Headers:
     """``headers`` with lower-cased names, minus ``drop`` and the names a
     ``Connection`` header lists (rare: a second pass then)."""
@@ -76,7 +80,7 @@ def _kept(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> Hea
         k = k.lower()
         if k not in drop:
             out.append((k, v))
-        elif k == b"connection":
+        elif k == b"connection" and v.lower() not in _PLAIN_CONNECTION:
             items = [(k.lower(), v) for k, v in headers]
             drop = _dropped(drop, items)
             return [(k, v) for k, v in items if k not in drop]
