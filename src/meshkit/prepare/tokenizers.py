@@ -508,6 +508,7 @@ class _Info:
     mode: CutMode
     appendable: bool  # ids(T) == ids(T[:c]) + ids(T[c:]) at a safe cut c
     added: tuple[str, ...]  # added-token contents of 2+ characters, longest first
+    added_firsts: str  # their first characters, each once
     normalized_added: bool  # some added token is matched after normalization
     head: tuple[int, ...] | None  # ids the post-processor puts before every text
     fast: FastEncoder | None  # tiktoken, exact for prefix pieces (shared: it has no lock)
@@ -540,6 +541,7 @@ class _Info:
             mode=mode,
             appendable=appendable(tokenizer, mode),
             added=tuple(reversed(added)),
+            added_firsts="".join(sorted({t[0] for t in added})),
             normalized_added=tokenizer.normalizer is not None
             and any(t.normalized for t in added_tokens),
             head=_measure_head(tokenizer),
@@ -795,7 +797,8 @@ class LoadedTokenizer:
             return False
         longest = len(added[0])
         lo = max(0, cut - longest + 1)
-        if _occurs_across(text[lo : cut + longest - 1], cut - lo, added):
+        firsts = self._info.added_firsts
+        if _occurs_across(text[lo : cut + longest - 1], cut - lo, added, firsts):
             return True
         normalizer = self.tokenizer.normalizer
         if self._info.normalized_added and normalizer is not None:
@@ -804,7 +807,7 @@ class LoadedTokenizer:
             reach = 4 * longest
             left = normalizer.normalize_str(text[max(0, cut - reach) : cut])
             right = normalizer.normalize_str(text[cut : cut + reach])
-            return _occurs_across(left + right, len(left), added)
+            return _occurs_across(left + right, len(left), added, firsts)
         return False
 
     # -- chat ------------------------------------------------------------------------
@@ -846,7 +849,12 @@ def _aim(text: str, n: int) -> int:
     return max(1, nbytes * len(window) // size)
 
 
-def _occurs_across(window: str, cut: int, tokens: Sequence[str]) -> bool:
+def _occurs_across(window: str, cut: int, tokens: Sequence[str], firsts: str) -> bool:
+    head = window[:cut]
+    # A token across the cut starts before it: without one of the tokens' first
+    # characters there (Qwen's all start with "<"), no token needs looking for.
+    if not any(ch in head for ch in firsts):
+        return False
     for token in tokens:
         # An occurrence across the cut starts in (cut - len, cut): find the first
         # one from the lowest such start; any later start is past the cut.
