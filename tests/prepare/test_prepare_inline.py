@@ -19,15 +19,20 @@ N = 64
 HEADERS = [(b"content-type", b"application/json")]
 
 
-@pytest.fixture
-def mesh(qwen_path: Path) -> Any:
-    m = Mesh(
+def _mesh(qwen_path: Path, **config: Any) -> Mesh:
+    return Mesh(
         workers=["http://127.0.0.1:9"],
         policy="prefix_hash",
         tokenizer=str(qwen_path),
         policies={"prefix_hash": {"prefix_token_count": N}},
         lifecycle={"probe": False},
+        **config,
     )
+
+
+@pytest.fixture
+def mesh(qwen_path: Path) -> Any:
+    m = _mesh(qwen_path)
     yield m
     m.close()
 
@@ -91,14 +96,7 @@ def test_prefix_ids_where_tiktoken_covers_them_else_on_the_pool(
 
 
 def test_without_the_fast_path_prefix_tokens_stay_on_the_pool(qwen_path: Path) -> None:
-    mesh = Mesh(
-        workers=["http://127.0.0.1:9"],
-        policy="prefix_hash",
-        tokenizer=str(qwen_path),
-        policies={"prefix_hash": {"prefix_token_count": N}},
-        lifecycle={"probe": False},
-        prepare={"fast_tokenizer": False},
-    )
+    mesh = _mesh(qwen_path, prepare={"fast_tokenizer": False})
     try:
         match = mesh.resolve("POST", "/v1/completions")
         assert match is not None
