@@ -265,7 +265,7 @@ class Accounting:
             m.stream_overflows.labels(api).inc()
         rid = acct.response_id
         # Nothing to remember and nobody listening: no Completion, no lock.
-        if not (rid and ok) and not _hears_completions(mesh.policy):
+        if not (rid and ok) and not mesh._policy_listens:
             return
         done = Completion(
             status=self.status,
@@ -319,7 +319,7 @@ class Mesh:
             max_in_flight_per_worker=up.in_flight_limit_per_worker,
         )
         opts = config.policies.get(config.policy, {}) if isinstance(config.policy, str) else {}
-        self.policy: Policy = create_policy(config.policy, opts)
+        self.policy = create_policy(config.policy, opts)
         self.affinity = ResponsesAffinity(
             max_entries=config.routing.responses_affinity_max,
             ttl_s=config.routing.responses_affinity_ttl_s,
@@ -383,6 +383,17 @@ class Mesh:
 
     def __repr__(self) -> str:
         return f"Mesh(workers={len(self.fleet.workers)}, policy={self.policy.name!r})"
+
+    @property
+    def policy(self) -> Policy:
+        """The placement policy (it may be replaced at runtime)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self._policy = policy
+        #: whether completions must be built for it (read once per request)
+        self._policy_listens = _hears_completions(policy)
 
     # -- the request path -------------------------------------------------------
 

@@ -107,48 +107,52 @@ def _head(request: Any, inference: bool, bounds: BoundsConfig) -> list[tuple[byt
         if error is not None:
             raise error
     if declared.isdigit() and int(declared) > bounds.max_body_bytes:
-        raise RequestTooLarge(f"request body is over {bounds.max_body_bytes} bytes")
+        raise _too_large(bounds.max_body_bytes)
     return out
 
 
-def _content(lib: ModuleType, request: Any) -> bytes | None:
+def _too_large(limit: int) -> RequestTooLarge:
+    return RequestTooLarge(f"request body is over {limit} bytes")
+
+
+def _held(lib: ModuleType, request: Any, limit: int) -> bytes | None:
     """The body, when the client library holds it in memory already (``content=``)."""
     try:
         body = request.content
     except lib.RequestNotRead:  # a streamed body: read piece by piece
         return None
-    return body if isinstance(body, bytes) else None
+    if not isinstance(body, bytes):
+        return None
+    if len(body) > limit:
+        raise _too_large(limit)
+    return body
 
 
 def _read_sync(lib: ModuleType, request: Any, limit: int) -> bytes:
     """The request body, refused as soon as it is over ``limit`` (never buffered whole)."""
-    body = _content(lib, request)
+    body = _held(lib, request, limit)
     if body is not None:
-        if len(body) > limit:
-            raise RequestTooLarge(f"request body is over {limit} bytes")
         return body
     chunks: list[bytes] = []
     total = 0
     for chunk in request.stream:
         total += len(chunk)
         if total > limit:
-            raise RequestTooLarge(f"request body is over {limit} bytes")
+            raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
 async def _read_async(lib: ModuleType, request: Any, limit: int) -> bytes:
-    body = _content(lib, request)
+    body = _held(lib, request, limit)
     if body is not None:
-        if len(body) > limit:
-            raise RequestTooLarge(f"request body is over {limit} bytes")
         return body
     chunks: list[bytes] = []
     total = 0
     async for chunk in request.stream:
         total += len(chunk)
         if total > limit:
-            raise RequestTooLarge(f"request body is over {limit} bytes")
+            raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -178,6 +182,9 @@ def _error_response(lib: ModuleType, exc: MeshError, path: str, mesh: Mesh) -> A
 
 
 class _Common:
+    #: the class of the library's own transport, built when no ``inner`` is given
+    _transport_class = "HTTPTransport"
+
     def __init__(self, mesh: Mesh | None, inner: Any) -> None:
         self.mesh = mesh if mesh is not None else Mesh.from_env()
         self._inner: dict[str, Any] = {}
@@ -202,6 +209,17 @@ class _Common:
                 up = self.mesh.config.upstream
                 self._cores[name] = CoreUpstream(core, up) if core is not None else None
             return self._cores[name]
+
+    def _transport(self, lib: ModuleType) -> Any:
+        """The library's own pooled transport (an ``inner`` one, if given)."""
+        t = self._inner.get(lib.__name__)
+        if t is None:
+            with self._inner_lock:
+                t = self._inner.get(lib.__name__)
+                if t is None:
+                    kind = getattr(lib, self._transport_class)
+                    t = self._inner[lib.__name__] = kind(limits=self._limits(lib))
+        return t
 
     def _limits(self, lib: ModuleType) -> Any:
         up = self.mesh.config.upstream
@@ -232,15 +250,6 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
 
     def __init__(self, mesh: Mesh | None = None, *, inner: Any = None) -> None:
         _Common.__init__(self, mesh, inner)
-
-    def _transport(self, lib: ModuleType) -> Any:
-        t = self._inner.get(lib.__name__)
-        if t is None:
-            with self._inner_lock:
-                t = self._inner.get(lib.__name__)
-                if t is None:
-                    t = self._inner[lib.__name__] = lib.HTTPTransport(limits=self._limits(lib))
-        return t
 
     def _sender(self, lib: ModuleType) -> Callable[[Attempt], Any]:
         core = self._core(lib)
@@ -296,17 +305,10 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
 class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
     """An async transport for ``httpx.AsyncClient`` and ``httpx2.AsyncClient``."""
 
+    _transport_class = "AsyncHTTPTransport"
+
     def __init__(self, mesh: Mesh | None = None, *, inner: Any = None) -> None:
         _Common.__init__(self, mesh, inner)
-
-    def _transport(self, lib: ModuleType) -> Any:
-        t = self._inner.get(lib.__name__)
-        if t is None:
-            with self._inner_lock:
-                t = self._inner.get(lib.__name__)
-                if t is None:
-                    t = self._inner[lib.__name__] = lib.AsyncHTTPTransport(limits=self._limits(lib))
-        return t
 
     def _sender(self, lib: ModuleType) -> Callable[[Attempt], Awaitable[Any]]:
         core = self._core(lib)
