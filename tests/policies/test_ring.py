@@ -35,6 +35,13 @@ def test_hash_is_stable_across_processes_and_releases() -> None:
     assert hash_token_ids([1, 2, 3]) == hash_bytes(b"t:1,2,3")
 
 
+@given(st.lists(st.integers(), max_size=300))
+def test_token_ids_hash_as_their_decimal_text(ids: list[int]) -> None:
+    text = b"t:" + ",".join(map(str, ids)).encode("ascii")
+    assert hash_token_ids(ids) == hash_bytes(text)
+    assert hash_token_ids(tuple(ids)) == hash_bytes(text)
+
+
 def test_join_moves_at_most_its_share() -> None:
     for n in (4, 8):
         before = _assign(HashRing(_keys(n)))

@@ -627,6 +627,7 @@ TOKENS = [
     P(COMPLETIONS, {"prompt": "hello"}, None, "hello", id="completions-text"),
     P(COMPLETIONS, {"prompt": ["a", "b"]}, None, "a\nb", id="completions-text-list"),
     P(COMPLETIONS, {"prompt": [True, False]}, None, "", id="completions-bools-not-ids"),
+    P(COMPLETIONS, {"prompt": [[1, True, 2]]}, [1, 2], "", id="completions-batch-bools-dropped"),
     P(COMPLETIONS, {"prompt": []}, None, "", id="completions-empty"),
     P(GENERATE, {"text": "hello"}, None, "hello", id="generate-text"),
     P(GENERATE, {"text": ["first", "second"]}, None, "first", id="generate-text-batch"),

@@ -350,7 +350,7 @@ def _completion(view: RequestView, p: _Completion, want_text: bool) -> None:
             view.token_ids = list(prompt)
             view.prompt_weight = len(prompt) * 4
         elif isinstance(first, list):
-            view.token_ids = [x for x in first if isinstance(x, int)]
+            view.token_ids = [x for x in first if isinstance(x, int) and not isinstance(x, bool)]
             view.prompt_weight = sum(len(x) * 4 for x in prompt if isinstance(x, list))
         else:
             _set_text(view, [x for x in prompt if isinstance(x, str)], want_text)
