@@ -17,7 +17,9 @@ from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizer
 from meshkit.errors import InvalidRequest
 from meshkit.prepare import tokenizers as tokenizers_module
 from meshkit.prepare.tokenizers import (
+    BYTES_PER_TOKEN,
     CUT_WHITESPACE,
+    DENSITY_RANGE,
     LoadedTokenizer,
     TokenizerSpec,
     appendable,
@@ -202,7 +204,12 @@ def test_why_a_stripping_added_token_forbids_continuing(tiny_dir: Path, tmp_path
     # Had it continued anyway, it would have been wrong:
     wrong = dataclasses.replace(tok._info, appendable=True)
     tok._info = wrong
-    assert any(tok.prefix_ids(text, n) != full[:n] for n in range(1, 200))
+
+    def continued(n: int) -> list[int]:
+        tok._density = 1.0  # a short first piece: the rest is continued
+        return tok.prefix_ids(text, n)
+
+    assert any(continued(n) != full[:n] for n in range(1, 200))
 
 
 # -- strategies ---------------------------------------------------------------------
@@ -277,7 +284,12 @@ def prop(examples: int) -> settings:
 
 def _check(tok: LoadedTokenizer, text: str, n: int) -> None:
     expected = tok.encode(text, add_special_tokens=False)[:n]
-    assert tok.prefix_ids(text, n) == expected
+    # The aim only sizes the pieces: whatever was learned, and at a very short
+    # aim (many continued pieces) and the longest one, the ids are the same.
+    for density in (None, 1.0, DENSITY_RANGE[1]):
+        if density is not None:
+            tok._density = density
+        assert tok.prefix_ids(text, n) == expected
 
 
 # -- the property on the real Qwen tokenizer ---------------------------------------
@@ -408,8 +420,11 @@ def test_prefix_ids_without_continuing(prefixed: LoadedTokenizer, n: int, text: 
     _check(prefixed, text, n)
 
 
-def _reads(tok: LoadedTokenizer, text: str, n: int) -> tuple[int, int]:
-    """(encode calls, ids produced) for one ``prefix_ids`` without the cache."""
+def _reads(tok: LoadedTokenizer, text: str, n: int, *, fresh: bool = True) -> tuple[int, int]:
+    """(encode calls, ids produced) for one ``prefix_ids`` without the cache.
+
+    :param fresh: as a new copy (nothing learned yet), else with what ``tok`` learned.
+    """
     calls: list[int] = []
     real = LoadedTokenizer._encode_piece
 
@@ -420,6 +435,8 @@ def _reads(tok: LoadedTokenizer, text: str, n: int) -> tuple[int, int]:
 
     expected = tok.encode(text, add_special_tokens=False)[:n]
     tok._encode_cut.cache_clear()
+    if fresh:
+        tok._density = BYTES_PER_TOKEN
     LoadedTokenizer._encode_piece = counting  # type: ignore[method-assign]
     try:
         assert tok.prefix_ids(text, n) == expected
@@ -447,8 +464,8 @@ def _filler(seed: int, chars: int) -> str:
         pytest.param("The quick brown fox jumps over the lazy dog. " * 400, 1.25, id="english"),
         pytest.param(Path(tokenizers_module.__file__).read_text()[:16_000], 1.25, id="code"),
         pytest.param("中文测试，这是一个句子。" * 1500, 1.25, id="cjk"),
-        # 2.5 bytes per token, denser than the aim (3.5): one piece, 3.5/2.5 too long
-        pytest.param("def f(x):\n    return x + 1\n" * 600, 1.45, id="dense"),
+        # 2.5 bytes per token, denser than the aim (3.5 x 1.05): one piece, 1.47x
+        pytest.param("def f(x):\n    return x + 1\n" * 600, 1.5, id="dense"),
     ],
 )
 def test_a_short_first_cut_is_continued_not_redone(
@@ -461,12 +478,44 @@ def test_a_short_first_cut_is_continued_not_redone(
     assert 256 <= ids <= 256 * most, (calls, ids)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda i: _filler(100 + i, 16_000), id="filler"),
+        pytest.param(lambda i: "中文测试，这是一个句子。" * (1000 + i), id="cjk"),
+    ],
+)
+def test_the_first_piece_learns_the_density(qwen: LoadedTokenizer, make: Any) -> None:
+    # After a few prompts of a kind, one piece holds the 256 ids, without reading
+    # much more than them (not a timing: calls and ids read).
+    qwen._density = BYTES_PER_TOKEN
+    for i in range(20):
+        qwen.prefix_ids(make(i), 256)
+    lo, hi = DENSITY_RANGE
+    assert lo <= qwen._density <= hi
+    calls, ids = _reads(qwen, make(50), 256, fresh=False)
+    assert calls == 1
+    assert 256 <= ids <= 256 * 1.2
+
+
+def test_an_odd_text_moves_the_aim_within_bounds(qwen: LoadedTokenizer) -> None:
+    qwen._density = BYTES_PER_TOKEN
+    for _ in range(20):
+        qwen.prefix_ids(("=" * 64 + " ") * 300, 64)  # long runs: many bytes per token
+    assert qwen._density == pytest.approx(DENSITY_RANGE[1], rel=0.01)
+    for _ in range(20):
+        qwen.prefix_ids("def f(x):\n    return x + 1\n" * 600, 64)  # dense: ~2.5
+    assert DENSITY_RANGE[0] <= qwen._density < 3.0
+
+
 def test_continuing_is_cached_piece_by_piece(qwen: LoadedTokenizer) -> None:
     text = _filler(7, 16_000)
     calls, _ = _reads(qwen, text, 256)
     assert calls == 2  # this text is sparser than the aim: one continuation
+    qwen._density = BYTES_PER_TOKEN  # the same aim, so the same pieces
     expected = qwen.prefix_ids(text, 256)
     info = qwen._encode_cut.cache_info()
+    qwen._density = BYTES_PER_TOKEN
     assert qwen.prefix_ids(text, 256) == expected
     assert qwen._encode_cut.cache_info().hits == info.hits + 2
 

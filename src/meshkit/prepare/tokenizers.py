@@ -36,10 +36,13 @@ Bounded-prefix tokenization
 A policy that hashes the first ``n`` tokens of a 1 MiB prompt should not
 tokenize 1 MiB. :meth:`LoadedTokenizer.prefix_ids` tokenizes a prefix ``P`` of
 the text ``T = P + S``, cut at a position ``c`` chosen so that the ids of ``P``
-are exactly the first ids of ``T``. It aims at ``n * 3.5`` UTF-8 bytes (with a
-~150k vocabulary English prose runs ~4.5 bytes per token, code ~4.2, Markdown ~3.5,
-CJK ~3: aiming a little short is cheap, see below) and moves forward to the next
-*safe cut*; when no safe cut exists past the aim, it tokenizes the whole text.
+are exactly the first ids of ``T``. It aims at ``n`` times the UTF-8 bytes per
+token of the prefixes it cut before, plus 5 % (a moving average kept within 2.5 to 6;
+3.5 before the first: with a ~150k vocabulary English prose runs ~4.5 bytes per
+token, code ~4.2, Markdown ~3.5, CJK ~3; aiming a little short is cheap, see below),
+and moves forward to the next *safe cut*; when no safe cut exists past the aim, it
+tokenizes the whole text. The aim only decides how the text is split into pieces,
+never which ids come out.
 
 When ``P`` yields fewer than ``n`` ids, the ids of ``P`` are kept and the text is
 *continued* from ``c``: the next piece, up to a safe cut past the ids still
@@ -187,11 +190,20 @@ __all__ = [
 
 CutMode = Literal["regex", "whitespace", "checked"]
 
-#: The first cut aims at ``n * BYTES_PER_TOKEN`` UTF-8 bytes. Bytes per token vary
-#: less across scripts than characters do (Qwen: English prose ~4.5, Markdown ~3.5,
-#: code ~4.2, CJK ~3, benchmark filler ~5.5). Aiming short costs one more call
-#: (continuing from the cut, ~10 us); aiming long costs ~1.2 us per extra token.
+#: The first cut aims at ``n`` times the UTF-8 bytes per token of the prefixes this
+#: copy cut before (``BYTES_PER_TOKEN`` until it has cut one), times ``AIM_SLACK``.
+#: Bytes per token vary less across scripts than characters do (Qwen: English prose
+#: ~4.5, Markdown ~3.5, code ~4.2, CJK ~3, benchmark filler ~5.5), and a deployment's
+#: prompts are alike, so one piece usually holds the ``n`` ids. Aiming short costs
+#: one more piece (a cut, a call: ~15 us with tiktoken); aiming long, ~0.2 us per
+#: extra token with tiktoken and ~1.2 us with ``tokenizers``.
 BYTES_PER_TOKEN: Final = 3.5
+AIM_SLACK: Final = 1.05
+#: The learned bytes per token stay in this range, so one odd text (a run of
+#: ``=``: many bytes per token) cannot make the next aims much too long.
+DENSITY_RANGE: Final = (2.5, 6.0)
+#: Weight of the newest prefix in the learned bytes per token (a moving average).
+DENSITY_WEIGHT: Final = 0.25
 #: A continuation aims at the ids still missing times the characters per token
 #: seen so far, times this, plus ``CONTINUE_MARGIN`` characters.
 CONTINUE_SLACK: Final = 1.15
@@ -590,7 +602,7 @@ class LoadedTokenizer:
     use their group's copy from :meth:`TokenizerRegistry.get`.
     """
 
-    __slots__ = ("_encode_cut", "_info", "tokenizer")
+    __slots__ = ("_density", "_encode_cut", "_info", "tokenizer")
 
     def __init__(self, info: _Info, tokenizer: Tokenizer) -> None:
         self._info = info
@@ -598,6 +610,9 @@ class LoadedTokenizer:
         # lru_cache is thread-safe; each copy (one per group of pool threads) has
         # its own, bounded by PREFIX_CACHE_SIZE entries of at most a few KiB.
         self._encode_cut = functools.lru_cache(maxsize=PREFIX_CACHE_SIZE)(self._encode_tuple)
+        #: UTF-8 bytes per token of the prefixes cut so far (threads race on it
+        #: harmlessly: it only sizes the first piece, never changes an id)
+        self._density = BYTES_PER_TOKEN
 
     def _encode_tuple(self, text: str) -> tuple[int, ...]:
         return tuple(self._encode_piece(text))
@@ -715,7 +730,7 @@ class LoadedTokenizer:
         """
         ids: list[int] = []
         start = 0
-        target = _aim(text, n)
+        target = _aim(text, n * self._density * AIM_SLACK)
         pieces = 0
         while True:
             cut = self._find_cut(text, target)
@@ -727,6 +742,7 @@ class LoadedTokenizer:
                 return ids[:n]
             ids += self._encode_cut(piece)
             if len(ids) >= n:
+                self._learn(text, cut, len(ids))
                 return ids[:n]
             pieces += 1
             # The ids still missing, at the density seen so far, and a little more.
@@ -736,10 +752,17 @@ class LoadedTokenizer:
                 step = max(step, cut)
             start, target = cut, cut + step
 
+    def _learn(self, text: str, cut: int, count: int) -> None:
+        """Move the learned bytes per token towards that of ``text[:cut]``."""
+        size = cut if text.isascii() else len(text[:cut].encode("utf-8", "surrogatepass"))
+        lo, hi = DENSITY_RANGE
+        seen = min(max(size / count, lo), hi)
+        self._density += DENSITY_WEIGHT * (seen - self._density)
+
     def _restarted_prefix(self, text: str, n: int) -> list[int]:
         """Longer cuts from 0 until one yields ``n`` ids (checked: and agrees)."""
         checked = self._info.mode == "checked"
-        target = _aim(text, n)
+        target = _aim(text, n * self._density * AIM_SLACK)
         previous: list[int] | None = None
         while True:
             cut = self._find_cut(text, target)
@@ -839,9 +862,9 @@ class LoadedTokenizer:
         )
 
 
-def _aim(text: str, n: int) -> int:
-    """The characters of ``text`` holding about ``n * BYTES_PER_TOKEN`` UTF-8 bytes."""
-    nbytes = int(n * BYTES_PER_TOKEN)
+def _aim(text: str, size: float) -> int:
+    """The characters of ``text`` holding about ``size`` UTF-8 bytes."""
+    nbytes = int(size)
     window = text[:nbytes]
     if window.isascii():
         return nbytes
