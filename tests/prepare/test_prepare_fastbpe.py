@@ -125,6 +125,18 @@ def test_the_fast_path_answers_for_ordinary_text(qwen: LoadedTokenizer) -> None:
         assert fast.encode(f"x{token.content}y")[1:-1] == [token_id]  # type: ignore[index]
 
 
+def test_the_plain_encode_serves_texts_without_an_added_tokens_start(
+    qwen: LoadedTokenizer,
+) -> None:
+    # Qwen's added tokens all start with "<": a text without one takes tiktoken's
+    # plain encode (no search for them); one with a "<" the full one.
+    fast = qwen._info.fast
+    assert fast is not None
+    assert fast._special_firsts == "<"
+    for text in ("plain words here", "a < b <= c", "x<|im_end|>y", "<|endoftext|>"):
+        assert fast.encode(text) == qwen.encode(text, add_special_tokens=False)
+
+
 @pytest.mark.parametrize(
     "text",
     ["<|im_end|>\u0338", "e\u0301", "\u212b", "abc\U000e0080", "abc\u0378", "lone \ud800"],

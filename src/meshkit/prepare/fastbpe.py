@@ -132,12 +132,15 @@ def _assigned(text: str, bmp_unassigned: re.Pattern[str]) -> bool:
 class FastEncoder:
     """``encode(text, add_special_tokens=False)`` through tiktoken, where exact."""
 
-    __slots__ = ("_encoding", "_nfc", "_suspect")
+    __slots__ = ("_encoding", "_nfc", "_ordinary", "_special_firsts", "_suspect")
 
     def __init__(self, encoding: Any, *, nfc: bool) -> None:
         self._encoding = encoding
+        self._ordinary = encoding.encode_ordinary
         self._nfc = nfc
         self._suspect = _bmp_unassigned()
+        #: the first characters of the special (added) tokens: Qwen's all start with "<"
+        self._special_firsts = "".join(sorted({t[0] for t in encoding.special_tokens_set if t}))
 
     def covers(self, text: str) -> bool:
         """Whether :meth:`encode` gives ids for ``text`` (cheap: no encoding)."""
@@ -151,8 +154,14 @@ class FastEncoder:
         """The ids, or ``None`` for a text this encoder does not cover."""
         if not self.covers(text):
             return None
-        ids: list[int] = self._encoding.encode(text, allowed_special="all")
-        return ids
+        # With none of their first characters in the text no added token can occur
+        # in it: the plain encode gives the same ids without looking for them (~15 %).
+        for ch in self._special_firsts:
+            if ch in text:
+                ids: list[int] = self._encoding.encode(text, allowed_special="all")
+                return ids
+        plain: list[int] = self._ordinary(text)
+        return plain
 
 
 # -- eligibility ----------------------------------------------------------------------
