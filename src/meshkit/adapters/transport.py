@@ -22,6 +22,13 @@ through it as ``httpx`` requests.
 Non-inference paths go to a healthy worker as they are; ``GET /v1/models``
 answers the union of the workers' lists.
 
+A whole (not streamed) answer whose ``Content-Length`` is within
+``bounds.max_sse_line_bytes`` (what accounting parses anyway) is read and
+accounted before the response is handed over, so its books are closed even if
+the client never reads it; a longer one, or a stream, is relayed as it is read.
+A body the worker cuts short raises the library's ``RemoteProtocolError``, as a
+direct connection would.
+
 Bounds: an inference request's head is checked against ``bounds.max_header_bytes``
 and ``bounds.max_headers`` (431); a body is read from the request's stream piece
 by piece and refused (413) as soon as it is over ``bounds.max_body_bytes``, or at
@@ -50,7 +57,7 @@ from meshkit.core.endpoints import shape_for_path
 from meshkit.core.forward import Attempt
 from meshkit.core.requests import RequestView, head_error
 from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
-from meshkit.mesh import Mesh
+from meshkit.mesh import Accounting, Mesh
 
 try:  # httpx2 is a dependency; keep the module importable if a user removed it
     import httpx2
@@ -234,6 +241,30 @@ class _Common:
     ) -> Attempt:
         return self.mesh.pass_through(request.method, path, query, headers, body)
 
+    def _whole(self, view: RequestView, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether to read the worker's body before answering: a whole (not
+        streamed) body whose ``Content-Length`` is within what accounting parses.
+
+        Read at once, it is accounted before the client gets the response (the
+        books close first, as when relayed one chunk behind), and the response
+        carries it in memory: no relay stream for the client library to drive
+        (~10 µs of a client's ~400 µs per request, ``benchmarks/RESULTS.md``).
+        """
+        if view.stream:
+            return False
+        for k, v in headers:
+            if len(k) == 14 and k.lower() == b"content-length":
+                return v.isdigit() and int(v) <= self.mesh.config.bounds.max_sse_line_bytes
+        return False
+
+    def _settled(self, lib: ModuleType, exchange: Any, acct: Accounting, body: bytes) -> Any:
+        """The response of a body read whole, once accounted."""
+        acct.feed(body)
+        acct.end()
+        return lib.Response(
+            exchange.status, headers=response_headers(exchange.headers), stream=lib.ByteStream(body)
+        )
+
     def _answer(self, lib: ModuleType, final: Answered, view: RequestView) -> Any:
         self.mesh.account_local(view, final.attempt, final.local)
         local = final.local
@@ -287,7 +318,17 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
         if isinstance(final, Answered):
             return self._answer(lib, final, view)
         exchange, lease = final.exchange, final.attempt.lease
-        relay = Relay(view, mesh.account(view, lease, exchange.status), _cut_short(lib))
+        acct = mesh.account(view, lease, exchange.status)
+        if self._whole(view, exchange.headers):
+            try:
+                body = b"".join(exchange.chunks())
+            except UpstreamFailure:
+                acct.abort(client_left=False)
+                raise _cut_short(lib)() from None
+            finally:
+                exchange.close()
+            return self._settled(lib, exchange, acct, body)
+        relay = Relay(view, acct, _cut_short(lib))
         return lib.Response(
             exchange.status,
             headers=response_headers(exchange.headers),
@@ -346,7 +387,17 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
         if isinstance(final, Answered):
             return self._answer(lib, final, view)
         exchange, lease = final.exchange, final.attempt.lease
-        relay = Relay(view, mesh.account(view, lease, exchange.status), _cut_short(lib))
+        acct = mesh.account(view, lease, exchange.status)
+        if self._whole(view, exchange.headers):
+            try:
+                body = b"".join([chunk async for chunk in exchange.chunks()])
+            except UpstreamFailure:
+                acct.abort(client_left=False)
+                raise _cut_short(lib)() from None
+            finally:
+                await exchange.aclose()
+            return self._settled(lib, exchange, acct, body)
+        relay = Relay(view, acct, _cut_short(lib))
         return lib.Response(
             exchange.status,
             headers=response_headers(exchange.headers),
