@@ -54,7 +54,7 @@ from meshkit.adapters.upstream import AiohttpUpstream
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
 
-__all__ = ["FastUpstream", "build_head"]
+__all__ = ["FastUpstream", "build_head", "http_origin"]
 
 #: cached request lines (per URL) before the cache is cleared
 MAX_ROUTES = 4096
@@ -90,6 +90,36 @@ def build_head(method: str, line: bytes, headers: list[tuple[bytes, bytes]], siz
     if bare:
         return b"%s%s%s\r\n\r\n" % (m, line, block)
     return b"%s%s%s\r\ncontent-length: %d\r\n\r\n" % (m, line, block, size)
+
+
+def http_origin(url: str) -> tuple[str, str, int, bytes] | None:
+    """``(origin key, host, port, request line)`` of an ``http://`` attempt URL,
+    None for ``https://``; the line is ``b" /path?query HTTP/1.1\\r\\nhost: h:p\\r\\n"``
+    (the target percent-encoded where it must be). Another scheme, or no host,
+    is ``Failure.CONNECT``."""
+    parts = urlsplit(url)
+    if parts.scheme == "https":
+        return None
+    host = parts.hostname
+    if parts.scheme != "http" or not host:
+        raise UpstreamFailure(Failure.CONNECT)
+    try:
+        port = parts.port or 80
+    except ValueError:
+        raise UpstreamFailure(Failure.CONNECT) from None
+    netloc = f"[{host}]" if ":" in host else host
+    if port != 80:
+        netloc = f"{netloc}:{port}"
+    key = f"http://{netloc}"
+    target = parts.path or "/"
+    if parts.query:
+        target = f"{target}?{parts.query}"
+    if not target.isascii() or not target.isprintable() or " " in target:
+        target = quote(target, safe=_PATH_SAFE)
+    if not netloc.isascii():
+        netloc = netloc.replace(host, host.encode("idna").decode("ascii"))
+    line = b" %s HTTP/1.1\r\nhost: %s\r\n" % (target.encode(), netloc.encode())
+    return key, host, port, line
 
 
 class FastUpstream:
@@ -174,32 +204,14 @@ class FastUpstream:
         return hub
 
     def _route(self, url: str, hub: Hub) -> tuple[Pool | None, bytes]:
-        parts = urlsplit(url)
-        if parts.scheme == "https":
+        origin = http_origin(url)
+        if origin is None:
             route: tuple[Pool | None, bytes] = (None, b"")
         else:
-            host = parts.hostname
-            if parts.scheme != "http" or not host:
-                raise UpstreamFailure(Failure.CONNECT)
-            try:
-                port = parts.port or 80
-            except ValueError:
-                raise UpstreamFailure(Failure.CONNECT) from None
-            netloc = f"[{host}]" if ":" in host else host
-            if port != 80:
-                netloc = f"{netloc}:{port}"
-            key = f"http://{netloc}"
+            key, host, port, line = origin
             pool = hub.pools.get(key)
             if pool is None:
                 pool = hub.pools[key] = Pool(hub, host, port)
-            target = parts.path or "/"
-            if parts.query:
-                target = f"{target}?{parts.query}"
-            if not target.isascii() or not target.isprintable() or " " in target:
-                target = quote(target, safe=_PATH_SAFE)
-            if not netloc.isascii():
-                netloc = netloc.replace(host, host.encode("idna").decode("ascii"))
-            line = b" %s HTTP/1.1\r\nhost: %s\r\n" % (target.encode(), netloc.encode())
             route = (pool, line)
         if len(self._routes) >= MAX_ROUTES:
             self._routes.clear()
