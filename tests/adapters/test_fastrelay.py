@@ -36,36 +36,10 @@ from meshkit.adapters.upstream import AiohttpUpstream
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
 from meshkit.mock import MockConfig, MockWorkerThread
+from upstreams import CHUNKED_SSE, INJECTED_HEADERS, JSON, attempt
 
 T = TypeVar("T")
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
-JSON = [(b"content-type", b"application/json")]
-
-
-class _Lease:
-    candidate: Any = None
-    started = 0.0
-
-    def release(self, *, ok: bool, status: int | None = None) -> None:
-        return None
-
-
-def attempt(
-    url: str,
-    body: bytes = b"",
-    *,
-    method: str = "POST",
-    headers: list[tuple[bytes, bytes]] | None = None,
-) -> Attempt:
-    return Attempt(
-        number=0,
-        candidate=None,  # type: ignore[arg-type]
-        lease=_Lease(),
-        method=method,
-        url=url,
-        headers=list(JSON if headers is None else headers),
-        body=body,
-    )
 
 
 def config(**kw: Any) -> UpstreamConfig:
@@ -227,13 +201,7 @@ def test_build_head_bytes() -> None:
 
 @pytest.mark.parametrize(
     "header",
-    [
-        (b"x-a", b"1\r\nx-injected: 1"),
-        (b"x-a", b"1\nx-injected: 1"),
-        (b"x-a", b"1\r"),
-        (b"x-a\r\nx-injected", b"1"),
-        (b"x-a\n", b"1"),
-    ],
+    INJECTED_HEADERS,
 )
 def test_header_with_cr_or_lf_is_refused(
     run: Callable[[Coroutine[Any, Any, None]], None], header: tuple[bytes, bytes]
@@ -294,20 +262,6 @@ def test_mock_worker_bodies_match_aiohttp(
             await fast.aclose()
 
     run(go())
-
-
-def ch(data: bytes, ext: bytes = b"") -> bytes:
-    return b"%x%s\r\n%s\r\n" % (len(data), ext, data)
-
-
-CHUNKED_SSE = (
-    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
-    b"X-Mixed-Case: Kept\r\n\r\n",
-    ch(b"data: a"),
-    ch(b"\n\n"),
-    ch('data: {"k": "\u00e9\u20ac"}\n\n'.encode(), b";ext=1"),
-    ch(b"data: [DONE]") + ch(b"\n\n") + b"0\r\n\r\n",
-)
 
 
 @pytest.mark.parametrize(

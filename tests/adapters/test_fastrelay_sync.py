@@ -35,9 +35,10 @@ from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
 from meshkit.errors import InvalidRequest
 from meshkit.mock import MockWorkerThread
+from upstreams import CHUNKED_SSE, INJECTED_HEADERS, JSON
+from upstreams import attempt as make_attempt
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
-JSON = [(b"content-type", b"application/json")]
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"
 #: the bound of every blocking wait in these tests (a hang fails after it)
 HANG_S = 10.0
@@ -46,30 +47,9 @@ HANG_S = 10.0
 # -- attempts, upstreams and the pool's accounting ---------------------------------------------
 
 
-class _Lease:
-    candidate: Any = None
-    started = 0.0
-
-    def release(self, *, ok: bool, status: int | None = None) -> None:
-        return None
-
-
-def attempt(
-    url: str,
-    body: bytes = b"{}",
-    *,
-    method: str = "POST",
-    headers: list[tuple[bytes, bytes]] | None = None,
-) -> Attempt:
-    return Attempt(
-        number=0,
-        candidate=None,  # type: ignore[arg-type]
-        lease=_Lease(),
-        method=method,
-        url=url,
-        headers=list(JSON if headers is None else headers),
-        body=body,
-    )
+def attempt(url: str, body: bytes = b"{}", **kw: Any) -> Attempt:
+    """:func:`upstreams.attempt` with a JSON body by default."""
+    return make_attempt(url, body, **kw)
 
 
 def config(**kw: Any) -> UpstreamConfig:
@@ -340,10 +320,6 @@ def stall(srv: RawServer, s: socket.socket, n: int, head: bytes, body: bytes) ->
     return srv.wait_client_left(s)
 
 
-def ch(data: bytes, ext: bytes = b"") -> bytes:
-    return b"%x%s\r\n%s\r\n" % (len(data), ext, data)
-
-
 # -- the request head -----------------------------------------------------------------------
 
 
@@ -390,13 +366,7 @@ def test_a_body_over_the_join_limit_is_sent_after_its_head(
 
 @pytest.mark.parametrize(
     "header",
-    [
-        (b"x-a", b"1\r\nx-injected: 1"),
-        (b"x-a", b"1\nx-injected: 1"),
-        (b"x-a", b"1\r"),
-        (b"x-a\r\nx-injected", b"1"),
-        (b"x-a\n", b"1"),
-    ],
+    INJECTED_HEADERS,
 )
 def test_header_with_cr_or_lf_is_an_invalid_request(
     upstream: Callable[..., SyncFastUpstream], header: tuple[bytes, bytes]
@@ -459,16 +429,6 @@ def test_mock_worker_bodies_match_httpx2(
     assert events.startswith(b"data: {") and events.endswith(b"data: [DONE]\n\n")
     assert settled(up)
     assert len(idle(up)) == 1  # every answer came on one keep-alive socket
-
-
-CHUNKED_SSE = (
-    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
-    b"X-Mixed-Case: Kept\r\n\r\n",
-    ch(b"data: a"),
-    ch(b"\n\n"),
-    ch('data: {"k": "\u00e9\u20ac"}\n\n'.encode(), b";ext=1"),
-    ch(b"data: [DONE]") + ch(b"\n\n") + b"0\r\n\r\n",
-)
 
 
 @pytest.mark.parametrize(
@@ -848,18 +808,24 @@ def test_silence_is_bounded_on_every_request_of_a_keep_alive_socket(
         assert settled(up)
 
 
+def fails_after_first(up: SyncFastUpstream, ex: Any) -> None:
+    """``ex``'s body gives ``b"first"``, then fails as a protocol error and its
+    socket is closed by ``chunks()`` itself."""
+    got: list[bytes] = []
+    with pytest.raises(UpstreamFailure) as info:
+        drain(ex.chunks(), got)
+    assert info.value.failure is Failure.PROTOCOL
+    assert got == [b"first"]
+    assert up._total == 0
+    ex.close()
+
+
 def test_stalled_body_is_protocol(upstream: Callable[..., SyncFastUpstream]) -> None:
     part = held(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n", rest=b"")
     with RawServer(part) as srv:
         up = upstream(read_timeout_s=0.2)
         ex = up.send_sync(attempt(srv.url + "/hold"))
-        got: list[bytes] = []
-        with pytest.raises(UpstreamFailure) as info:
-            drain(ex.chunks(), got)
-        assert info.value.failure is Failure.PROTOCOL
-        assert got == [b"first"]
-        assert up._total == 0  # chunks() closed the socket as it failed
-        ex.close()
+        fails_after_first(up, ex)
         srv.gate.set()
         assert wait_until(lambda: srv.eofs == 1)
         assert settled(up)
@@ -884,13 +850,7 @@ def test_reset_or_fin_mid_body_is_protocol(
     with RawServer(cut) as srv:
         up = upstream()
         ex = up.send_sync(attempt(srv.url + "/x"))
-        got: list[bytes] = []
-        with pytest.raises(UpstreamFailure) as info:
-            drain(ex.chunks(), got)
-        assert info.value.failure is Failure.PROTOCOL
-        assert got == [b"first"]
-        assert up._total == 0  # chunks() closed the socket as it failed
-        ex.close()
+        fails_after_first(up, ex)
         assert settled(up)
 
 
