@@ -34,8 +34,8 @@ was ~37 % of a 1 KiB proxy's samples)::
   worker sees the client leave); a connection returns to its pool only when its
   response ended, keep-alive allowed.
 
-``https://`` workers are delegated to a lazily created
-:class:`~meshkit.adapters.upstream.AiohttpUpstream`. The pools belong to the
+``https://`` workers are delegated to the ``fallback`` given, else to a lazily
+created :class:`~meshkit.adapters.upstream.AiohttpUpstream`. The pools belong to the
 event loop of the first ``send``; a ``send`` from another loop starts new pools
 (the old loop's connections are dropped, not closed: that loop owns them).
 """
@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Awaitable, Callable
 from urllib.parse import quote, urlsplit
 
 from meshkit.adapters.drive import AsyncExchange, UpstreamFailure
@@ -125,14 +126,19 @@ def http_origin(url: str) -> tuple[str, str, int, bytes] | None:
 class FastUpstream:
     """Pooled keep-alive HTTP/1.1 client on asyncio protocols (see the module doc)."""
 
-    __slots__ = ("_fallback", "_hub", "_routes", "config")
+    __slots__ = ("_fallback", "_hub", "_routes", "_send_https", "config")
 
-    def __init__(self, config: UpstreamConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: UpstreamConfig | None = None,
+        fallback: Callable[[Attempt], Awaitable[AsyncExchange]] | None = None,
+    ) -> None:
         self.config = config or UpstreamConfig()
         self._hub: Hub | None = None
         #: attempt URL -> (its origin's pool, or None for https; the request line)
         self._routes: dict[str, tuple[Pool | None, bytes]] = {}
         self._fallback: AiohttpUpstream | None = None
+        self._send_https = fallback
 
     # -- the hot path ----------------------------------------------------------
 
@@ -147,6 +153,8 @@ class FastUpstream:
             route = self._route(url, hub)
         pool, line = route
         if pool is None:
+            if self._send_https is not None:
+                return await self._send_https(attempt)
             return await self._https().send(attempt)
         method = attempt.method
         body = attempt.body

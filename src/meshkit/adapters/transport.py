@@ -14,14 +14,15 @@ credentials and delegates to an inner transport of the client's own library.
 
 One class serves both httpx and httpx2 clients (the openai 3.x and anthropic 2.x
 SDKs use httpx2; a legacy ``httpx.Client`` still works): each request is answered
-in its own library's ``Response`` type. The sync transport sends attempts to
-``http://`` workers on its own blocking sockets
+in its own library's ``Response`` type. Attempts to ``http://`` workers go on
+meshkit's own connections: the sync transport's on blocking sockets
 (:mod:`meshkit.adapters.fastrelay_sync`: ~30 µs of CPU per attempt where httpcore
-and h11 take ~200 µs); attempts of the async transport, and to ``https://``
-workers, go straight to pools of the httpcore the library is built on
-(:mod:`meshkit.adapters.httpcore_upstream`). Both are created lazily per library,
-unless an ``inner`` transport is given: then attempts go through it as ``httpx``
-requests.
+and h11 take ~200 µs), the async transport's, under asyncio, on asyncio protocols
+(:mod:`meshkit.adapters.fastrelay`). Attempts to ``https://`` workers, and every
+attempt of the async transport under another library (trio), go straight to pools
+of the httpcore the library is built on (:mod:`meshkit.adapters.httpcore_upstream`).
+All are created lazily per library, unless an ``inner`` transport is given: then
+attempts go through it as ``httpx`` requests.
 
 Non-inference paths go to a healthy worker as they are; ``GET /v1/models``
 answers the union of the workers' lists.
@@ -45,13 +46,15 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
 import httpx
+import sniffio
 
 from meshkit.adapters.drive import Answered, UpstreamFailure, drive_async, drive_sync
+from meshkit.adapters.fastrelay import FastUpstream
 from meshkit.adapters.fastrelay_sync import SyncFastUpstream
 from meshkit.adapters.httpcore_upstream import CoreUpstream, core_for
 from meshkit.adapters.httpx_upstream import send_async, send_sync
@@ -74,6 +77,9 @@ __all__ = ["AsyncMeshTransport", "MeshTransport"]
 _SyncBase: tuple[type, ...] = (httpx.BaseTransport,) + ((httpx2.BaseTransport,) if httpx2 else ())
 _AsyncBase: tuple[type, ...] = (httpx.AsyncBaseTransport,) + (
     (httpx2.AsyncBaseTransport,) if httpx2 else ()
+)
+_AsyncStream: tuple[type, ...] = (httpx.AsyncByteStream,) + (
+    (httpx2.AsyncByteStream,) if httpx2 else ()
 )
 
 
@@ -169,6 +175,24 @@ async def _read_async(lib: ModuleType, request: Any, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class _AsyncBody(*_AsyncStream):  # type: ignore[misc]
+    """A passed-through answer's body, as the client library's byte stream."""
+
+    def __init__(self, exchange: Any, lib: ModuleType) -> None:
+        self._exchange = exchange
+        self._lib = lib
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._exchange.chunks():
+                yield chunk
+        except UpstreamFailure:
+            raise _cut_short(self._lib)() from None
+
+    async def aclose(self) -> None:
+        await self._exchange.aclose()
+
+
 def _cut_short(lib: ModuleType) -> Any:
     """What a body the worker cut short raises in the client (as a direct connection)."""
     return lambda: lib.RemoteProtocolError("the worker closed the connection mid-response")
@@ -202,6 +226,7 @@ class _Common:
         self._inner: dict[str, Any] = {}
         self._cores: dict[str, CoreUpstream | None] = {}
         self._fast: dict[str, SyncFastUpstream] = {}
+        self._afast: dict[str, FastUpstream] = {}
         # Clients are shared by threads: without the lock, the first requests of
         # a burst each built a pool of their own (the limits did not hold and the
         # extra pools were never closed).
@@ -371,7 +396,18 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
     def _sender(self, lib: ModuleType) -> Callable[[Attempt], Awaitable[Any]]:
         core = self._core(lib)
         if core is not None:
-            return core.send_async
+            if sniffio.current_async_library() != "asyncio":
+                return core.send_async  # trio: httpcore's own backend
+            # http:// workers on asyncio protocols; https:// through httpcore
+            fast = self._afast.get(lib.__name__)
+            if fast is None:
+                with self._inner_lock:
+                    fast = self._afast.get(lib.__name__)
+                    if fast is None:
+                        up = self.mesh.config.upstream
+                        fast = FastUpstream(up, fallback=core.send_async)
+                        self._afast[lib.__name__] = fast
+            return fast.send
         transport = self._transport(lib)
         upstream = self.mesh.config.upstream
         return lambda a: send_async(lib, transport, a, upstream)
@@ -390,7 +426,9 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
                 attempt = self._pass_through(request, path, query, headers, body)
                 plain = await send(attempt)
                 return lib.Response(
-                    plain.status, headers=response_headers(plain.headers), stream=plain.stream
+                    plain.status,
+                    headers=response_headers(plain.headers),
+                    stream=_AsyncBody(plain, lib),
                 )
             view = await mesh.prepare_async(match, body, headers, query)
             flow = mesh.forward(view, headers, request.method)
@@ -424,6 +462,8 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
     async def aclose(self) -> None:
         for t in self._inner.values():
             await t.aclose()
+        for fast in self._afast.values():
+            await fast.aclose()
         for core in self._cores.values():
             if core is not None:
                 await core.aclose()
