@@ -2,29 +2,33 @@
 Client side: ``MeshTransport`` CPU per request vs a plain ``httpx2.Client``
 ===========================================================================
 
-``python benchmarks/client_bench.py --url http://127.0.0.1:9001 [--requests 3000]``
+``python benchmarks/client_bench.py --url http://127.0.0.1:9001 [--requests 3000] [--async]``
 
 Both clients run in this process, taking turns in blocks of 50 requests (A/B,
 the order swapping every block), sequentially posting the same
 ``/v1/completions`` body to one mock worker that runs in another process. CPU per
 request is the ``time.process_time()`` delta over a block; a round is
 ``--requests`` requests per client (after a warm-up), and the figure is
-``mesh / plain`` per round, median with min-max. Prints JSON.
+``mesh / plain`` per round, median with min-max. Prints JSON. With ``--async`` the
+pair is ``httpx2.AsyncClient`` with ``AsyncMeshTransport`` against a plain
+``httpx2.AsyncClient``, on one asyncio loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx2
 from _common import bodies
 
 from meshkit import Mesh
-from meshkit.adapters.transport import MeshTransport
+from meshkit.adapters.transport import AsyncMeshTransport, MeshTransport
 
 __all__ = ["run"]
 
@@ -42,33 +46,86 @@ def _cpu_per_request(client: Any, body: bytes, n: int) -> float:
     return (time.process_time() - t0) / n
 
 
-def run(url: str, requests: int, rounds: int, size: int, warmup: int) -> dict[str, Any]:
-    body = bodies(size, 1)[0]
-    plain = httpx2.Client(base_url=url)
-    mesh = Mesh(workers=[url], policy="round_robin")
-    routed = httpx2.Client(base_url="http://mesh.invalid", transport=MeshTransport(mesh))
-    per_round: list[dict[str, float]] = []
+async def _acpu_per_request(client: Any, body: bytes, n: int) -> float:
+    headers = {"content-type": "application/json"}
+    t0 = time.process_time()
+    for _ in range(n):
+        r = await client.post("/v1/completions", content=body, headers=headers)
+        if r.status_code != 200:
+            raise RuntimeError(f"status {r.status_code}: {r.text[:200]}")
+    return (time.process_time() - t0) / n
+
+
+def _schedule(requests: int, rounds: int) -> Iterator[tuple[int, str]]:
+    """``(round, client)`` for each block of BLOCK requests.
+
+    Within a round the clients alternate block by block (the order swapping each
+    block): both see the same machine, so drift and other load on it move both
+    figures, not their ratio.
+    """
+    for r in range(rounds):
+        for b in range(max(1, requests // BLOCK)):
+            order = ("plain", "mesh") if b % 2 == 0 else ("mesh", "plain")
+            yield from ((r, name) for name in order)
+
+
+def _per_round(spent: list[dict[str, float]], requests: int) -> list[dict[str, float]]:
+    blocks = max(1, requests // BLOCK)
+    out = []
+    for r in spent:
+        got = {name: total / blocks for name, total in r.items()}
+        got["ratio"] = got["mesh"] / got["plain"]
+        out.append(got)
+    return out
+
+
+def _sync_rounds(
+    mesh: Mesh, url: str, body: bytes, requests: int, rounds: int, warmup: int
+) -> list[dict[str, float]]:
+    clients = {
+        "plain": httpx2.Client(base_url=url),
+        "mesh": httpx2.Client(base_url="http://mesh.invalid", transport=MeshTransport(mesh)),
+    }
+    spent = [{"plain": 0.0, "mesh": 0.0} for _ in range(rounds)]
     try:
-        for c in (plain, routed):
+        for c in clients.values():
             _cpu_per_request(c, body, warmup)
-        # Within a round the clients alternate in blocks of BLOCK requests (the
-        # order swapping each block): both see the same machine, so drift and other
-        # load on it move both figures, not their ratio.
-        blocks = max(1, requests // BLOCK)
-        for _ in range(rounds):
-            spent = {"plain": 0.0, "mesh": 0.0}
-            for b in range(blocks):
-                order = [("plain", plain), ("mesh", routed)]
-                if b % 2:
-                    order.reverse()
-                for name, c in order:
-                    spent[name] += _cpu_per_request(c, body, BLOCK)
-            got = {name: total / blocks for name, total in spent.items()}
-            got["ratio"] = got["mesh"] / got["plain"]
-            per_round.append(got)
+        for r, name in _schedule(requests, rounds):
+            spent[r][name] += _cpu_per_request(clients[name], body, BLOCK)
     finally:
-        plain.close()
-        routed.close()
+        for c in clients.values():
+            c.close()
+    return _per_round(spent, requests)
+
+
+async def _async_rounds(
+    mesh: Mesh, url: str, body: bytes, requests: int, rounds: int, warmup: int
+) -> list[dict[str, float]]:
+    transport = AsyncMeshTransport(mesh)
+    spent = [{"plain": 0.0, "mesh": 0.0} for _ in range(rounds)]
+    async with (
+        httpx2.AsyncClient(base_url=url) as plain,
+        httpx2.AsyncClient(base_url="http://mesh.invalid", transport=transport) as routed,
+    ):
+        clients = {"plain": plain, "mesh": routed}
+        for c in clients.values():
+            await _acpu_per_request(c, body, warmup)
+        for r, name in _schedule(requests, rounds):
+            spent[r][name] += await _acpu_per_request(clients[name], body, BLOCK)
+    return _per_round(spent, requests)
+
+
+def run(
+    url: str, requests: int, rounds: int, size: int, warmup: int, *, use_async: bool = False
+) -> dict[str, Any]:
+    body = bodies(size, 1)[0]
+    mesh = Mesh(workers=[url], policy="round_robin")
+    try:
+        if use_async:
+            per_round = asyncio.run(_async_rounds(mesh, url, body, requests, rounds, warmup))
+        else:
+            per_round = _sync_rounds(mesh, url, body, requests, rounds, warmup)
+    finally:
         mesh.close()
 
     def agg(key: str) -> dict[str, float]:
@@ -84,6 +141,7 @@ def run(url: str, requests: int, rounds: int, size: int, warmup: int) -> dict[st
         "mesh_us": {k: v * 1e6 for k, v in agg("mesh").items()},
         "ratio": agg("ratio"),
         "per_round": per_round,
+        "async": use_async,
         "httpx2": httpx2.__version__,
     }
 
@@ -95,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--size", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=300)
+    p.add_argument("--async", dest="use_async", action="store_true", help="the async pair")
     ns = p.parse_args(argv)
-    print(json.dumps(run(ns.url, ns.requests, ns.rounds, ns.size, ns.warmup)))
+    got = run(ns.url, ns.requests, ns.rounds, ns.size, ns.warmup, use_async=ns.use_async)
+    print(json.dumps(got))
     return 0
 
 
