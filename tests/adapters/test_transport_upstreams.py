@@ -1,4 +1,5 @@
-"""Which upstream each client transport sends attempts with.
+"""Which upstream each client transport sends attempts with, and how a passed-through
+body reaches the client.
 
 The async transport, under asyncio, sends ``http://`` attempts on
 :class:`~meshkit.adapters.fastrelay.FastUpstream` (asyncio protocols), with its
@@ -13,11 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx2
+import pytest
 import sniffio
 
 from meshkit import Mesh
 from meshkit.adapters.fastrelay import FastUpstream
-from meshkit.adapters.transport import AsyncMeshTransport
+from meshkit.adapters.transport import AsyncMeshTransport, MeshTransport
 from meshkit.config import UpstreamConfig
 from meshkit.mock.thread import MockWorkerThread
 from upstreams import attempt
@@ -101,3 +103,31 @@ def test_fast_upstream_sends_https_to_its_fallback() -> None:
 
     assert asyncio.run(go()) == "answered by the fallback"
     assert sent == ["https://worker.example:8443/v1/chat/completions"]
+
+
+def test_a_passed_through_body_cut_short_raises_the_librarys_error(
+    mesh_factory: Callable[..., Mesh],
+) -> None:
+    """Not an inference path: relayed as is, and a worker dying half-way through the
+    body is the client library's own protocol error in both transports, as with a
+    direct connection (never meshkit's internal failure)."""
+    from reliability.rawworker import TruncatingWorker
+
+    cut = TruncatingWorker()
+    try:
+        mesh = _mesh(mesh_factory, cut.url)
+        with (
+            httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client,
+            pytest.raises(httpx2.RemoteProtocolError),
+        ):
+            client.post("/not/inference", json={"x": 1})
+
+        async def go() -> None:
+            transport = AsyncMeshTransport(mesh)
+            async with httpx2.AsyncClient(transport=transport, base_url="http://mesh") as c:
+                with pytest.raises(httpx2.RemoteProtocolError):
+                    await c.post("/not/inference", json={"x": 1})
+
+        asyncio.run(go())
+    finally:
+        cut.close()

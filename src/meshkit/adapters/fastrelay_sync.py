@@ -42,21 +42,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import httptools
-import httpx
 
 from meshkit.adapters.drive import SyncExchange, UpstreamFailure, read_upto
 from meshkit.adapters.fastrelay import build_head, http_origin
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
 from meshkit.errors import InvalidRequest
-
-try:
-    import httpx2
-except ImportError:  # pragma: no cover
-    httpx2 = None  # type: ignore[assignment]
 
 __all__ = ["SyncFastUpstream"]
 
@@ -68,9 +61,6 @@ READ_SIZE = 64 * 1024
 JOIN_LIMIT = 64 * 1024
 
 _FRAMING = (b"content-length", b"transfer-encoding")
-_SyncStream: tuple[type, ...] = (httpx.SyncByteStream,) + (
-    (httpx2.SyncByteStream,) if httpx2 else ()
-)
 # How reading a response head ended.
 _OK, _RESET, _TIMEOUT, _PROTOCOL = range(4)
 
@@ -233,10 +223,6 @@ class _Exchange:
         self.headers: list[tuple[bytes, bytes]] = []
         self.pending: list[bytes] = []
 
-    @property
-    def stream(self) -> Any:
-        return _Stream(self)
-
     def chunks(self) -> Iterator[bytes]:
         while True:
             if self.pending:
@@ -271,19 +257,6 @@ class _Exchange:
         conn, self._conn = self._conn, None
         if conn is not None:
             self._upstream._release(conn)
-
-
-class _Stream(*_SyncStream):  # type: ignore[misc]
-    """An exchange's body as an httpx/httpx2 byte stream (pass-through requests)."""
-
-    def __init__(self, ex: _Exchange) -> None:
-        self._ex = ex
-
-    def __iter__(self) -> Iterator[bytes]:
-        return self._ex.chunks()
-
-    def close(self) -> None:
-        self._ex.close()
 
 
 class SyncFastUpstream:

@@ -29,18 +29,11 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
 from meshkit.adapters.drive import UpstreamFailure, aread_upto, read_upto
 from meshkit.adapters.httpx_upstream import timeouts
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
 from meshkit.errors import InvalidRequest
-
-try:
-    import httpx2
-except ImportError:  # pragma: no cover
-    httpx2 = None  # type: ignore[assignment]
 
 __all__ = ["CoreUpstream", "core_for"]
 
@@ -48,13 +41,6 @@ __all__ = ["CoreUpstream", "core_for"]
 _CORES = {"httpx": "httpcore", "httpx2": "httpcore2"}
 #: parsed attempt URLs kept before the cache is cleared (workers come and go)
 MAX_URLS = 4096
-
-_SyncStream: tuple[type, ...] = (httpx.SyncByteStream,) + (
-    (httpx2.SyncByteStream,) if httpx2 else ()
-)
-_AsyncStream: tuple[type, ...] = (httpx.AsyncByteStream,) + (
-    (httpx2.AsyncByteStream,) if httpx2 else ()
-)
 
 
 def core_for(lib: ModuleType) -> ModuleType | None:
@@ -83,31 +69,6 @@ class _Origin:
         self.host_header = hh.encode("idna")
 
 
-class _Raw(*_SyncStream):  # type: ignore[misc]
-    """httpcore's response stream as an httpx/httpx2 byte stream (pass-through)."""
-
-    def __init__(self, resp: Any) -> None:
-        self._resp = resp
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self._resp.stream
-
-    def close(self) -> None:
-        self._resp.close()
-
-
-class _AsyncRaw(*_AsyncStream):  # type: ignore[misc]
-    def __init__(self, resp: Any) -> None:
-        self._resp = resp
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._resp.stream:
-            yield chunk
-
-    async def aclose(self) -> None:
-        await self._resp.aclose()
-
-
 class SyncCoreExchange:
     __slots__ = ("_errors", "_resp", "headers", "status")
 
@@ -118,10 +79,6 @@ class SyncCoreExchange:
         self._errors = errors
         self.status: int = resp.status
         self.headers: list[tuple[bytes, bytes]] = resp.headers
-
-    @property
-    def stream(self) -> Any:
-        return _Raw(self._resp)
 
     def chunks(self) -> Iterator[bytes]:
         try:
@@ -147,10 +104,6 @@ class AsyncCoreExchange:
         self._errors = errors
         self.status: int = resp.status
         self.headers: list[tuple[bytes, bytes]] = resp.headers
-
-    @property
-    def stream(self) -> Any:
-        return _AsyncRaw(self._resp)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:

@@ -95,11 +95,6 @@ class SyncHttpxExchange:
         self.status: int = resp.status_code
         self.headers: list[tuple[bytes, bytes]] = list(resp.headers.raw)
 
-    @property
-    def stream(self) -> Any:
-        """The inner response's own byte stream (relayed untouched on pass-through)."""
-        return self._resp.stream
-
     def chunks(self) -> Iterator[bytes]:
         try:
             yield from self._resp.stream
@@ -122,10 +117,6 @@ class AsyncHttpxExchange:
         self._resp = resp
         self.status: int = resp.status_code
         self.headers: list[tuple[bytes, bytes]] = list(resp.headers.raw)
-
-    @property
-    def stream(self) -> Any:
-        return self._resp.stream
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -77,6 +77,9 @@ __all__ = ["AsyncMeshTransport", "MeshTransport"]
 _SyncBase: tuple[type, ...] = (httpx.BaseTransport,) + ((httpx2.BaseTransport,) if httpx2 else ())
 _AsyncBase: tuple[type, ...] = (httpx.AsyncBaseTransport,) + (
     (httpx2.AsyncBaseTransport,) if httpx2 else ()
+)
+_SyncStream: tuple[type, ...] = (httpx.SyncByteStream,) + (
+    (httpx2.SyncByteStream,) if httpx2 else ()
 )
 _AsyncStream: tuple[type, ...] = (httpx.AsyncByteStream,) + (
     (httpx2.AsyncByteStream,) if httpx2 else ()
@@ -175,8 +178,26 @@ async def _read_async(lib: ModuleType, request: Any, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class _SyncBody(*_SyncStream):  # type: ignore[misc]
+    """A passed-through answer's body, as the client library's byte stream: read
+    from the exchange whatever its upstream, a cut raising the library's own error."""
+
+    def __init__(self, exchange: Any, lib: ModuleType) -> None:
+        self._exchange = exchange
+        self._lib = lib
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            yield from self._exchange.chunks()
+        except UpstreamFailure:
+            raise _cut_short(self._lib)() from None
+
+    def close(self) -> None:
+        self._exchange.close()
+
+
 class _AsyncBody(*_AsyncStream):  # type: ignore[misc]
-    """A passed-through answer's body, as the client library's byte stream."""
+    """:class:`_SyncBody` for the async transport."""
 
     def __init__(self, exchange: Any, lib: ModuleType) -> None:
         self._exchange = exchange
@@ -344,7 +365,9 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
                 attempt = self._pass_through(request, path, query, headers, body)
                 plain = send(attempt)
                 return lib.Response(
-                    plain.status, headers=response_headers(plain.headers), stream=plain.stream
+                    plain.status,
+                    headers=response_headers(plain.headers),
+                    stream=_SyncBody(plain, lib),
                 )
             view = mesh.prepare(match, body, headers, query)
             flow = mesh.forward(view, headers, request.method)
