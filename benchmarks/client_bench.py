@@ -28,7 +28,7 @@ import httpx2
 from _common import bodies
 
 from meshkit import Mesh
-from meshkit.adapters.transport import AsyncMeshTransport, MeshTransport
+from meshkit.frontends.transport import AsyncMeshTransport, MeshTransport
 
 __all__ = ["run"]
 

@@ -23,7 +23,7 @@ from typing import Any
 from _common import bodies
 
 from meshkit import Mesh
-from meshkit.adapters.drive import Relayed, drive_sync
+from meshkit.upstream.drive import Relayed, drive_sync
 from meshkit.core.credentials import response_headers
 from meshkit.core.forward import Attempt
 

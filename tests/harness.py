@@ -185,7 +185,7 @@ class AsgiMode(_ServerMode):
 
 
 class GatewayMode(_ServerMode):
-    """The standalone gateway's server (meshkit.server.h1) around the middleware."""
+    """The standalone gateway's server (meshkit.server.h1.conn) around the middleware."""
 
     name = "gateway"
 

@@ -1,6 +1,6 @@
 """
 meshkit standalone on its built-in server (what ``meshkit serve`` runs): the
-gateway (``MeshMiddleware`` around ``ServeApp``) on ``meshkit.server.h1``.
+gateway (``MeshMiddleware`` around ``ServeApp``) on ``meshkit.server.h1.conn``.
 
 ``MESHBENCH_WORKERS=... python benchmarks/frontends/meshkit_builtin.py --port 8000``
 """

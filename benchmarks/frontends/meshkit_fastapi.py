@@ -11,7 +11,7 @@ from _env import mesh_kwargs
 from fastapi import FastAPI
 
 from meshkit import Mesh
-from meshkit.adapters.asgi import MeshMiddleware
+from meshkit.frontends.asgi import MeshMiddleware
 
 app = FastAPI()
 app.add_middleware(MeshMiddleware, mesh=Mesh(**mesh_kwargs()))

@@ -13,7 +13,7 @@ from typing import Any
 from _env import mesh_kwargs
 
 from meshkit import Mesh
-from meshkit.adapters.asgi import MeshMiddleware
+from meshkit.frontends.asgi import MeshMiddleware
 
 Message = MutableMapping[str, Any]
 

@@ -13,13 +13,13 @@ wrapped four ways:
 
 from __future__ import annotations
 
-from meshkit.adapters.asgi import MeshMiddleware
-from meshkit.adapters.transport import AsyncMeshTransport, MeshTransport
-from meshkit.adapters.wsgi import MeshWSGIMiddleware
 from meshkit.config import MeshConfig
 from meshkit.core.policies.base import BasePolicy, Completion, Needs, PlacementContext, Policy
 from meshkit.core.workers import Worker
 from meshkit.errors import ConfigError, MeshError
+from meshkit.frontends.asgi import MeshMiddleware
+from meshkit.frontends.transport import AsyncMeshTransport, MeshTransport
+from meshkit.frontends.wsgi import MeshWSGIMiddleware
 from meshkit.mesh import Mesh
 
 __version__ = "0.1.0"

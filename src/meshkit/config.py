@@ -175,7 +175,7 @@ class ServerConfig:
     log_level: str = "info"
     # Off by default: an access log line carries paths and client addresses.
     access_log: bool = False
-    # The HTTP server: "builtin" (meshkit.server.h1, the fastest), "uvicorn" or "granian".
+    # The HTTP server: "builtin" (meshkit.server.h1.conn, the fastest), "uvicorn" or "granian".
     http: str = "builtin"
     # Built-in server: idle keep-alive connections close after this many seconds.
     keep_alive_s: float = 5.0

@@ -1,4 +1,4 @@
-"""Raw bytes at the built-in HTTP/1.1 server (``meshkit.server.h1``).
+"""Raw bytes at the built-in HTTP/1.1 server (``meshkit.server.h1.conn``).
 
 One server with a mock worker behind it gets generated request bytes on a new
 connection per example: valid-ish requests whose request line, headers (CR, LF,
@@ -47,9 +47,9 @@ from hypothesis import strategies as st
 
 from meshkit import Mesh
 from meshkit.mock import MockConfig, MockWorkerThread
-from meshkit.server import h1_server
-from meshkit.server.h1 import H1Conn, Request
-from meshkit.server.h1_server import H1Server
+from meshkit.server.h1 import server as h1_server
+from meshkit.server.h1.conn import H1Conn, Request
+from meshkit.server.h1.server import H1Server
 from meshkit.server.runner import GatewayThread
 
 BOUNDS = {"max_body_bytes": 65_536, "max_header_bytes": 8_192, "max_headers": 64}

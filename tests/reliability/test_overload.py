@@ -266,10 +266,10 @@ def _attempt(url: str, stream: bool = True) -> Any:
 def test_httpx_pool_timeout_is_a_pool_failure(mock_factory: Any, lib_name: str) -> None:
     import importlib
 
-    from meshkit.adapters.drive import UpstreamFailure
-    from meshkit.adapters.httpx_upstream import send_sync
     from meshkit.config import UpstreamConfig
     from meshkit.core.forward import Failure
+    from meshkit.upstream.drive import UpstreamFailure
+    from meshkit.upstream.inner import send_sync
 
     lib = importlib.import_module(lib_name)
     slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)
@@ -288,10 +288,10 @@ def test_httpx_pool_timeout_is_a_pool_failure(mock_factory: Any, lib_name: str) 
 
 
 def test_aiohttp_pool_wait_timeout_is_a_pool_failure(mock_factory: Any) -> None:
-    from meshkit.adapters.drive import UpstreamFailure
-    from meshkit.adapters.upstream import AiohttpUpstream, _pool_full
     from meshkit.config import UpstreamConfig
     from meshkit.core.forward import Failure
+    from meshkit.upstream.aio import AiohttpUpstream, _pool_full
+    from meshkit.upstream.drive import UpstreamFailure
 
     slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)
 
@@ -316,10 +316,10 @@ def test_aiohttp_pool_wait_timeout_is_a_pool_failure(mock_factory: Any) -> None:
 
 
 def test_fastrelay_pool_wait_timeout_is_a_pool_failure(mock_factory: Any) -> None:
-    from meshkit.adapters.drive import UpstreamFailure
-    from meshkit.adapters.fastrelay import FastUpstream
     from meshkit.config import UpstreamConfig
     from meshkit.core.forward import Failure
+    from meshkit.upstream.drive import UpstreamFailure
+    from meshkit.upstream.fast import FastUpstream
 
     slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)
 

@@ -1,4 +1,4 @@
-"""The built-in HTTP/1.1 server (``meshkit.server.h1``) on real sockets.
+"""The built-in HTTP/1.1 server (``meshkit.server.h1.conn``) on real sockets.
 
 Framing is checked with raw ``socket`` clients and a strict little response
 reader (:class:`Raw`): keep-alive, pipelining, ``Connection: close``, HTTP/1.0,
@@ -29,12 +29,12 @@ import pytest
 
 from harness import wait_until
 from meshkit import Mesh, MeshMiddleware
-from meshkit.adapters.fastrelay_conn import HIGH_WATER as relay_high_water
 from meshkit.server import build_gateway
-from meshkit.server.h1 import H1Conn
-from meshkit.server.h1_server import H1Server
-from meshkit.server.h1_wire import Framing, response_head
+from meshkit.server.h1.conn import H1Conn
+from meshkit.server.h1.server import H1Server
+from meshkit.server.h1.wire import Framing, response_head
 from meshkit.server.runner import GatewayThread
+from meshkit.upstream.fast_conn import HIGH_WATER as relay_high_water
 from reliability.faultkit import assert_settled, is_anthropic_error, is_openai_error, metric_value
 from reliability.rawworker import TruncatingWorker
 

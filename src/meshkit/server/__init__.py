@@ -8,7 +8,7 @@ meshkit.server: the gateway and the ``meshkit`` command
 * :mod:`meshkit.server.runner` — uvicorn/granian, graceful shutdown,
   :class:`~meshkit.server.runner.GatewayThread`;
 * :mod:`meshkit.server.cli` — ``meshkit serve | mock-worker | demo``;
-* :mod:`meshkit.server.demo` — ``meshkit demo``.
+* ``meshkit demo`` lives in :mod:`meshkit.demo`.
 
 Importing this package does not import a server: uvicorn is the ``[server]`` extra.
 """

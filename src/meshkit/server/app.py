@@ -31,7 +31,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from meshkit.adapters.asgi import MeshMiddleware
+from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.lifecycle.admin import AdminApp
 from meshkit.mesh import Mesh
 

@@ -155,6 +155,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(args)
     if ns.command == "serve":
         return _serve(ns)
-    from meshkit.server.demo import run_demo
+    from meshkit.demo.run import run_demo
 
     return run_demo(real=ns.real)

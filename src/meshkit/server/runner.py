@@ -3,7 +3,7 @@ Running the gateway
 ===================
 
 :func:`serve` runs the gateway in the foreground (``meshkit serve``) on the
-built-in server (:mod:`meshkit.server.h1`: httptools on uvloop, meshkit's routes
+built-in server (:mod:`meshkit.server.h1.conn`: httptools on uvloop, meshkit's routes
 without an ASGI layer), or, when asked (``--server``, ``[server] http``), on
 uvicorn or granian. :class:`GatewayThread` runs it in a background thread for the
 demo and tests.
@@ -33,10 +33,10 @@ from typing import Any
 
 import uvicorn
 
-from meshkit.adapters.asgi import MeshMiddleware
+from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.mesh import Mesh
 from meshkit.server.app import ServeApp, build_gateway
-from meshkit.server.h1_server import H1Server
+from meshkit.server.h1.server import H1Server
 from meshkit.server.settings import ServeSettings
 
 __all__ = ["GatewayThread", "listen", "new_event_loop", "serve", "url_of"]

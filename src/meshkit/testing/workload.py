@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from meshkit.adapters.transport import MeshTransport
+from meshkit.frontends.transport import MeshTransport
 from meshkit.mesh import Mesh
 
 __all__ = [

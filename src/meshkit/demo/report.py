@@ -1,0 +1,105 @@
+"""
+The demo's report
+=================
+
+ASCII, aligned, short: one row per request (where it went, status, TTFT,
+cached tokens), the conversation's cache-hit rate, then per-worker load from
+three sources that must agree: the workers' own counters, the mesh's in-flight
+load (zero once every lease is released) and the gateway's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshkit.mesh import Mesh
+from meshkit.mock import MockWorkerThread
+
+if TYPE_CHECKING:
+    from meshkit.demo.run import Row
+
+__all__ = ["report"]
+
+_ROW = "{:>2}  {:<9}  {:<9}  {:<6}  {:<6}  {:>6}  {:>7}  {:>13}"
+
+
+def _fmt(n: int, row: Row) -> str:
+    r = row.result
+    ttft = "-" if r.ttft_ms is None else f"{r.ttft_ms:.1f}"
+    cached = "-" if r.cached_tokens is None else str(r.cached_tokens)
+    stream = "yes" if row.stream else "no"
+    return _ROW.format(n, row.via, row.api, stream, r.worker, r.status, ttft, cached)
+
+
+def _requests_by_api(metrics: str) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(metrics):
+        for s in family.samples:
+            if s.name == "mesh_router_requests_total":
+                counts[s.labels["api"]] += int(s.value)
+    return counts
+
+
+def _conversation_summary(talk: Sequence[Row]) -> list[str]:
+    if not talk:
+        return []
+    workers = sorted({r.result.worker for r in talk})
+    later = talk[1:]
+    hits = sum(1 for r in later if (r.result.cached_tokens or 0) > 0)
+    cached = sum(r.result.cached_tokens or 0 for r in talk)
+    prompt = sum(r.result.prompt_tokens or 0 for r in talk)
+    rate = 100.0 * cached / prompt if prompt else 0.0
+    lines = [
+        f"conversation: {len(talk)} turns on {', '.join(workers)}; cache hits on {hits} of "
+        f"{len(later)} later turns; {cached} of {prompt} prompt tokens cached ({rate:.0f}%)"
+    ]
+    first = talk[0].result.ttft_ms
+    warm = [r.result.ttft_ms for r in later if r.result.ttft_ms is not None]
+    if first is not None and warm:
+        lines.append(
+            f"ttft: first turn {first:.0f} ms (cold prefix), later turns "
+            f"{sum(warm) / len(warm):.0f} ms on average (cached prefix)"
+        )
+    return lines
+
+
+def report(
+    out: TextIO,
+    tour: Sequence[Row],
+    talk: Sequence[Row],
+    mesh: Mesh,
+    mocks: Sequence[MockWorkerThread],
+    metrics: str,
+) -> bool:
+    """Print the report; True when every request answered 200."""
+    lines = [
+        "  gateway   = SDK -> meshkit gateway (MeshMiddleware + uvicorn) -> worker",
+        "  transport = SDK(http_client=httpx2.Client(transport=MeshTransport(mesh))) -> worker",
+        "",
+        _ROW.format("#", "via", "api", "stream", "worker", "status", "ttft_ms", "cached_tokens"),
+    ]
+    lines += [_fmt(n, row) for n, row in enumerate(tour, 1)]
+    lines.append("-- one conversation: shared system prompt, growing history --")
+    lines += [_fmt(n, row) for n, row in enumerate(talk, len(tour) + 1)]
+    lines.append("")
+    lines += _conversation_summary(talk)
+    lines += ["", "worker  url                      requests  prompt_tok  cached_tok  in_flight"]
+    for mock, worker in zip(mocks, mesh.workers, strict=True):
+        s = mock.worker.stats
+        api_calls = sum(n for path, n in s.requests_total.items() if path.startswith("/v1/"))
+        lines.append(
+            f"{mock.worker.config.name:<6}  {worker.url:<23}  {api_calls:>8}  "
+            f"{s.prompt_tokens_total:>10}  {s.cached_tokens_total:>10}  {mesh.load_of(worker):>9}"
+        )
+    by_api = _requests_by_api(metrics)
+    detail = ", ".join(f"{api} {n}" for api, n in sorted(by_api.items()))
+    lines.append(
+        f"gateway /metrics: mesh_router_requests_total {sum(by_api.values())} ({detail}); "
+        f"policy {mesh.policy.name}"
+    )
+    print("\n".join(lines), file=out)
+    return all(r.result.status == 200 for r in (*tour, *talk))

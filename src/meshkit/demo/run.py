@@ -1,0 +1,229 @@
+"""
+``meshkit demo``
+================
+
+No arguments, no network beyond loopback. The demo:
+
+1. starts three mock workers in-process (``w0``, ``w1``, ``w2``) with small
+   latencies and a prefix-cache model: a prompt prefix a worker saw recently is
+   reported as cached tokens and skips its prefill delay, so a cache hit shows
+   in the time to first token;
+2. builds one :class:`~meshkit.Mesh` (policy ``cache_aware``) and serves it as
+   the gateway (``MeshMiddleware`` around the serve app, uvicorn on a free
+   loopback port);
+3. sends real OpenAI and Anthropic SDK requests two ways: through the gateway,
+   and through :class:`~meshkit.MeshTransport` inside the SDK's own client (the
+   same mesh, so both ways share placement state): chat, chat stream, Responses
+   create and stream, Messages create and stream, then a multi-turn
+   conversation that keeps a shared system prompt and a growing history;
+4. prints where each request went, its status, TTFT and cached tokens, then the
+   conversation's cache-hit rate and per-worker load.
+
+Exit code 0 when every request succeeded, 1 otherwise, 2 when the SDKs are not
+installed. ``--real`` runs the same story on real llama.cpp engines
+(:mod:`meshkit.testing.demo_real`; needs the ``engine`` extra and the model wheel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, TextIO
+
+from meshkit.core.policies.registry import create_policy
+from meshkit.mesh import Mesh
+from meshkit.mock import MockConfig, MockWorkerThread
+
+if TYPE_CHECKING:
+    import anthropic
+    import openai
+    from anthropic.types import MessageParam
+    from openai.types.chat import ChatCompletionMessageParam
+
+    from meshkit.demo.calls import Outcome
+
+__all__ = ["run_demo"]
+
+# The prefix cache counts words as tokens in blocks of 16: this system prompt is
+# long enough (~110 words) for a cache hit to be worth ~100 ms of prefill.
+SYSTEM = (
+    "You are the support assistant of a small bicycle shop. Answer in short, friendly "
+    "sentences. Prices are in euros and include tax. The shop opens Monday to Saturday "
+    "from nine to six and is closed on Sundays and public holidays. Repairs take two to "
+    "three working days; a basic service costs forty euros and a full service ninety. "
+    "Customers may rent city bikes by the day for fifteen euros or by the week for sixty. "
+    "Electric bikes cost thirty euros a day. A deposit of one hundred euros is required "
+    "for every rental and is returned when the bike comes back undamaged. Never promise "
+    "a repair date without checking the workshop calendar, and never share the personal "
+    "data of other customers. When unsure, offer to call the customer back."
+)
+# Unrelated one-off prompts: no shared prefix, so cache_aware spreads them by load.
+TOUR_PROMPTS = (
+    "Name a colour.",
+    "Count to three.",
+    "Pick a fruit.",
+    "Describe rain.",
+    "Greet a friend.",
+    "Suggest a book.",
+    "What is tea?",
+    "Invent a word.",
+    "Rhyme with cat.",
+    "List two planets.",
+    "Quote a proverb.",
+    "Explain tides.",
+)
+QUESTIONS = (
+    "Hello, are you open on Saturday?",
+    "How much is a full service?",
+    "Can I rent an electric bike for two days?",
+    "Is there a deposit?",
+    "When would a repair be ready if I bring it on Monday?",
+    "Thanks, see you then!",
+)
+
+
+def _mock(name: str) -> MockConfig:
+    # 1 ms of prefill per uncached prompt token makes a cache hit visible in TTFT.
+    return MockConfig(
+        name=name,
+        first_token_ms=15.0,
+        per_token_ms=4.0,
+        output_tokens=8,
+        cache_tokens=16_384,
+        prefill_ms_per_token=1.0,
+    )
+
+
+@dataclass
+class Row:
+    via: str
+    api: str
+    stream: bool
+    result: Outcome
+
+
+class _Clients:
+    """The four SDK clients: each SDK through the gateway and through the transport."""
+
+    def __init__(self, mesh: Mesh, gateway_url: str) -> None:
+        import anthropic
+        import httpx2
+        import openai
+
+        from meshkit.frontends.transport import MeshTransport
+
+        def http(transport: bool) -> httpx2.Client:
+            if transport:
+                return httpx2.Client(transport=MeshTransport(mesh), timeout=30)
+            # trust_env=False: a proxy from the environment must not see loopback traffic.
+            return httpx2.Client(trust_env=False, timeout=30)
+
+        # The transport ignores the base URL's host: placement picks the worker.
+        virtual = "http://mesh.invalid"
+        self.openai: dict[str, openai.OpenAI] = {
+            via: openai.OpenAI(
+                base_url=base + "/v1", api_key="demo", max_retries=0, http_client=http(tx)
+            )
+            for via, base, tx in (("gateway", gateway_url, False), ("transport", virtual, True))
+        }
+        self.anthropic: dict[str, anthropic.Anthropic] = {
+            via: anthropic.Anthropic(
+                base_url=base, api_key="demo", max_retries=0, http_client=http(tx)
+            )
+            for via, base, tx in (("gateway", gateway_url, False), ("transport", virtual, True))
+        }
+
+    def close(self) -> None:
+        for oa in self.openai.values():
+            oa.close()
+        for an in self.anthropic.values():
+            an.close()
+
+
+def _tour(c: _Clients) -> list[Row]:
+    """Every API, plain and streamed, through both ways; unrelated prompts spread out."""
+    from meshkit.demo import calls
+
+    prompts = iter(TOUR_PROMPTS)
+    rows: list[Row] = []
+    for via in ("gateway", "transport"):
+        oa, an = c.openai[via], c.anthropic[via]
+        jobs: list[tuple[str, bool, Callable[[], Outcome]]] = []
+        for stream in (False, True):
+            chat: list[ChatCompletionMessageParam] = [{"role": "user", "content": next(prompts)}]
+            jobs.append(("chat", stream, partial(calls.openai_chat, oa, chat, stream=stream)))
+        for stream in (False, True):
+            call = partial(calls.openai_responses, oa, next(prompts), stream=stream)
+            jobs.append(("responses", stream, call))
+        for stream in (False, True):
+            msgs: list[MessageParam] = [{"role": "user", "content": next(prompts)}]
+            call = partial(calls.anthropic_messages, an, msgs, stream=stream)
+            jobs.append(("messages", stream, call))
+        rows += [Row(via, api, stream, calls.measure(job)) for api, stream, job in jobs]
+    return rows
+
+
+def _conversation(c: _Clients) -> list[Row]:
+    """One chat, alternating gateway and transport: history grows, the prefix stays."""
+    from meshkit.demo import calls
+
+    history: list[ChatCompletionMessageParam] = [{"role": "system", "content": SYSTEM}]
+    rows: list[Row] = []
+    for i, question in enumerate(QUESTIONS):
+        via = ("gateway", "transport")[i % 2]
+        history.append({"role": "user", "content": question})
+        call = partial(calls.openai_chat, c.openai[via], list(history), stream=True)
+        out = calls.measure(call)
+        history.append({"role": "assistant", "content": out.text})
+        rows.append(Row(via, "chat", True, out))
+    return rows
+
+
+def _policy() -> tuple[str, str]:
+    try:
+        create_policy("cache_aware")
+    except Exception as exc:  # a policy under construction must not break the demo
+        return "round_robin", f" (cache_aware unavailable: {type(exc).__name__})"
+    return "cache_aware", ""
+
+
+def run_demo(*, real: bool = False, out: TextIO | None = None) -> int:
+    """Run the demo, print its report to ``out`` (stdout); returns the exit code."""
+    out = out or sys.stdout
+    if real:
+        from meshkit.testing.demo_real import run_real_demo
+
+        return run_real_demo(out=out)
+    try:
+        import anthropic  # noqa: F401
+        import httpx2
+        import openai  # noqa: F401
+
+        from meshkit.server.runner import GatewayThread
+    except ImportError as exc:
+        print(
+            f"meshkit: error: the demo needs uvicorn, openai and anthropic ({exc}); "
+            "pip install 'meshkit[server]' openai anthropic",
+            file=sys.stderr,
+        )
+        return 2
+    from meshkit.demo.report import report
+
+    policy, note = _policy()
+    with contextlib.ExitStack() as stack:
+        mocks = [stack.enter_context(MockWorkerThread(_mock(f"w{i}"))) for i in range(3)]
+        mesh = stack.enter_context(
+            Mesh(workers=[m.url for m in mocks], policy=policy, routing={"seed": 7})
+        )
+        url = stack.enter_context(GatewayThread(mesh))
+        print(f"meshkit demo: 3 mock workers, policy {policy}{note}, gateway {url}", file=out)
+        clients = _Clients(mesh, url)
+        stack.callback(clients.close)
+        tour = _tour(clients)
+        talk = _conversation(clients)
+        metrics = httpx2.get(url + "/metrics", trust_env=False).text
+        ok = report(out, tour, talk, mesh, mocks, metrics)
+    return 0 if ok else 1

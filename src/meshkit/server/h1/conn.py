@@ -1,0 +1,545 @@
+"""
+The built-in HTTP/1.1 server's connection
+=========================================
+
+``meshkit serve`` answers on :class:`H1Conn`, an ``asyncio.Protocol`` fed by
+``httptools`` (uvicorn's parser), instead of uvicorn's ASGI layer: a request
+meshkit routes goes straight to a :class:`~meshkit.frontends.routed.Routed` whose
+downstream is this connection, so a response head is one ``bytes`` written
+together with the first body chunk, and no ASGI message, scope or disconnect
+watcher task is built per request (``benchmarks/RESULTS.md``: uvicorn was about a
+quarter of a proxied request's samples). Every other path (``/health``,
+``/metrics``, ``/workers``) goes to the gateway's ASGI app through a small bridge
+(:mod:`meshkit.server.h1.bridge`).
+
+Per connection: one request runs at a time; pipelined requests queue (at most
+``MAX_PIPELINED``, then reading pauses). Bounds are those of every mode
+(``bounds.max_header_bytes`` and ``bounds.max_headers`` while the head arrives:
+431; ``bounds.max_body_bytes`` on the declared length and while the body arrives:
+413, and the connection closes without reading the rest). A client that closes
+its connection cancels its request at once (the prepare job, the upstream
+request, the lease). Idle connections close after ``server.keep_alive_s``
+(:class:`~meshkit.server.h1.server.H1Server` sweeps them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import httptools
+
+from meshkit.core.endpoints import Match, shape_for_path
+from meshkit.core.requests import head_error
+from meshkit.errors import (
+    HeadersTooLarge,
+    InvalidRequest,
+    MeshError,
+    RequestTooLarge,
+    Unavailable,
+)
+from meshkit.frontends.routed import Headers, Routed, error_reply
+from meshkit.server.h1.wire import LAST_CHUNK, Framing, chunk, date_header, response_head
+
+if TYPE_CHECKING:
+    from meshkit.server.h1.server import H1Server
+
+__all__ = ["H1Conn", "Request"]
+
+log = logging.getLogger("meshkit.server")
+access_log = logging.getLogger("meshkit.access")
+
+#: pipelined requests parsed ahead of the one running, before reading pauses
+MAX_PIPELINED = 16
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_INTERNAL = b'{"error":{"message":"internal error","type":"server_error","code":"internal_error"}}'
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    path: str
+    raw_path: bytes
+    query: bytes
+    headers: Headers
+    body: bytes
+    http11: bool
+    keep_alive: bool
+    match: Match | None
+    #: answered with this error instead of being run (a bound, a bad request line)
+    refusal: MeshError | None = None
+    #: the API shape of that error
+    shape: Any = "openai"
+
+
+class _Refused(Exception):
+    def __init__(self, error: MeshError) -> None:
+        self.error = error
+
+
+class H1Conn(asyncio.Protocol):
+    """One client connection of the built-in server."""
+
+    def __init__(self, server: H1Server) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.mesh = server.mesh
+        bounds = server.mesh.config.bounds
+        self.max_head = bounds.max_header_bytes
+        self.max_headers = bounds.max_headers
+        self.max_body = bounds.max_body_bytes
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.client = ""
+        self.closed = False
+        #: the server's sweep tick when bytes last arrived (idle connections close)
+        self.seen = server.tick
+        # the request being parsed
+        self._url = b""
+        self._headers: Headers = []
+        self._size = 0
+        self._count = 0
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._match: Match | None = None
+        # the request line, split once when the head is complete
+        self._method = ""
+        self._path = ""
+        self._raw_path = b""
+        self._query = b""
+        self._refused = False  # stop parsing: an answer and a close are on their way
+        # Bytes received since the head being parsed began: httptools buffers a
+        # header line whole before any callback, so a line that never ends is only
+        # seen here. Bounded like a head of endless lines (on_header).
+        self._in_head = True
+        self._head_bytes = 0
+        self._head_limit = 2 * self.max_head + 65536
+        # the request being answered, and those parsed behind it
+        self.queue: deque[Request] = deque()
+        #: the task answering a request (None when idle): the connection's runner
+        self.task: asyncio.Task[None] | None = None
+        # One runner task per connection answers its requests in turn (a task per
+        # request costs more than waking one); it idles on _waiter between them.
+        self._runner: asyncio.Task[None] | None = None
+        self._waiter: asyncio.Future[Request | None] | None = None
+        self.routed: Routed | None = None
+        self.req: Request | None = None
+        self.framing = Framing.LENGTH
+        self.keep_alive = True
+        self.pending = b""  # a response head waiting for its first body bytes
+        self.remaining = 0  # body bytes the head announced, not yet written (LENGTH)
+        self.status = 0
+        self.read_paused = False
+        self.queued_bytes = 0  # bodies of the queued requests
+        self.write_paused = False
+        self._drained: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol ---------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        peer = self.transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self.client = f"{peer[0]}:{peer[1]}"
+        if not self.server.attach(self):
+            self._refuse(Unavailable("the gateway is at server.max_connections"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.detach(self)
+        if self.task is not None and not self.task.done():
+            if self.routed is not None:
+                self.routed.client_left = True
+            self.task.cancel()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)  # the idle runner ends
+        self._wake_writer()
+
+    def eof_received(self) -> bool | None:
+        return None  # close: a client that half-closes has left
+
+    def data_received(self, data: bytes) -> None:
+        self.seen = self.server.tick
+        if self._refused:
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Refused):
+                self._refuse(cause.error)
+            else:
+                log.error("unexpected error while reading a request", exc_info=cause)
+                self._refuse(InvalidRequest("the request could not be read"))
+        except httptools.HttpParserUpgrade:
+            self._upgrade_asked()
+        except httptools.HttpParserError:
+            self._refuse(InvalidRequest("malformed HTTP request"))
+        else:
+            if self._in_head and self._head_bytes > self._head_limit:
+                self._refuse(self._head_error())
+
+    def _upgrade_asked(self) -> None:
+        """The request just parsed asks for a protocol upgrade (or is a CONNECT).
+
+        It is complete and queued (or started, its task not yet run): it is
+        answered as HTTP/1.1 (a server may ignore Upgrade, RFC 9110 §7.8), then the
+        connection closes, as what follows it is not HTTP/1.1. httptools reads
+        the bytes after such a head as the new protocol's, never as a body: a
+        request that announced one is refused rather than run without it.
+        """
+        self._refused = True
+        req = self.queue[-1] if self.queue else self.req
+        if req is None:  # pragma: no cover - on_message_complete always queued it
+            return
+        req.keep_alive = False
+        if req is self.req:
+            self.keep_alive = False
+        if req.refusal is None and any(
+            name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0")
+            for name, value in req.headers
+        ):
+            req.refusal = InvalidRequest("a request asking for an Upgrade cannot have a body")
+            req.shape = shape_for_path(req.path)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake_writer()
+
+    # -- httptools callbacks ------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._size = 0
+        self._count = 0
+        self._body = []
+        self._body_size = 0
+        self._match = None
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > self.max_head:
+            raise _Refused(HeadersTooLarge(f"the request target is over {self.max_head} bytes"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._size += len(name) + len(value) + 4
+        self._count += 1
+        if self._size <= self.max_head and self._count <= self.max_headers:
+            self._headers.append((name.lower(), value))
+        elif self._size > self._head_limit:
+            # A head that never ends: refuse with what was measured so far.
+            raise _Refused(self._head_error())
+        # Over a bound: count on without keeping, so the refusal states the sizes
+        # of the whole head (as in every other mode) once it is complete.
+
+    def _head_error(self) -> MeshError:
+        error = head_error(
+            self._count, self._size, max_bytes=self.max_head, max_count=self.max_headers
+        )
+        return error or HeadersTooLarge(f"the request head is over {self._head_limit} bytes")
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._size > self.max_head or self._count > self.max_headers:
+            raise _Refused(self._head_error())
+        url = self._url
+        if url[:1] != b"/":  # absolute-form or asterisk-form
+            try:
+                parsed = httptools.parse_url(url)
+            except httptools.HttpParserInvalidURLError:
+                raise _Refused(InvalidRequest("malformed request target")) from None
+            url = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
+            self._url = url
+        raw_path, _, self._query = url.partition(b"?")
+        self._raw_path = raw_path
+        self._path = path = raw_path.decode("latin-1")
+        self._method = method = self.parser.get_method().decode("latin-1")
+        try:
+            self._match = self.mesh.resolve(method, path)
+        except MeshError as exc:
+            raise _Refused(exc) from None
+        expect = False
+        for name, value in self._headers:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self.max_body:
+                    raise _Refused(RequestTooLarge(f"request body is over {self.max_body} bytes"))
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expect = True
+        if expect and self.transport is not None and not self.queue and self.task is None:
+            self.transport.write(_CONTINUE)
+
+    def on_chunk_header(self) -> None:
+        # Called for chunked bodies only (the others pay nothing); acts once per
+        # request, on its first chunk: the head is complete and within bounds.
+        if self._size > self.max_head:
+            return
+        for name, value in self._headers:
+            if name == b"transfer-encoding" and value.strip().lower() != b"chunked":
+                # httptools frames "gzip, chunked" as chunked but does not decode
+                # gzip; a coding list is also how framing disagreements between a
+                # proxy in front and this server begin (request smuggling).
+                raise _Refused(InvalidRequest("only the chunked transfer coding is supported"))
+        # Trailer fields after the last chunk are counted against the head bounds
+        # but never kept: they would be merged into the head after a proxy in
+        # front checked it (RFC 9110 §6.5.1). on_header keeps nothing past max_head.
+        self._size = self.max_head + 1
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self.max_body:
+            # Checked while the body streams in, before it is all buffered.
+            raise _Refused(RequestTooLarge(f"request body is over {self.max_body} bytes"))
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._in_head = True
+        self._head_bytes = 0
+        parts = self._body
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        parser = self.parser
+        req = Request(
+            method=self._method,
+            path=self._path,
+            raw_path=self._raw_path,
+            query=self._query,
+            headers=self._headers,
+            body=body,
+            http11=parser.get_http_version() == "1.1",
+            keep_alive=parser.should_keep_alive(),
+            match=self._match,
+        )
+        self._body = []
+        self._enqueue(req)
+
+    # -- running requests ---------------------------------------------------------
+
+    def _refuse(self, error: MeshError) -> None:
+        """Answer ``error`` in turn, then close: the rest of the input is not read."""
+        self._refused = True
+        req = Request(
+            method="",
+            path="",
+            raw_path=b"",
+            query=b"",
+            headers=[],
+            body=b"",
+            http11=True,
+            keep_alive=False,
+            match=None,
+            refusal=error,
+            shape=shape_for_path(self._url.partition(b"?")[0].decode("latin-1")),
+        )
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        if self.task is None:
+            self._start(req)
+            return
+        self.queue.append(req)
+        self.queued_bytes += len(req.body)
+        if self._queue_full() and self.transport is not None:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def _queue_full(self) -> bool:
+        # By count and by bytes: 16 queued bodies of max_body_bytes each would be
+        # 16 x 32 MiB held for one connection.
+        return len(self.queue) >= MAX_PIPELINED or self.queued_bytes > self.max_body
+
+    def _start(self, req: Request) -> None:
+        self.req = req
+        self.keep_alive = req.keep_alive and not self.server.draining
+        self.pending = b""
+        self.status = 0
+        runner = self._runner
+        if runner is None:
+            runner = self._runner = self.loop.create_task(self._serve(req))
+        elif self._waiter is not None:
+            waiter, self._waiter = self._waiter, None
+            waiter.set_result(req)
+        # else: _finish started a pipelined request; the runner takes it next
+        self.task = runner
+
+    async def _serve(self, req: Request | None) -> None:
+        try:
+            while req is not None:
+                await self._run(req)
+                req = self.req  # the pipelined request _finish started, if any
+                if req is None:
+                    if self.closed:
+                        return
+                    waiter = self._waiter = self.loop.create_future()
+                    req = await waiter
+        finally:
+            self._runner = self._waiter = None
+
+    async def _run(self, req: Request) -> None:
+        try:
+            if req.refusal is not None:
+                await self.whole(*error_reply(self.mesh, req.refusal, req.shape))
+            elif req.match is None:
+                await self.server.bridge(self, req)
+            else:
+                # Inlined (not a coroutine of its own): one frame less to create
+                # and to resume through on every wake-up of the request.
+                routed = self.routed = Routed(self.mesh, self.server.upstream, req.match, self)
+                try:
+                    await routed.route(
+                        req.method, req.body, req.headers, req.query.decode("latin-1")
+                    )
+                except asyncio.CancelledError:
+                    if not routed.client_left:
+                        raise
+                    task = asyncio.current_task()
+                    if task is not None:
+                        task.uncancel()
+                except MeshError as exc:
+                    await routed.fail(exc)
+                finally:
+                    await routed.settle()
+        except asyncio.CancelledError:
+            self.keep_alive = False  # shutdown: no pipelined request starts after this one
+            if not self.closed:
+                raise
+        except Exception:
+            log.exception("unexpected error while answering a request")
+            self.keep_alive = False
+            if (self.status == 0 or self.pending) and not self.closed:
+                # Nothing of the answer was written yet (a head may wait in pending).
+                self.pending = b""
+                await self.whole(500, [(b"content-type", b"application/json")], _INTERNAL)
+        finally:
+            self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        self.task = None
+        self.routed = None
+        self.req = None
+        if self.server.access_log and req.refusal is None:
+            access_log.info(
+                '%s - "%s %s HTTP/%s" %d',
+                self.client,
+                req.method,
+                req.path,
+                "1.1" if req.http11 else "1.0",
+                self.status,
+            )
+        if self.closed:
+            return
+        if not self.keep_alive:
+            self.close()
+            return
+        if self.queue:
+            nxt = self.queue.popleft()
+            self.queued_bytes -= len(nxt.body)
+            self._start(nxt)
+        if self.read_paused and not self._queue_full() and self.transport is not None:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        """Close once the written bytes are flushed (asyncio's ``close``)."""
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+            self.closed = True
+
+    @property
+    def idle(self) -> bool:
+        return self.task is None
+
+    # -- Downstream (meshkit.frontends.routed) ------------------------------------
+
+    async def start(self, status: int, headers: Headers) -> None:
+        req = self.req
+        assert req is not None
+        self.status = status
+        self.pending, self.framing, self.keep_alive, self.remaining = response_head(
+            status,
+            headers,
+            keep_alive=self.keep_alive,
+            http11=req.http11,
+            bodyless=req.method == "HEAD",
+        )
+
+    async def body(self, data: bytes) -> None:
+        if not data or self.closed:
+            return
+        transport = self.transport
+        assert transport is not None
+        self.remaining -= len(data)
+        if self.framing == Framing.CHUNKED:
+            data = chunk(data)
+        if self.pending:
+            transport.writelines((self.pending, data))
+            self.pending = b""
+        else:
+            transport.write(data)
+        if self.write_paused:
+            await self._drain()
+
+    async def end(self, data: bytes = b"") -> None:
+        if self.closed:
+            return
+        transport = self.transport
+        assert transport is not None
+        out = [self.pending] if self.pending else []
+        self.pending = b""
+        framing = self.framing
+        if framing == Framing.CHUNKED:
+            if data:
+                out.append(chunk(data))
+            out.append(LAST_CHUNK)
+        else:
+            if framing == Framing.LENGTH and self.remaining != len(data):
+                # A body shorter or longer than its content-length (a worker that
+                # died half-way, an app that stopped early): only closing can say so.
+                self.keep_alive = False
+                data = data[: max(self.remaining, 0)]
+            if data:
+                out.append(data)
+        if out:
+            transport.writelines(out)
+        if self.framing == Framing.CLOSE:
+            self.keep_alive = False
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        if self.closed:
+            return
+        transport = self.transport
+        assert transport is not None
+        req = self.req
+        http11 = req.http11 if req is not None else True
+        headers.append((b"date", date_header()))
+        self.status = status
+        head, _, self.keep_alive, _ = response_head(
+            status, headers, keep_alive=self.keep_alive, http11=http11, length=len(body)
+        )
+        if req is not None and req.method == "HEAD":
+            transport.write(head)
+        else:
+            transport.writelines((head, body))
+
+    async def _drain(self) -> None:
+        while self.write_paused and not self.closed:
+            self._drained = self.loop.create_future()
+            await self._drained
+
+    def _wake_writer(self) -> None:
+        waiter, self._drained = self._drained, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
