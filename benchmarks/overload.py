@@ -93,14 +93,14 @@ def prepare_point(mode_name: str, scale: int, prepare_ms: float) -> dict[str, An
         prepare={"workers": 2, "queue_capacity": 16, "inline_threshold_bytes": 0},
         lifecycle={"probe": False},
     )
-    inner = mesh._prepare_job
+    inner = mesh.preparer._whole
 
     def slow(match: Any, body: bytes) -> Any:
         if current_worker_index() is not None:
             time.sleep(prepare_ms / 1000)
         return inner(match, body)
 
-    mesh._prepare_job = slow  # type: ignore[method-assign]
+    mesh.preparer._whole = slow  # type: ignore[method-assign]
     mode = MODE_CLASSES[mode_name](mesh)
     try:
         mode.request("GET", "/v1/models")
@@ -214,7 +214,7 @@ def upstream_point(mode_name: str, scale: int, stream_s: float) -> dict[str, Any
             "recovered_status": after,
             "settled": settled,
             "rejections_overloaded": int(rejected or 0),
-            "breaker_trips": sum(mesh.lifecycle.trips.values()),
+            "breaker_trips": sum(mesh.router.states.trips.values()),
             "upstream_requests": sum(
                 m.worker.stats.requests_total.get("/v1/chat/completions", 0) for m in mocks
             ),

@@ -16,7 +16,6 @@ from meshkit.core.policies.simple import RoundRobin
 from meshkit.core.requests import RequestView, parse_request
 from meshkit.core.workers import Candidate, Fleet, Worker
 from meshkit.errors import UnsupportedMediaType
-from meshkit.lifecycle.controller import IDEMPOTENCY_KEY, NO_WAIT
 
 BODY = b'{"model":"m","prompt":"hi"}'
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
@@ -51,8 +50,8 @@ def test_prepare_reads_its_headers_in_any_case(mesh: Mesh, upper: bool) -> None:
         headers = [(k.upper(), v) for k, v in headers]
     view = _prepare(mesh, headers)
     assert view.routing_key == "s1"
-    assert view.extra[IDEMPOTENCY_KEY] == "/v1/completions k2"
-    assert view.extra[NO_WAIT] is True
+    assert view.idempotency_key == "/v1/completions k2"
+    assert view.no_wait is True
 
 
 @pytest.mark.parametrize(
@@ -67,7 +66,7 @@ def test_prepare_still_refuses_other_media(mesh: Mesh, header: tuple[bytes, byte
 def test_prepare_accepts_identity_encoding_and_no_content_type(mesh: Mesh) -> None:
     view = _prepare(mesh, [(b"Content-Encoding", b"identity")])
     assert view.routing_key is None
-    assert IDEMPOTENCY_KEY not in view.extra and NO_WAIT not in view.extra
+    assert view.idempotency_key is None and view.no_wait is False
 
 
 def _one(mesh: Mesh, rid_body: bytes | None = None) -> None:

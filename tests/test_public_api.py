@@ -19,6 +19,7 @@ DESIGN_NAMES = {
 PUBLIC = [
     "AsyncMeshTransport",
     "BasePolicy",
+    "Candidate",
     "Completion",
     "ConfigError",
     "Mesh",
@@ -30,6 +31,7 @@ PUBLIC = [
     "Needs",
     "PlacementContext",
     "Policy",
+    "RequestView",
     "Worker",
 ]
 

@@ -67,7 +67,8 @@ __all__ = [
 ErrorShape = Literal["openai", "anthropic"]
 
 #: Retry hints above this are clamped: openai < 2.52 and anthropic ignore a longer
-#: Retry-After, and openai >= 2.52 refuses to retry at all past 120 s (PROTOCOLS.md §5).
+#: Retry-After, and openai >= 2.52 refuses to retry at all past 120 s
+#: (openai-python ``_base_client._calculate_retry_timeout``).
 MAX_RETRY_AFTER_S = 60.0
 
 

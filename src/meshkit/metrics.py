@@ -2,28 +2,54 @@
 Metrics
 =======
 
-Prometheus collectors, one registry per :class:`~meshkit.Mesh` (so several meshes
-in one process, as in tests, never collide). Labels carry API names, status codes
-and worker URLs only: never a credential, a prompt or a completion.
+Every Prometheus series meshkit exports, one registry per :class:`~meshkit.Mesh`
+(so several meshes in one process, as in tests, never collide). Labels carry API
+names, status codes, reasons and worker URLs only: never a credential, a prompt or
+a completion. ``docs/metrics.md`` lists them all.
+
+* :class:`RequestSeries` — what every relayed request updates, summed as plain
+  numbers and rendered at scrape time;
+* :class:`RouterMetrics` — the registry, the request series, refusals, retries,
+  stream errors, prefill/decode counters;
+* :class:`LifecycleCollector` — worker states, breakers, leases, wakes and sleeps,
+  read from the :class:`~meshkit.router.Router` at scrape time (the request path
+  updates nothing for them);
+* :class:`PrepareMetrics` — the prepare pool's ``mesh_prepare_*`` series.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Final
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.registry import Collector
 
-__all__ = ["RequestSeries", "RouterMetrics"]
+from meshkit.core.lifecycle import Breaker, State
+
+if TYPE_CHECKING:
+    from meshkit.router import Router
+
+__all__ = [
+    "ERROR_REASONS",
+    "LifecycleCollector",
+    "PrepareMetrics",
+    "RequestSeries",
+    "RouterMetrics",
+]
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_PD_LATENCY = _LATENCY[:-1]
 
 
 class _Hist:
@@ -155,6 +181,16 @@ class RouterMetrics:
             ["api"],
             registry=r,
         )
+        self.pd_requests = Counter("mesh_pd_requests", "Disaggregated requests", registry=r)
+        self.pd_bootstrap_failures = Counter(
+            "mesh_pd_bootstrap_failures", "Prefill legs that failed the KV handover", registry=r
+        )
+        self.pd_ttft = Histogram(
+            "mesh_pd_ttft_seconds",
+            "TTFT of disaggregated requests",
+            buckets=_PD_LATENCY,
+            registry=r,
+        )
         self.stream_overflows = Counter(
             "mesh_router_stream_overflows",
             "Worker streams with an SSE event over bounds.max_sse_line_bytes "
@@ -165,3 +201,161 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# -- lifecycle ------------------------------------------------------------------
+
+_CB = {Breaker.CLOSED: 0.0, Breaker.OPEN: 1.0, Breaker.HALF_OPEN: 2.0}
+
+
+class LifecycleCollector(Collector):
+    """The lifecycle series (``mesh_worker_state``, ``mesh_worker_health``,
+    ``mesh_worker_cb_state``, ``mesh_leases_active``, ``mesh_wakes_total``,
+    ``mesh_sleeps_total``, ``mesh_idempotent_requests_total``), read from the
+    router per scrape."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def describe(self) -> Iterator[Metric]:
+        # Nothing up front: registering must not read a half-built lifecycle.
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "mesh_worker_state", "Worker lifecycle state (1 = current)", labels=["worker", "state"]
+        )
+        health = GaugeMetricFamily(
+            "mesh_worker_health", "1 when health probes say healthy", labels=["worker"]
+        )
+        cb = GaugeMetricFamily(
+            "mesh_worker_cb_state",
+            "Circuit breaker: 0 closed, 1 open, 2 half-open",
+            labels=["worker"],
+        )
+        rows, n = self.router.lifecycle_rows()
+        for url, st, br, healthy in rows:
+            for s in State:
+                state.add_metric([url, s.value], 1.0 if s is st else 0.0)
+            health.add_metric([url], 1.0 if healthy else 0.0)
+            cb.add_metric([url], _CB[br])
+        yield state
+        yield health
+        yield cb
+        yield GaugeMetricFamily("mesh_leases_active", "Live request leases", value=n["leases"])
+        yield CounterMetricFamily("mesh_wakes", "Worker wakes started", value=n["wakes"])
+        yield CounterMetricFamily("mesh_sleeps", "Worker sleeps started", value=n["sleeps"])
+        idem = CounterMetricFamily(
+            "mesh_idempotent_requests",
+            "Leases by idempotency outcome (joins and replays are counted once)",
+            labels=["outcome"],
+        )
+        idem.add_metric(["started"], n["started"])
+        idem.add_metric(["joined"], n["joined"])
+        idem.add_metric(["replayed"], n["replayed"])
+        yield idem
+
+
+# -- the prepare pool ------------------------------------------------------------
+
+#: The reasons exported at 0 before anything happened (dashboards see the series).
+ERROR_REASONS: Final = ("queue_full", "timeout", "cancelled", "failed", "unavailable", "too_large")
+
+# Preparation spans ~50 µs (a small JSON parse) to seconds (a MiB prompt tokenized).
+_BUCKETS: Final = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+
+class PrepareMetrics:
+    """The preparation pool's collectors, registered in one registry."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._clock = clock
+        r = self.registry
+        self.queued_jobs = Gauge(
+            "mesh_prepare_queued_jobs", "Preparation jobs waiting for a worker.", registry=r
+        )
+        self.dispatched_jobs = Gauge(
+            "mesh_prepare_dispatched_jobs",
+            "Preparation jobs inside the pool (queued or executing).",
+            registry=r,
+        )
+        self.busy_workers = Gauge(
+            "mesh_prepare_busy_workers", "Preparation threads executing a job.", registry=r
+        )
+        self.live_workers = Gauge(
+            "mesh_prepare_live_workers", "Preparation threads alive.", registry=r
+        )
+        self.queue_seconds = Histogram(
+            "mesh_prepare_queue_seconds",
+            "Time a preparation job waited for a worker.",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.run_seconds = Histogram(
+            "mesh_prepare_run_seconds",
+            "Time a worker spent executing a preparation job.",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "mesh_prepare_stage_seconds",
+            "Time spent in one preparation stage.",
+            ["stage"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.errors_total = Counter(
+            "mesh_prepare_errors_total",
+            "Preparation refusals and failures by reason.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ERROR_REASONS:
+            self.errors_total.labels(reason=reason)
+
+    def error(self, reason: str) -> None:
+        """Count one refusal or failure."""
+        self.errors_total.labels(reason=reason).inc()
+
+    def error_count(self, reason: str) -> float:
+        """The current value of ``mesh_prepare_errors_total{reason}`` (tests, health)."""
+        value = self.registry.get_sample_value("mesh_prepare_errors_total", {"reason": reason})
+        return 0.0 if value is None else value
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the enclosed block into ``mesh_prepare_stage_seconds{stage=name}``.
+
+        The time is recorded whether the block succeeds or raises: a template that
+        fails after a second of work still cost that second.
+        """
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self.stage_seconds.labels(stage=name).observe(max(0.0, self._clock() - start))

@@ -168,11 +168,14 @@ def test_a_failing_decode_leg_ends_cleanly_and_releases_both(
 ) -> None:
     prefill = mock_factory(name="p", pd_role="prefill")
     decode = mock_factory(name="d", pd_role="decode", error_rate=1.0, fail_status=503)
+    # No probes: one that ran after the kill would mark the decode worker failed,
+    # and the request would be refused (503) instead of failing its leg (502).
     mesh = mesh_factory(
         workers=[
             Worker(prefill.url, labels={"mesh.role": "prefill"}),
             Worker(decode.url, labels={"mesh.role": "decode"}),
-        ]
+        ],
+        lifecycle={"probe": False},
     )
     mode = run_mode(mesh)
     r = mode.request("POST", "/v1/chat/completions", json=CHAT)

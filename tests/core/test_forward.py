@@ -673,7 +673,7 @@ def test_resource_with_real_mesh_targets_asks_each_origin_once() -> None:
     try:
         mesh.fleet.unhealthy.add(b.id)
         v = view_of("/v1/responses/resp_1", method="GET")
-        flow = resource_flow(mesh, v, [], method="GET")
+        flow = resource_flow(mesh.router, v, [], method="GET")
         attempts = [next(flow)]
         try:
             while True:

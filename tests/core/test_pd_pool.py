@@ -22,7 +22,7 @@ class PdLease(FakeLease):
 
 
 class PdFake(FakePlacer):
-    def lease(self, cand: Candidate, view: RequestView) -> PdLease:
+    def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> PdLease:
         self.fleet.acquire(cand, view.prompt_weight)
         lease = PdLease(self.fleet, cand, view.prompt_weight)
         self.leases.append(lease)

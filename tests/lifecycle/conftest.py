@@ -23,7 +23,7 @@ FAST: dict[str, Any] = {
 
 
 def state_of(mesh: Mesh, worker_id: str) -> State:
-    return mesh.lifecycle.machines[worker_id].state
+    return mesh.router.states.machines[worker_id].state
 
 
 def asleep_worker(

@@ -72,7 +72,7 @@ def test_remove_worker_waits_for_the_drain(mock_factory: Any, mesh_factory: Any)
         t.join(10)
         assert [w.id for w in removed] == [a]
         assert a not in {w.id for w in mesh.workers}
-        assert a not in mesh.lifecycle.machines
+        assert a not in mesh.router.states.machines
         assert wait_until(lambda: mesh.total_load() == 0)
     finally:
         mode.close()

@@ -43,6 +43,9 @@ class _Lease:
     def release(self, *, ok: bool, status: int | None = None) -> None:
         self.releases.append((ok, status))
 
+    def abandon(self) -> None:
+        self.releases.append((False, None))
+
 
 class Placer:
     """Raises WakePending for the first ``holds`` placements, then places on ``w``."""
@@ -124,7 +127,7 @@ def test_a_client_leaving_before_the_head_abandons_its_lease(
     """The lease is released at once, and the worker is not blamed (no breaker count)."""
     slow = mock_factory(name="slow", first_token_ms=5000)
     mesh = mesh_factory(workers=[Worker(slow.url)], lifecycle={"probe": False})
-    lc = mesh.lifecycle
+    lc = mesh.router.states
     wid = mesh.workers[0].id
     mode = AsgiMode(mesh)
     try:

@@ -51,7 +51,7 @@ def test_a_killed_worker_trips_its_breaker_and_rejoins_after_restart(
 ) -> None:
     mocks = [mock_factory(name=f"w{i}") for i in range(3)]
     mesh = mesh_factory(workers=[Worker(m.url) for m in mocks], lifecycle=BREAKER)
-    lc = mesh.lifecycle
+    lc = mesh.router.states
     dead = mesh.workers[1].id
     mode = run_mode(mesh)
     load = Load(mode)
@@ -108,9 +108,7 @@ def test_unverified_workers_are_not_preferred(mock_factory: Any, mesh_factory: A
         mesh.start_lifecycle()
         assert wait_until(lambda: state_of(mesh, mesh.workers[0].id) is State.READY)
         # Added while probes cannot reach it yet: it stays unverified.
-        with mesh._lock:
-            mesh.fleet.add(Worker("http://127.0.0.1:9"))
-            mesh.lifecycle.track(mesh.fleet.get("http://127.0.0.1:9"), mesh.clock())  # type: ignore[arg-type]
+        mesh.router.add(Worker("http://127.0.0.1:9"))
         served = {mode.request("POST", PATH, json=CHAT).headers["x-mock-worker"] for _ in range(4)}
         assert served == {"a"}
     finally:

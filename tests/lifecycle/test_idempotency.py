@@ -17,7 +17,7 @@ def test_join_and_replay_are_counted_once(
     a = mock_factory(name="a", first_token_ms=1500)
     b = mock_factory(name="b", first_token_ms=1500)
     mesh = mesh_factory(workers=[Worker(a.url), Worker(b.url)], lifecycle={"probe": False})
-    lc = mesh.lifecycle
+    lc = mesh.router.states
     mode = run_mode(mesh)
     key = {"idempotency-key": "order-42"}
     in_flight = lambda: a.worker.stats.in_flight + b.worker.stats.in_flight  # noqa: E731
@@ -55,4 +55,4 @@ def test_the_same_key_on_another_endpoint_is_another_request(
     assert mode.request("POST", PATH, json=CHAT, headers=key).status == 200
     comp = {"model": "m", "prompt": "hi"}
     assert mode.request("POST", "/v1/completions", json=comp, headers=key).status == 200
-    assert mesh.lifecycle.leases.replayed_total == 0
+    assert mesh.router.states.leases.replayed_total == 0

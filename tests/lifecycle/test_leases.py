@@ -76,7 +76,7 @@ def test_a_key_on_another_candidate_is_an_ordinary_lease() -> None:
 def test_a_placement_is_activity_until_the_grace_ends() -> None:
     t = table()
     t.touch("w", 0.0)
-    t.placed("w", 10.0)
+    t.placed_at["w"] = 10.0
     assert t.activity("w", 10.2) == Active(0)  # its lease is about to be taken
     assert t.activity("w", 10.6) == Idle(10.0)
 

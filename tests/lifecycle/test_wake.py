@@ -24,7 +24,7 @@ def test_fifty_held_requests_share_one_wake(
     assert stats.wake_calls == 1
     assert stats.requests_total[PATH] == 50
     assert state_of(mesh, wid) is State.READY
-    assert wait_until(lambda: mesh.total_load() == 0 and mesh.lifecycle.leases.total == 0)
+    assert wait_until(lambda: mesh.total_load() == 0 and mesh.router.states.leases.total == 0)
     assert "mesh_wakes_total 1.0" in mesh.metrics.render().decode()
 
 
@@ -80,17 +80,17 @@ def test_a_client_that_leaves_while_held_is_never_forwarded(
     mock_factory: Any, mesh_factory: Any
 ) -> None:
     mock, mesh, wid = asleep_worker(mock_factory, mesh_factory, wake_ms=1500)
-    lc = mesh.lifecycle
+    lc = mesh.router.states
     mode = AsgiMode(mesh)
     try:
         sock = _raw_request(mode.server.port)
         # Held: the wake started, the request waits on a future, and holds no lease.
-        assert wait_until(lambda: wid in lc._async_waiters)
+        assert wait_until(lambda: mesh.router.waiting(wid))
         assert state_of(mesh, wid) is State.WAKING
         assert mesh.total_load() == 0 and lc.leases.total == 0
         sock.close()
         # The wait ends as soon as the disconnect is seen, not when the wake ends.
-        assert wait_until(lambda: wid not in lc._async_waiters)
+        assert wait_until(lambda: not mesh.router.waiting(wid))
         assert wait_until(lambda: state_of(mesh, wid) is State.READY)
         # A request after the wake is the only one the worker ever sees.
         assert mode.request("POST", PATH, json=CHAT).status == 200

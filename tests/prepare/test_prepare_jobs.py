@@ -10,7 +10,7 @@ import pytest
 
 from meshkit.errors import InvalidRequest, RequestTooLarge, UnsupportedApi
 from meshkit.prepare.jobs import detokenize_job, text_bytes, tokenize_job
-from meshkit.prepare.metrics import PrepareMetrics
+from meshkit.metrics import PrepareMetrics
 from meshkit.prepare.pool import PreparePool
 from meshkit.prepare.tokenizers import LoadedTokenizer, TokenizerRegistry
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from meshkit.prepare.metrics import ERROR_REASONS, PrepareMetrics
+from meshkit.metrics import ERROR_REASONS, PrepareMetrics
 from meshkit.prepare.pool import PoolConfig, PreparePool
 
 SERIES = (

@@ -348,13 +348,13 @@ def count_submits(mesh: Mesh) -> Callable[[], int]:
 
 def lease_total(mesh: Mesh) -> int | None:
     """The lifecycle's live leases (None when this mesh has no leases view)."""
-    leases = getattr(getattr(mesh, "lifecycle", None), "leases", None)
+    leases = mesh.router.states.leases
     total = getattr(leases, "total", None)
     return total if isinstance(total, int) else None
 
 
 def lease_count(mesh: Mesh, worker: Any) -> int | None:
-    leases = getattr(getattr(mesh, "lifecycle", None), "leases", None)
+    leases = mesh.router.states.leases
     count = getattr(leases, "count", None)
     return int(count(worker.id)) if callable(count) else None
 

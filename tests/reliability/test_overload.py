@@ -53,14 +53,14 @@ def rss_bytes() -> int:
 def _gate_preparation(mesh: Mesh) -> threading.Event:
     """Make every preparation wait on a gate: a slow path meshkit cannot skip."""
     gate = threading.Event()
-    inner = mesh._prepare_job
+    inner = mesh.preparer._whole
 
     def slow(match: Any, body: bytes) -> Any:
         if current_worker_index() is not None:  # only in the pool's threads
             gate.wait(60)
         return inner(match, body)
 
-    mesh._prepare_job = slow  # type: ignore[method-assign]
+    mesh.preparer._whole = slow  # type: ignore[method-assign]
     return gate
 
 
@@ -370,7 +370,7 @@ def test_a_pool_timeout_answers_503_and_opens_no_breaker(
         finally:
             r.close()
     assert wait_until(lambda: mesh.total_load() == 0)
-    assert mesh.lifecycle.trips.get(slow.url, 0) == 0  # breaker_failures = 1: one would trip
+    assert mesh.router.states.trips.get(slow.url, 0) == 0  # breaker_failures = 1: one would trip
     with httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
         assert client.post(PATH, json={**CHAT, "max_tokens": 1}).status_code == 200
 

@@ -188,7 +188,7 @@ def test_planted_secrets_stay_where_they_belong(
             assert ("authorization", f"Bearer {WORKER_KEY}") in headers, (method, path)
     # nothing planted in metrics, logs or reprs
     metrics = mesh.metrics.render().decode()
-    describe = json.dumps([mesh.lifecycle.describe(w, i, 0.0) for i, w in enumerate(mesh.workers)])
+    describe = json.dumps(mesh.router.describe())
     # httpcore's own DEBUG trace prints worker *response* headers (x-mock-worker
     # carries the completion marker): header values, not text; request headers,
     # where the keys are, are never in it (checked below with every other line).

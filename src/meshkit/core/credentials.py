@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from meshkit.core.endpoints import Api
+from meshkit.types import Headers
 
 __all__ = ["HOP_BY_HOP", "request_headers", "response_headers"]
 
-Headers = list[tuple[bytes, bytes]]
 
 HOP_BY_HOP = frozenset(
     {

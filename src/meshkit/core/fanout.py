@@ -41,7 +41,6 @@ from meshkit.core.forward import (
     Placer,
     build_attempt,
     pool_refusal,
-    release_neutral,
 )
 from meshkit.core.requests import RequestView
 from meshkit.errors import ModelNotFound, Overloaded, UnsupportedApi, UpstreamError
@@ -87,7 +86,7 @@ def resource_flow(
         if status is not None and status < 400:
             return attempt
         if result.failure is Failure.POOL:
-            release_neutral(attempt.lease)
+            attempt.lease.abandon()
             refused = pool_refusal()
             continue
         attempt.lease.release(ok=False, status=status)
@@ -126,7 +125,7 @@ def models_flow(
         result = yield attempt
         status = result.status
         if result.failure is Failure.POOL:
-            release_neutral(attempt.lease)
+            attempt.lease.abandon()
             pool_timeout = True
             continue
         attempt.lease.release(ok=status == 200, status=status)

@@ -39,7 +39,7 @@ connection to the worker became free in time) is no fault of the worker: its lea
 is released without a verdict, the request may move to another worker, and the
 answer, when none can take it, is 503 ``overloaded``, not 502.
 
-Holding for a wake (issue 6): when the placer finds only sleeping or waking
+Holding for a wake (``docs/lifecycle.md``): when the placer finds only sleeping or waking
 workers it raises :class:`WakePending`; the flow then yields a :class:`Hold`
 instead of an attempt. The driver waits (without a lease) until the worker is
 ready or the deadline passes and sends back ``AttemptResult.held(ready)``; the
@@ -57,7 +57,7 @@ from typing import Protocol
 from meshkit.core.credentials import request_headers
 from meshkit.core.endpoints import Api
 from meshkit.core.payload import RankBase, rank_base, with_rank
-from meshkit.core.requests import RequestView
+from meshkit.core.requests import LocalResponse, RequestView
 from meshkit.core.workers import Candidate
 from meshkit.errors import (
     MeshError,
@@ -85,7 +85,6 @@ __all__ = [
     "build_attempt",
     "forward_flow",
     "pool_refusal",
-    "release_neutral",
 ]
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504, 529})
@@ -133,22 +132,18 @@ class Lease(Protocol):
     candidate: Candidate
     started: float
 
-    def release(self, *, ok: bool, status: int | None = None) -> None: ...
+    def release(self, *, ok: bool, status: int | None = None) -> None:
+        """Release with a verdict on the worker (``status``: its answer, if any)."""
+        ...
+
+    def abandon(self) -> None:
+        """Release without a verdict on the worker (a pool timeout, a client that left)."""
+        ...
 
 
 def pool_refusal() -> Overloaded:
     """The 503 for a ``Failure.POOL``: no pooled connection became free in time."""
     return Overloaded("no connection to a worker became free in time; retry shortly")
-
-
-def release_neutral(lease: Lease) -> None:
-    """Release ``lease`` without a verdict on its worker (a pool timeout, a client
-    that left): Mesh leases have ``abandon()``; others are released as a failure."""
-    abandon = getattr(lease, "abandon", None)
-    if abandon is not None:
-        abandon()
-    else:
-        lease.release(ok=False)
 
 
 class ReadinessWaiter(Protocol):
@@ -188,13 +183,13 @@ class Hold:
 
 
 class Placer(Protocol):
-    """The stateful side the flow drives (``Mesh`` implements it under its lock)."""
+    """The stateful side the flow drives (the :class:`~meshkit.router.Router`, under its lock)."""
 
     def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate: ...
 
-    def lease(self, cand: Candidate, view: RequestView) -> Lease:
+    def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> Lease:
         """A lease on ``cand``; raises :class:`~meshkit.errors.Overloaded` when it is
-        (by now) at its admission limit."""
+        (by now) at its admission limit (``admission=False``: not checked)."""
         ...
 
     def targets(self, view: RequestView) -> list[Candidate]:
@@ -234,15 +229,6 @@ class Attempt:
     read_body: str = "never"
 
 
-@dataclass(frozen=True, slots=True)
-class LocalResponse:
-    """A response meshkit builds itself (a merged listing, a captured error)."""
-
-    status: int
-    headers: tuple[tuple[bytes, bytes], ...]
-    body: bytes
-
-
 @dataclass(slots=True)
 class Pair:
     """A step of the flow: send both attempts at once (prefill/decode legs).
@@ -267,7 +253,7 @@ def _sends_rank(cand: Candidate, api: Api) -> bool:
     if cand.rank is None:
         return False
     # Messages and Responses take the rank only where the worker declares them
-    # explicitly (seed 000): an OpenAI-compatible server may reject unknown fields.
+    # explicitly: an OpenAI-compatible server may reject unknown fields.
     if api in (Api.MESSAGES, Api.RESPONSES):
         return cand.worker.declares(api)
     return True
@@ -394,7 +380,7 @@ def forward_flow(
             continue
         if result.failure is Failure.POOL:
             # Nothing was sent: the worker is busy, not failing.
-            release_neutral(attempt.lease)
+            attempt.lease.abandon()
             last_error = pool_refusal()
             if last:
                 raise last_error

@@ -2,10 +2,11 @@
 Worker lifecycle: states, breakers, leases and routing outcomes
 ===============================================================
 
-The pure half of worker lifecycle management (seed 003), in the h11 ``_state.py``
-style: *everything that decides a state transition lives here*, as data, and
-nothing here does I/O, keeps time or takes a lock. Callers pass ``now`` in; the
-:class:`~meshkit.mesh.Mesh` serialises calls under its lock and the lifecycle
+The pure half of worker lifecycle management (``docs/lifecycle.md``), in the
+h11 ``_state.py`` style: *everything that decides a state transition lives here*,
+as data, and nothing here does I/O, keeps time or takes a lock. Callers pass
+``now`` in; :mod:`meshkit.core.states` keeps one machine per worker, the
+:class:`~meshkit.router.Router` serialises calls under its lock and the lifecycle
 runner (:mod:`meshkit.lifecycle.runner`) turns probes, wakes and sleeps into
 events.
 
@@ -673,10 +674,6 @@ class LeaseTable:
 
     # -- the request path (the no-key case is two dict operations) ----------------
 
-    def placed(self, worker_id: str, now: float) -> None:
-        """A request was just placed on ``worker_id`` (its lease follows)."""
-        self.placed_at[worker_id] = now
-
     def start(
         self,
         worker_id: str,
@@ -762,7 +759,7 @@ class LeaseTable:
             self._idle_since[worker_id] = now
 
     def activity(self, worker_id: str, now: float, *, tracked: bool = True) -> Activity:
-        """The activity evidence of ``worker_id`` (seed 003's policy input)."""
+        """The activity evidence of ``worker_id`` (what sleep and drain decide on)."""
         if not tracked:
             return Unknown()
         n = self._active.get(worker_id, 0)

@@ -34,7 +34,7 @@ failure of either leg ends the request with that leg's error and releases both.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -50,7 +50,6 @@ from meshkit.core.forward import (
     Pair,
     PairResult,
     pool_refusal,
-    release_neutral,
 )
 from meshkit.core.payload import RankBase, append_fields, rank_base
 from meshkit.core.requests import RequestView
@@ -89,20 +88,20 @@ class PairLease:
 
     def abandon(self) -> None:
         """Release both legs without a verdict on either worker."""
-        release_neutral(self.prefill)
-        release_neutral(self.decode)
+        self.prefill.abandon()
+        self.decode.abandon()
 
 
-class PdPlacer:
-    """What the PD flow needs from the Mesh (implemented under its lock)."""
+class PdPlacer(Protocol):
+    """What the PD flow needs from the router (implemented under its lock)."""
 
-    def place_pair(self, view: RequestView) -> tuple[Candidate, Candidate]:  # pragma: no cover
-        raise NotImplementedError
+    def place_pair(self, view: RequestView) -> tuple[Candidate, Candidate]: ...
 
-    def lease(self, cand: Candidate, view: RequestView) -> Lease:  # pragma: no cover
-        raise NotImplementedError
+    def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> Lease:
+        """A leg's lease: ``admission=False`` (the pair was admitted when placed)."""
+        ...
 
-    def pd_event(self, kind: str) -> None:  # pragma: no cover
+    def pd_event(self, kind: str) -> None:
         """Count a PD event (``request``, ``bootstrap_failure``)."""
 
 
@@ -144,7 +143,7 @@ def _leg(
     return Attempt(
         number=number,
         candidate=cand,
-        lease=placer.lease(cand, view),
+        lease=placer.lease(cand, view, admission=False),
         method=method,
         url=cand.worker.url + view.match.path + query,
         headers=request_headers(
@@ -158,7 +157,7 @@ def _pool_refusal(lease: Lease, *results: AttemptResult | None) -> None:
     """A leg that found no free connection in time: nothing is the workers' fault
     (no breaker verdict); the request is refused with 503 ``overloaded``."""
     if any(r is not None and r.failure is Failure.POOL for r in results):
-        release_neutral(lease)
+        lease.abandon()
         raise pool_refusal()
 
 

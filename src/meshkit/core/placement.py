@@ -13,7 +13,7 @@ Eligibility first, then the policy:
    when its owner is known (Responses affinity), or when every candidate shares one
    backend or all are labelled ``mesh.responses_state=shared``. Unhealthy workers
    count in this check, so failover cannot quietly move a conversation to a
-   backend that does not hold it (seed 000).
+   backend that does not hold it.
 5. **Health**: unhealthy workers and excluded (already tried) candidates drop out.
 6. **Admission**: a worker with ``upstream.max_in_flight_per_worker`` requests in
    flight (its DP ranks together) drops out; with ``upstream.max_in_flight`` in
@@ -26,7 +26,7 @@ their admission limit is 503 ``overloaded`` (:func:`overloaded`), refused at onc
 before any byte goes upstream: past the limit a request would only wait for a
 pooled connection, then fail.
 
-Lifecycle (issue 6) reaches placement only through data: workers that must not
+Lifecycle (``docs/lifecycle.md``) reaches placement only through data: workers that must not
 take new requests (failed, asleep, draining, breaker open) are in
 ``fleet.unhealthy``, so the hot path costs nothing extra; ``prefer`` pins an
 ``Idempotency-Key`` join to the candidate its running twin holds.

@@ -6,14 +6,14 @@ A request body is parsed once (msgspec, typed structs) into a
 :class:`RequestView`: the few facts placement needs, while the body itself is
 forwarded as the client's original bytes.
 
-Validation is as permissive as the backends (seed 000's review): only the fields
+Validation is as permissive as the backends: only the fields
 meshkit reads are typed, and only loosely. ``max_tokens`` is not required,
 ``temperature`` is not capped, ``top_k: -1`` is fine, every role is accepted.
 Unusable JSON or a field meshkit reads having the wrong type is a 400.
 
 The *routing text* is the prompt in prompt order: system / instructions / tools
 first, then messages / input, so two requests sharing a system prompt and tools
-share a text prefix (seed 000's review: alphabetical order broke prefix matching).
+share a text prefix (alphabetical order would break prefix matching).
 It is only built when the policy needs it.
 
 Responses state: ``previous_response_id``, ``conversation`` (a string or
@@ -36,6 +36,7 @@ from meshkit.errors import HeadersTooLarge, InvalidRequest, UnsupportedMediaType
 
 __all__ = [
     "MAX_JSON_DEPTH",
+    "LocalResponse",
     "RequestView",
     "check_head",
     "check_media",
@@ -119,6 +120,16 @@ _TYPED_OPS = (Op.CREATE, Op.COUNT_TOKENS)
 _UNSET = msgspec.UNSET
 
 
+@dataclass(frozen=True, slots=True)
+class LocalResponse:
+    """A response meshkit builds itself (a merged listing, a captured error, a
+    tokenization meshkit answered)."""
+
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+
+
 @dataclass(slots=True)
 class RequestView:
     """What placement knows about one request."""
@@ -146,7 +157,13 @@ class RequestView:
     batch: int | None = None
     #: /generate asked for logprobs (PD merges the prefill's input logprobs)
     return_logprob: bool = False
-    #: anything adapters / later stages attach (never logged)
+    #: ``Idempotency-Key``, scoped by path: a retry joins its running twin
+    idempotency_key: str | None = None
+    #: ``x-mesh-wait: false``: answer 503 ``worker_waking`` rather than hold the request
+    no_wait: bool = False
+    #: the answer meshkit gives itself (``/v1/tokenize``), instead of forwarding
+    local: LocalResponse | None = None
+    #: anything a plugin or a front end attaches (never logged)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

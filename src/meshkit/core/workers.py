@@ -3,7 +3,7 @@ Workers and the fleet
 =====================
 
 A :class:`Worker` is one inference server: a base URL, an optional API key and
-labels (as in seed 000)::
+labels::
 
     mesh.apis              comma list of chat, completions, messages, responses,
                            generate, tokenize, models (absent = all)

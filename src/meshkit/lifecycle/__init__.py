@@ -2,15 +2,15 @@
 meshkit.lifecycle: worker lifecycle at run time
 ===============================================
 
-The stateful side of :mod:`meshkit.core.lifecycle` (issue 6, ``docs/lifecycle.md``):
+What takes time in a worker's lifecycle (``docs/lifecycle.md``); the state itself
+is the :class:`~meshkit.router.Router`'s (:mod:`meshkit.core.states`):
 
 * :mod:`~meshkit.lifecycle.controller` — :class:`Lifecycle`, one per
-  :class:`~meshkit.Mesh` (``mesh.lifecycle``): worker machines, leases, waiters;
+  :class:`~meshkit.Mesh` (``mesh.lifecycle``): drains, wakes, sleeps;
 * :mod:`~meshkit.lifecycle.runner` — the background thread that probes, wakes
   and sleeps workers;
 * :mod:`~meshkit.lifecycle.admin` — :class:`AdminApp`, the admin API as a pure
-  ASGI app to mount;
-* :mod:`~meshkit.lifecycle.metrics` — the Prometheus collector.
+  ASGI app to mount.
 """
 
 from __future__ import annotations

@@ -41,23 +41,19 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 from meshkit.core.lifecycle import LifecycleError
 from meshkit.core.workers import Worker
 from meshkit.errors import ConfigError
+from meshkit.types import Receive, Scope, Send
 
 if TYPE_CHECKING:
     from meshkit.mesh import Mesh
 
 __all__ = ["AdminApp"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 _MAX_BODY = 64 * 1024
 _ACTIONS = ("drain", "sleep", "wake")
@@ -168,31 +164,24 @@ class AdminApp:
     # -- helpers --------------------------------------------------------------------------
 
     def _list(self) -> list[dict[str, Any]]:
-        mesh = self.mesh
-        lc = mesh.lifecycle
-        with mesh._lock:
-            now = mesh.clock()
-            return [lc.describe(w, i, now) for i, w in enumerate(mesh.fleet.workers)]
+        return self.mesh.router.describe()
 
     def _one(self, worker: Worker) -> dict[str, Any] | None:
-        mesh = self.mesh
-        with mesh._lock:
-            for i, w in enumerate(mesh.fleet.workers):
-                if w.id == worker.id:
-                    return mesh.lifecycle.describe(w, i, mesh.clock())
-        return None
+        found = self.mesh.router.describe(worker.id)
+        return found[0] if found else None
 
     def _worker(self, ident: str) -> Worker:
-        workers = self.mesh.fleet.workers
+        router = self.mesh.router
+        workers = router.workers
         if ident.isdigit():
             i = int(ident)
             if i < len(workers):
                 return workers[i]
         else:
-            w = self.mesh.fleet.get(ident)
+            w = router.get(ident)
             if w is None:
                 try:
-                    w = self.mesh.fleet.get(Worker(ident).id)  # e.g. a trailing slash
+                    w = router.get(Worker(ident).id)  # e.g. a trailing slash
                 except ConfigError:
                     w = None
             if w is not None:
@@ -223,7 +212,7 @@ class AdminApp:
         except ConfigError as exc:
             # ConfigError messages name the key and the URL, never the api_key.
             raise _error(400, "invalid_worker", str(exc)) from None
-        if self.mesh.fleet.get(worker.id) is not None:
+        if self.mesh.router.get(worker.id) is not None:
             raise _error(409, "duplicate_worker", "a worker with this URL exists")
         try:
             self.mesh.add_worker(worker)

@@ -240,11 +240,11 @@ class Runner:
             self._kick.clear()
 
     async def _probe_round(self) -> None:
-        targets = self.lc.probe_targets()
+        targets = self.lc.router.probe_targets()
         if not targets:
             return
         results = await asyncio.gather(*(self._probe(w) for w, _ in targets))
-        self.lc.probed(
+        self.lc.router.probed(
             [
                 (w, epoch, ok, sleeping)
                 for (w, epoch), (ok, sleeping) in zip(targets, results, strict=True)
@@ -274,7 +274,7 @@ class Runner:
         ok = False
         try:
             async with self._op_lock(worker_id):
-                worker = self.lc.wake_target(worker_id)
+                worker = self.lc.router.wake_target(worker_id)
                 if worker is None:
                     return False
                 res = await self._call("POST", worker, "/wake_up", self.config.wake_timeout_s)
@@ -283,11 +283,11 @@ class Runner:
                     log.warning("waking %s failed", worker.url)
                 return ok
         finally:
-            self.lc.wake_done(worker_id, ok)
+            self.lc.router.wake_done(worker_id, ok)
 
     async def _sleep(self, worker_id: str, level: int, *, strict: bool) -> bool:
         async with self._op_lock(worker_id):
-            worker = self.lc.begin_sleep(worker_id, strict=strict)
+            worker = self.lc.router.begin_sleep(worker_id, strict=strict)
             if worker is None:
                 return False
             ok = False
@@ -299,7 +299,7 @@ class Runner:
                     log.warning("putting %s to sleep failed", worker.url)
                 return ok
             finally:
-                self.lc.sleep_done(worker_id, ok)
+                self.lc.router.sleep_done(worker_id, ok)
 
     async def _idle_loop(self) -> None:
         idle_s = self.config.idle_sleep_s or 0.0
@@ -308,7 +308,7 @@ class Runner:
         while True:
             await asyncio.sleep(period)
             try:
-                for wid in self.lc.idle_candidates():
+                for wid in self.lc.router.idle_candidates():
                     self._spawn(self._sleep(wid, level, strict=False))
             except Exception:  # pragma: no cover - a bug must not stop the loop
                 log.exception("lifecycle idle check failed")

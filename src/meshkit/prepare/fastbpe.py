@@ -54,9 +54,10 @@ import logging
 import re
 import unicodedata
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from tokenizers import Tokenizer
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 __all__ = ["FastEncoder", "build_fast_encoder", "tiktoken_available"]
 

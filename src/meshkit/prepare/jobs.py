@@ -38,7 +38,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from meshkit.errors import InvalidRequest, RequestTooLarge, UnsupportedApi
-from meshkit.prepare.metrics import PrepareMetrics
+from meshkit.metrics import PrepareMetrics
 from meshkit.prepare.templates import RenderBudget
 from meshkit.prepare.tokenizers import LoadedTokenizer, TokenizerRegistry
 

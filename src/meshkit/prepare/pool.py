@@ -103,7 +103,7 @@ from meshkit.errors import (
     PrepareTimeout,
     RequestTooLarge,
 )
-from meshkit.prepare.metrics import PrepareMetrics
+from meshkit.metrics import PrepareMetrics
 
 __all__ = [
     "OUTCOMES",

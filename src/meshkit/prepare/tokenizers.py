@@ -172,14 +172,17 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
-
-from tokenizers import Tokenizer
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from meshkit.errors import ConfigError, InvalidRequest
-from meshkit.prepare.fastbpe import FastEncoder, build_fast_encoder
 from meshkit.prepare.pool import current_worker_index
-from meshkit.prepare.templates import RenderBudget, render_chat_template
+
+if TYPE_CHECKING:
+    # The libraries load with the first tokenizer (``import meshkit`` stays light).
+    from tokenizers import Tokenizer
+
+    from meshkit.prepare.fastbpe import FastEncoder
+    from meshkit.prepare.templates import RenderBudget
 
 __all__ = [
     "CutMode",
@@ -469,6 +472,8 @@ class TokenizerSpec:
         except OSError as exc:
             raise ConfigError("tokenizer", f"cannot read {file}: {exc.strerror}") from exc
         try:
+            from tokenizers import Tokenizer
+
             tokenizer = Tokenizer.from_buffer(data)
         except Exception as exc:  # the binding raises a bare Exception
             raise ConfigError("tokenizer", f"{file} is not a tokenizer.json: {exc}") from exc
@@ -538,6 +543,8 @@ class _Info:
         max_model_len: int | None,
         fast: bool = True,
     ) -> _Info:
+        from meshkit.prepare.fastbpe import build_fast_encoder
+
         _prepare(tokenizer)
         added_tokens = list(tokenizer.get_added_tokens_decoder().values())
         added = sorted({t.content for t in added_tokens if len(t.content) > 1}, key=len)
@@ -564,7 +571,8 @@ class _Info:
 
 
 def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    # The batch API releases the GIL; `encode` does not (PERFORMANCE.md).
+    # The batch API releases the GIL; `encode` does not (tokenizers 0.23: 2 threads
+    # encode at 1.7-2.2x one with encode_batch, at 0.7-0.85x with encode).
     batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
     try:
         ids: list[int] = batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -636,6 +644,8 @@ class LoadedTokenizer:
 
     def copy(self) -> LoadedTokenizer:
         """A new instance from the same JSON (its own word cache and lock)."""
+        from tokenizers import Tokenizer
+
         return LoadedTokenizer(self._info, _prepare(Tokenizer.from_buffer(self._info.json_bytes)))
 
     @property
@@ -850,6 +860,8 @@ class LoadedTokenizer:
         """
         if self._info.chat_template is None:
             raise InvalidRequest("the model's tokenizer has no chat template", param="messages")
+        from meshkit.prepare.templates import render_chat_template
+
         return render_chat_template(
             self._info.chat_template,
             messages,

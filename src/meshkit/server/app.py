@@ -28,19 +28,16 @@ prompt or an exception text.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.lifecycle.admin import AdminApp
 from meshkit.mesh import Mesh
+from meshkit.types import Receive, Scope, Send
 
 __all__ = ["METRICS_CONTENT_TYPE", "ServeApp", "build_gateway"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 Reply = tuple[int, bytes, bytes]  # status, content type, body
 
 #: The classic Prometheus text format (what ``generate_latest`` writes).

@@ -114,7 +114,7 @@ def build_params(
     slot_save_path: str | None = None,
     cache_ram_mib: int | None = None,
 ) -> Any:
-    """``xllamacpp.CommonParams`` for one engine (see ``shared/REAL_ENGINE.md``)."""
+    """``xllamacpp.CommonParams`` for one engine (``docs/real-engines.md``)."""
     p = xllamacpp.CommonParams()
     p.model.path = str(model)
     p.n_ctx = ctx  # the whole KV cache: each slot gets ctx / parallel tokens

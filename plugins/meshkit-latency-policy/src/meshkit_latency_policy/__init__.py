@@ -24,10 +24,15 @@ It is registered under the ``meshkit.policies`` entry-point group as ``latency``
 
 from __future__ import annotations
 
-from meshkit.core.policies import BasePolicy, Completion, PlacementContext
-from meshkit.core.requests import RequestView
-from meshkit.core.workers import Candidate, Worker
-from meshkit.errors import ConfigError
+from meshkit.policies import (
+    BasePolicy,
+    Candidate,
+    Completion,
+    ConfigError,
+    PlacementContext,
+    RequestView,
+    Worker,
+)
 
 __all__ = ["LatencyAware"]
 

@@ -1,0 +1,119 @@
+"""
+Relaying a response body
+========================
+
+Every front end relays a worker's body the same way, by driving one
+:class:`Relay` with what its I/O saw: a chunk arrived (:meth:`Relay.chunk`), the
+body ended (:meth:`Relay.end`), the worker failed mid-body (:meth:`Relay.fail`),
+the front end is done with the response whatever happened (:meth:`Relay.close`).
+Each step returns the bytes to write now; the relay keeps the books.
+
+The rules, written once:
+
+* **Books close before the client holds the whole response.** A whole (not
+  streamed) body is relayed one chunk behind: the last chunk is written only after
+  the books closed (the lease released, Responses affinity taught), so a client
+  that sends its next request (``previous_response_id``) the moment it has the
+  body finds them closed. A front end whose write hands the bytes over before
+  anything else on its loop can run may write first and close right after
+  (:meth:`Relay.whole`).
+* **A failure after the first byte cannot become an HTTP error.** The stream ends
+  with one error event in its own framing, the same bytes in every mode, and the
+  worker's breaker hears of it. A body without event framing has no way to say so
+  in-band: :attr:`Relay.cut` tells the front end to cut the connection (or raise
+  its library's error), as a direct connection would.
+* **Closing is exactly once.** A response the front end gives up before its end is
+  the client leaving, unless the stream already carried its terminal event (the
+  openai SDK stops reading at ``[DONE]``, before the end of the body): that is a
+  completion.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from meshkit.core.endpoints import StreamFormat
+from meshkit.core.requests import RequestView
+from meshkit.core.sse import stream_error_event
+
+__all__ = ["MID_STREAM_CODE", "MID_STREAM_MESSAGE", "Books", "Relay"]
+
+#: what a stream cut by the worker ends with, in every mode
+MID_STREAM_CODE = "upstream_error"
+MID_STREAM_MESSAGE = "the worker failed while streaming the response"
+_NONE = StreamFormat.NONE
+
+
+class Books(Protocol):
+    """The accounting of one response (:class:`meshkit.accounting.Accounting`)."""
+
+    @property
+    def done(self) -> bool:
+        """Closed, or the stream carried its terminal event."""
+        ...
+
+    def feed(self, chunk: bytes) -> None: ...
+
+    def end(self) -> None: ...
+
+    def abort(self, *, client_left: bool = True) -> None: ...
+
+
+class Relay:
+    """The steps of relaying one body (see the module docstring)."""
+
+    __slots__ = ("_books", "_fmt", "_held", "_hold", "cut", "finished")
+
+    def __init__(self, books: Books, view: RequestView) -> None:
+        self._books = books
+        stream = view.stream
+        self._hold = not stream
+        self._fmt = view.match.endpoint.stream_format if stream else _NONE
+        self._held = b""
+        #: the body ended (or failed): the books are closed
+        self.finished = False
+        #: the failure could not be said in-band: the front end must cut the body
+        self.cut = False
+
+    def chunk(self, data: bytes) -> bytes:
+        """A chunk of the worker's body: accounted; returns what to write now."""
+        self._books.feed(data)
+        if not self._hold:
+            return data
+        out, self._held = self._held, data
+        return out
+
+    def whole(self, data: bytes) -> bytes:
+        """The entire body, known at once, to write now; the front end calls
+        :meth:`end` right after the write, with nothing else run in between."""
+        self._books.feed(data)
+        return data
+
+    def end(self) -> bytes:
+        """The worker's body ended: closes the books; returns the rest to write."""
+        self.finished = True
+        self._books.end()
+        out, self._held = self._held, b""
+        return out
+
+    def fail(self) -> bytes:
+        """The worker failed mid-body: closes the books (the worker's failure);
+        returns the rest to write, ending with the error event when the framing
+        has one (else :attr:`cut` is set)."""
+        self.finished = True
+        self._books.abort(client_left=False)
+        tail = stream_error_event(self._fmt, MID_STREAM_CODE, MID_STREAM_MESSAGE)
+        self.cut = not tail
+        out, self._held = self._held, b""
+        return out + tail if out else tail
+
+    def close(self) -> None:
+        """The front end is done with the response: settles the books once."""
+        if self.finished:
+            return
+        self.finished = True
+        books = self._books
+        if books.done:
+            books.end()
+        else:
+            books.abort(client_left=True)

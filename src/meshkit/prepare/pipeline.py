@@ -1,0 +1,229 @@
+"""
+The prepare pipeline
+====================
+
+:class:`Preparer` turns a request meshkit owns into a
+:class:`~meshkit.core.requests.RequestView`: one pass over its headers (the media
+check, 415; the session, ``Idempotency-Key`` and ``x-mesh-wait`` values), one
+parse of its body (400 on unusable JSON), and what the policy declared it needs:
+nothing, the routing text, or the first N token ids. Large bodies and
+``/v1/tokenize`` run on the bounded prepare pool; prefix ids run on the calling
+thread when tiktoken covers them (tens of µs for a few hundred ids, less than the
+hop to a pool thread and back), on the pool otherwise.
+
+The sync and async entry points share every step; they differ only in how they
+wait for the pool (:meth:`PreparePool.run` or ``await`` :meth:`PreparePool.run_async`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from meshkit.core.endpoints import Api, Match, Op
+from meshkit.core.requests import LocalResponse, RequestView, check_media, parse_request
+from meshkit.errors import InvalidRequest, RequestTooLarge
+
+if TYPE_CHECKING:
+    from meshkit.config import MeshConfig
+    from meshkit.core.policies.base import Policy
+    from meshkit.prepare.pool import PreparePool
+    from meshkit.prepare.tokenizers import TokenizerRegistry
+
+__all__ = ["Preparer"]
+
+#: Idempotency-Key values longer than this are ignored (the lease table is bounded).
+_MAX_IDEMPOTENCY_KEY = 256
+_JSON = ((b"content-type", b"application/json"),)
+_TOKENIZE = Api.TOKENIZE
+#: request headers prepare reads (besides routing.session_header)
+_WANTED_HEADERS = (b"content-type", b"content-encoding", b"idempotency-key", b"x-mesh-wait")
+
+Job = Callable[[], RequestView | None]
+
+
+class _Heads:
+    """The header values prepare found (raw), for the view."""
+
+    __slots__ = ("idempotency", "session", "wait")
+
+    def __init__(self) -> None:
+        self.session: bytes | None = None
+        self.idempotency: bytes | None = None
+        self.wait: bytes | None = None
+
+
+class Preparer:
+    """Prepares requests for one Mesh.
+
+    :param policy: the current placement policy (it may be replaced at runtime,
+        so it is asked per request what it needs).
+    """
+
+    def __init__(
+        self,
+        config: MeshConfig,
+        pool: PreparePool,
+        tokenizers: TokenizerRegistry,
+        policy: Callable[[], Policy],
+    ) -> None:
+        self.pool = pool
+        self.tokenizers = tokenizers
+        self._policy = policy
+        self._inline = config.prepare.inline_threshold_bytes
+        self._max_tokenize = config.prepare.max_tokenize_bytes
+        self._depth = config.bounds.max_json_depth
+        header = config.routing.session_header
+        self._session_header = header.lower().encode() if header else None
+        self._header_lens = frozenset(
+            len(n) for n in (*_WANTED_HEADERS, self._session_header) if n is not None
+        )
+
+    # -- the entry points ---------------------------------------------------------------
+
+    def prepare(
+        self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]], query: str = ""
+    ) -> RequestView:
+        """Parse and prepare a request, blocking only the calling thread."""
+        heads, view, job = self._start(match, body, headers)
+        if job is not None:
+            view = self.pool.run(job) or view
+        assert view is not None
+        return self._finish(view, heads, query)
+
+    async def prepare_async(
+        self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]], query: str = ""
+    ) -> RequestView:
+        """Parse and prepare a request without blocking the event loop."""
+        heads, view, job = self._start(match, body, headers)
+        if job is not None:
+            view = await self.pool.run_async(job) or view
+        assert view is not None
+        return self._finish(view, heads, query)
+
+    # -- the steps ----------------------------------------------------------------------
+
+    def _start(
+        self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]]
+    ) -> tuple[_Heads, RequestView | None, Job | None]:
+        """What can be done on the calling thread, and the job the pool must run (the
+        view it returns, or None when the job completed the view given)."""
+        heads = self._read_headers(match, headers)
+        if match.endpoint.api is _TOKENIZE and self.tokenizers.has_any():
+            return heads, None, lambda: self._tokenize(match, body)
+        if len(body) > self._inline:
+            return heads, None, lambda: self._whole(match, body)
+        view = self._parse(match, body)
+        if self._prefix(view, fast_only=True):
+            return heads, view, None
+        return heads, view, lambda: self._slow_prefix(view)
+
+    def _slow_prefix(self, view: RequestView) -> None:
+        self._prefix(view, fast_only=False)
+
+    def _whole(self, match: Match, body: bytes) -> RequestView:
+        view = self._parse(match, body)
+        self._prefix(view, fast_only=False)
+        return view
+
+    def _parse(self, match: Match, body: bytes) -> RequestView:
+        needs = self._policy().needs
+        want_text = needs.text or needs.prefix_tokens is not None
+        return parse_request(match, body, want_text=want_text, max_depth=self._depth)
+
+    def _prefix(self, view: RequestView, *, fast_only: bool) -> bool:
+        """The prefix token ids the policy reads, when it reads some.
+
+        :param fast_only: only through tiktoken (``prefix_ids_fast``), as on the
+            calling thread; False when a piece needs ``tokenizers`` (slower): then
+            the caller runs this on the pool.
+        :returns: False when the fast path declined (the pool must run it).
+        """
+        n = self._policy().needs.prefix_tokens
+        if not n or view.token_ids is not None or not view.routing_text:
+            return True
+        tok = self.tokenizers.get(view.model)
+        if tok is None:
+            return True
+        if len(view.body) > self._max_tokenize:
+            raise RequestTooLarge("the prompt is larger than prepare.max_tokenize_bytes allows")
+        if not fast_only:
+            view.token_ids = tok.prefix_ids(view.routing_text, n)
+            return True
+        ids = tok.prefix_ids_fast(view.routing_text, n)
+        if ids is None:
+            return False
+        view.token_ids = ids
+        return True
+
+    def _tokenize(self, match: Match, body: bytes) -> RequestView:
+        """/v1/tokenize and /v1/detokenize answered by the mesh in the vLLM shapes."""
+        view = parse_request(match, body, max_depth=self._depth)
+        if self.tokenizers.get(view.model) is None:
+            return view  # no tokenizer for this model: a worker answers
+        try:
+            obj = msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError):
+            raise InvalidRequest("request body is not valid JSON") from None
+        if not isinstance(obj, dict):
+            raise InvalidRequest("request body must be a JSON object")
+        from meshkit.prepare.jobs import detokenize_job, tokenize_job  # templates: on first use
+
+        job = tokenize_job if match.endpoint.op is Op.TOKENIZE else detokenize_job
+        out = job(
+            self.tokenizers,
+            view.model,
+            obj,
+            max_tokenize_bytes=self._max_tokenize,
+            metrics=self.pool.metrics,
+        )
+        view.local = LocalResponse(200, _JSON, msgspec.json.encode(out))
+        return view
+
+    def _read_headers(self, match: Match, headers: Iterable[tuple[bytes, bytes]]) -> _Heads:
+        """One pass over the request headers: the media check (415) now, the
+        values the view takes later. A name is lower-cased only when its length
+        is that of a wanted name (ASGI's are lower-case already, httpx's not)."""
+        ctype = cenc = None
+        got = _Heads()
+        session = self._session_header
+        lens = self._header_lens
+        for k, v in headers:
+            if len(k) not in lens:
+                continue
+            lk = k.lower()
+            if lk == b"content-type":
+                ctype = v
+            elif lk == b"content-encoding":
+                cenc = v
+            if lk == session and v:
+                got.session = v
+                session = None  # the first one counts
+            elif lk == b"idempotency-key" and 0 < len(v) <= _MAX_IDEMPOTENCY_KEY:
+                got.idempotency = v
+            elif lk == b"x-mesh-wait":
+                got.wait = v
+        ep = match.endpoint
+        # The usual JSON content type needs no parsing.
+        if (cenc is not None or (ctype is not None and ctype != b"application/json")) and (
+            ep.has_body and ep.op is not Op.CANCEL
+        ):
+            check_media(
+                None if ctype is None else ctype.decode("latin-1"),
+                None if cenc is None else cenc.decode("latin-1"),
+            )
+        return got
+
+    @staticmethod
+    def _finish(view: RequestView, heads: _Heads, query: str) -> RequestView:
+        view.query = query
+        if heads.session is not None:
+            view.routing_key = heads.session.decode("latin-1")
+        if heads.idempotency is not None:
+            # Scoped by path: the same key on two endpoints is two requests.
+            view.idempotency_key = view.match.path + " " + heads.idempotency.decode("latin-1")
+        if heads.wait is not None:
+            view.no_wait = heads.wait.strip().lower() in (b"false", b"0", b"no")
+        return view

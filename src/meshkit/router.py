@@ -1,0 +1,583 @@
+"""
+The Router
+==========
+
+The one owner of routing state: the fleet and its load, the policy, Responses
+affinity, the worker states and leases (:class:`~meshkit.core.states.WorkerStates`),
+the prefill/decode pair policies, and the lock that serialises them, so WSGI
+threads, sync transports, event loops and the lifecycle thread may share it. The
+pure core decides (placement, states, flows); the Router applies those decisions
+under its lock and offers them as methods. Nothing else takes the lock: the
+lifecycle controller, the admin API and the metrics call these methods.
+
+It is the :class:`~meshkit.core.forward.Placer` and the
+:class:`~meshkit.core.pd.PdPlacer` the core's flows drive.
+
+Waiting (a request held for a waking worker, a drain) is a predicate evaluated
+under the lock: sync callers wait on a :class:`threading.Condition` over it; async
+callers on a future that the thread changing the state resolves with
+``loop.call_soon_threadsafe``, so cancelling the waiting task ends the wait at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from meshkit.core.endpoints import Api
+from meshkit.core.forward import WakePending
+from meshkit.core.lifecycle import LeaseEntry, LeaseKind, Verdict
+from meshkit.core.placement import admission_refusal, configured_for, eligible, overloaded
+from meshkit.core.policies.affinity import ResponsesAffinity
+from meshkit.core.policies.base import BasePolicy, Completion, PlacementContext, Policy
+from meshkit.core.policies.registry import create_policy
+from meshkit.core.requests import RequestView
+from meshkit.core.states import WorkerStates
+from meshkit.core.workers import Candidate, Fleet, Worker
+from meshkit.errors import ConfigError, NoAvailableWorkers, WorkerWaking
+
+if TYPE_CHECKING:
+    from meshkit.config import MeshConfig
+    from meshkit.metrics import RouterMetrics
+
+__all__ = ["Lease", "Router"]
+
+_SUCCESS, _FAILURE, _NEUTRAL = Verdict.SUCCESS, Verdict.FAILURE, Verdict.NEUTRAL
+_JOINED = LeaseKind.JOINED
+_PD_PROTOCOLS = ("sglang", "vllm")
+_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+
+
+def _listens(policy: Policy) -> bool:
+    """Whether ``policy.on_complete`` may do something (BasePolicy's is a no-op)."""
+    return getattr(policy.on_complete, "__func__", None) is not BasePolicy.on_complete
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Lease:
+    """A claim on a candidate's capacity, released exactly once.
+
+    It holds one reference to a lease entry of the lease table: requests that join
+    a running twin by ``Idempotency-Key`` share that entry, and the capacity is
+    given back when the last reference ends. The release is also the request's
+    verdict for the worker's circuit breaker.
+    """
+
+    __slots__ = ("_router", "candidate", "entry", "released", "started")
+
+    def __init__(self, router: Router, cand: Candidate, started: float, entry: LeaseEntry) -> None:
+        self._router = router
+        self.candidate = cand
+        self.started = started
+        self.entry = entry
+        self.released = False
+
+    def release(self, *, ok: bool, status: int | None = None) -> None:
+        # No status: the attempt failed before an answer (connect, protocol,
+        # timeout) or mid-body; a 5xx is a failure too; any other answer a success.
+        if not self.released:  # set once, under the lock: no need to take it to see it
+            if status is None:
+                verdict = _SUCCESS if ok else _FAILURE
+            else:
+                verdict = _FAILURE if status >= 500 else _SUCCESS
+            self._router.release(self, verdict)
+
+    def abandon(self) -> None:
+        """Release without a verdict on the worker (the client left, a pool timeout)."""
+        if not self.released:
+            self._router.release(self, _NEUTRAL)
+
+
+class _Readiness:
+    """The :class:`~meshkit.core.forward.ReadinessWaiter` of one held request."""
+
+    __slots__ = ("_router", "_wid")
+
+    def __init__(self, router: Router, worker_id: str) -> None:
+        self._router = router
+        self._wid = worker_id
+
+    def _check(self) -> bool | None:
+        return self._router.states.ready(self._wid)
+
+    def wait_sync(self, deadline_s: float) -> bool:
+        return self._router.wait_sync(self._check, deadline_s)
+
+    async def wait_async(self, deadline_s: float) -> bool:
+        return await self._router.wait_async(self._wid, self._check, deadline_s)
+
+
+class Router:
+    """Routing state and the lock over it (see the module docstring).
+
+    :param on_wake: starts the I/O of a wake (``POST /wake_up``) of a worker the
+        router just moved to ``waking``; called under the lock, it must not block.
+    """
+
+    def __init__(
+        self,
+        config: MeshConfig,
+        *,
+        clock: Callable[[], float],
+        metrics: RouterMetrics,
+        on_wake: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.metrics = metrics
+        self.on_wake = on_wake or (lambda worker_id: None)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._sync_waiting = 0
+        self._async_waiters: dict[str, list[_Waiter]] = {}
+        self.rng = random.Random(config.routing.seed)
+        up = config.upstream
+        self.fleet = Fleet(
+            config.workers,
+            max_in_flight=up.in_flight_limit,
+            max_in_flight_per_worker=up.in_flight_limit_per_worker,
+        )
+        opts = config.policies.get(config.policy, {}) if isinstance(config.policy, str) else {}
+        self.policy = create_policy(config.policy, opts)
+        self.affinity = ResponsesAffinity(
+            max_entries=config.routing.responses_affinity_max,
+            ttl_s=config.routing.responses_affinity_ttl_s,
+        )
+        self.states = WorkerStates(self.fleet, config.lifecycle, clock())
+        pd = config.pd
+        if pd.protocol not in _PD_PROTOCOLS:
+            raise ConfigError("pd.protocol", f"must be one of {', '.join(_PD_PROTOCOLS)}")
+        self.pd_protocol = pd.protocol
+        self.prefill_policy = create_policy(
+            pd.prefill_policy, config.policies.get(pd.prefill_policy, {})
+        )
+        self.decode_policy = create_policy(
+            pd.decode_policy, config.policies.get(pd.decode_policy, {})
+        )
+        self._roles_version = -1
+        self._roles: frozenset[str] = frozenset()
+
+    @property
+    def policy(self) -> Policy:
+        """The placement policy (it may be replaced at runtime)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self._policy = policy
+        #: whether completions must be built for it (read once per request)
+        self.listens = _listens(policy)
+
+    # -- the flows' placer ------------------------------------------------------------
+
+    def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate:
+        """A candidate for ``view`` (eligibility, worker states, affinity, the policy).
+
+        :raises WakePending: only sleeping or waking workers could take it, and
+            the client may wait (a wake is under way).
+        """
+        if attempt:
+            self.metrics.retries.labels("failover").inc()
+        now = self.clock()
+        with self._lock:
+            owner = None
+            if view.previous_response_id:
+                owner = self.affinity.owner(view.previous_response_id, now)
+            states = self.states
+            try:
+                cand = states.place(
+                    self._policy,
+                    view,
+                    self.rng,
+                    exclude=exclude,
+                    attempt=attempt,
+                    owner=owner,
+                    now=now,
+                )
+            except NoAvailableWorkers as exc:
+                wake = states.unavailable(view, exclude, owner, exc, now)
+                self._changed()
+                if wake is None:
+                    raise
+                if wake.start:
+                    self.on_wake(wake.worker_id)
+                wait_s = self.config.lifecycle.wake_wait_s
+                if wait_s <= 0 or view.no_wait:
+                    raise WorkerWaking(
+                        "the worker is waking up; retry shortly", retry_after_s=wake.retry_after_s
+                    ) from None
+                deadline = now + wait_s
+                waiter = _Readiness(self, wake.worker_id)
+                raise WakePending(wake.worker_id, deadline, waiter, wake.retry_after_s) from None
+            if states.changed:
+                self._changed()
+            self._policy.on_placed(cand, view, now)
+            return cand
+
+    def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> Lease:
+        """A lease on ``cand`` (its slot is taken).
+
+        :param admission: check the admission limits again, under the lock that
+            takes the slot (another thread may have taken the last one since
+            placement). False for prefill/decode legs: the pair is admitted when
+            placed, and a refused second leg would strand the first.
+        :raises Overloaded: ``cand``'s worker, or the fleet, is at its limit.
+        """
+        now = self.clock()
+        fleet = self.fleet
+        with self._lock:
+            if admission and fleet.at_limit(cand.worker):
+                refusal = admission_refusal(fleet, cand.worker)
+                # The one trial request of a half-open breaker, already placed, may
+                # go one over: refused, it would never end and the breaker would
+                # wait for it forever.
+                if refusal is not None and not self.states.breaker_trial(cand.worker.id):
+                    raise refusal
+            entry, kind = self.states.leases.start(
+                cand.worker.id, cand.key, now, key=view.idempotency_key, weight=view.prompt_weight
+            )
+            if kind is not _JOINED:  # a join shares its twin's capacity
+                fleet.acquire(cand, entry.weight)
+        return Lease(self, cand, now, entry)
+
+    def release(self, lease: Lease, verdict: Verdict) -> None:
+        """(``Lease.release``) One lease reference ends with ``verdict`` on its worker."""
+        now = self.clock()
+        with self._lock:
+            if lease.released:
+                return
+            lease.released = True
+            states = self.states
+            if states.released(lease.entry, verdict, now):
+                self.fleet.release(lease.candidate, lease.entry.weight, now - lease.started)
+            if states.changed:
+                self._changed()
+
+    def targets(self, view: RequestView) -> list[Candidate]:
+        """One candidate per origin for fan-out: the known owner only, else healthy first."""
+        now = self.clock()
+        with self._lock:
+            fleet = self.fleet
+            workers = configured_for(fleet, view)
+            rid = view.match.resource_id
+            if rid:
+                owner = self.affinity.owner(rid, now)
+                if owner is not None and any(w.origin == owner for w in workers):
+                    workers = [w for w in workers if w.origin == owner]
+            by_origin: dict[str, Candidate] = {}
+            for w in sorted(workers, key=lambda w: not fleet.healthy(w)):
+                cands = fleet.candidates_of(w)
+                if cands and w.origin not in by_origin:
+                    by_origin[w.origin] = cands[0]
+            return list(by_origin.values())
+
+    def pass_through(self) -> Candidate:
+        """A healthy worker, at random, for a request meshkit does not route."""
+        with self._lock:
+            healthy = [w for w in self.fleet.workers if self.fleet.healthy(w)]
+            if not healthy:
+                raise NoAvailableWorkers("no healthy worker is available")
+            return self.fleet.candidates_of(healthy[self.rng.randrange(len(healthy))])[0]
+
+    # -- prefill/decode ---------------------------------------------------------------
+
+    def disaggregated(self, view: RequestView) -> bool:
+        """Whether ``view`` runs on prefill/decode pairs: the fleet has both roles and
+        no regular worker serves its API."""
+        if view.api in (Api.MODELS, Api.TOKENIZE):
+            return False
+        fleet = self.fleet
+        if fleet.version != self._roles_version:
+            self._roles = frozenset(w.role for w in fleet.workers)
+            self._roles_version = fleet.version
+        if "prefill" not in self._roles or "decode" not in self._roles:
+            return False
+        return not any(w.role == "regular" and w.serves(view.api) for w in fleet.workers)
+
+    def place_pair(self, view: RequestView) -> tuple[Candidate, Candidate]:
+        """A (prefill, decode) pair, each side by its own policy. A pair takes two of
+        the fleet's ``upstream.max_in_flight`` slots and is admitted here."""
+        now = self.clock()
+        with self._lock:
+            fleet = self.fleet
+            prefills = eligible(fleet, view, role="prefill")
+            decodes = eligible(fleet, view, role="decode")
+            cap = fleet.max_in_flight
+            if cap and fleet.in_flight + 2 > cap:
+                taken = f"the fleet has {fleet.in_flight} of {cap} slots taken"
+                raise overloaded(fleet, cap, taken)
+            return (
+                self._pick(self.prefill_policy, prefills, view, now),
+                self._pick(self.decode_policy, decodes, view, now),
+            )
+
+    def _pick(
+        self, policy: Policy, cands: list[Candidate], view: RequestView, now: float
+    ) -> Candidate:
+        fleet = self.fleet
+        role = cands[0].worker.role
+        ctx = PlacementContext(
+            candidates=cands,
+            view=view,
+            load=fleet.load,
+            weight=fleet.weight,
+            rng=self.rng,
+            fleet=[c for c in fleet.candidates if c.worker.role == role],
+            fleet_version=fleet.version,
+            now=now,
+        )
+        chosen = policy.select(ctx)
+        policy.on_placed(chosen, view, now)
+        return chosen
+
+    def pd_event(self, kind: str) -> None:
+        """Count a PD event: ``request`` or ``bootstrap_failure``."""
+        if kind == "request":
+            self.metrics.pd_requests.inc()
+        elif kind == "bootstrap_failure":
+            self.metrics.pd_bootstrap_failures.inc()
+
+    # -- what responses teach ---------------------------------------------------------
+
+    def remember_response(self, response_id: str, origin: str) -> None:
+        """Responses affinity: ``response_id`` lives on ``origin``."""
+        now = self.clock()
+        with self._lock:
+            self.affinity.remember(response_id, origin, now)
+
+    def completed(self, cand: Candidate, view: RequestView, done: Completion) -> None:
+        """A response ended: affinity learns its id, the policy hears of it."""
+        now = self.clock()
+        with self._lock:
+            if done.response_id and done.ok:
+                self.affinity.remember(done.response_id, cand.origin, now)
+            self._policy.on_complete(cand, view, done, now)
+
+    # -- the fleet --------------------------------------------------------------------
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        return self.fleet.workers
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self.fleet.get(worker_id)
+
+    def add(self, worker: Worker) -> None:
+        """Add ``worker`` (unverified until probed)."""
+        with self._lock:
+            self.fleet.add(worker)
+            self.states.track(worker, self.clock())
+            self._changed()
+
+    def remove(self, worker_id: str) -> Worker | None:
+        """Remove a worker (its running requests still end normally)."""
+        with self._lock:
+            removed = self.fleet.remove(worker_id)
+            if removed is not None:
+                self._policy.on_removed(removed)
+                self.affinity.forget_origin(removed.origin)
+                self.states.forget(worker_id)
+                self._changed()
+            return removed
+
+    def set_healthy(self, worker_id: str, healthy: bool) -> None:
+        with self._lock:
+            self.states.set_manual(worker_id, healthy)
+
+    # -- the lifecycle's state changes (the controller and runner call these) ---------
+
+    def _do(self, op: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``op(*args, now, **kw)`` on the states under the lock, then wake waiters."""
+        with self._lock:
+            try:
+                return op(*args, self.clock(), **kw)
+            finally:
+                if self.states.changed:
+                    self._changed()
+
+    def begin_drain(self, worker_id: str) -> None:
+        self._do(self.states.begin_drain, worker_id)
+
+    def drained(self, worker_id: str) -> bool | None:
+        return self.states.drained(worker_id, self.clock())  # called under the lock
+
+    def finish_drain(self, worker_id: str, drained: bool) -> bool:
+        if drained:
+            self._do(self.states.finish_drain, worker_id)
+        return drained
+
+    def ask_wake(self, worker_id: str) -> None:
+        """An explicit wake (admin): starts one unless the worker is ready or waking.
+
+        :raises LifecycleError: no sleep mode, or a state that cannot be woken."""
+        with self._lock:
+            if self._do(self.states.wake_asked, worker_id):
+                self.on_wake(worker_id)
+
+    def wake_target(self, worker_id: str) -> Worker | None:
+        with self._lock:
+            return self.states.wake_target(worker_id)
+
+    def wake_done(self, worker_id: str, ok: bool) -> None:
+        self._do(self.states.wake_done, worker_id, ok)
+
+    def begin_sleep(self, worker_id: str, *, strict: bool) -> Worker | None:
+        """Check and start a sleep under one lock hold, so no request is placed in between."""
+        return self._do(self.states.begin_sleep, worker_id, strict=strict)  # type: ignore[no-any-return]
+
+    def sleep_done(self, worker_id: str, ok: bool) -> None:
+        self._do(self.states.sleep_done, worker_id, ok)
+
+    def idle_candidates(self) -> list[str]:
+        with self._lock:
+            return self.states.idle_candidates(self.clock())
+
+    def probe_targets(self) -> list[tuple[Worker, int]]:
+        with self._lock:
+            return self.states.probe_targets()
+
+    def probed(self, results: list[tuple[Worker, int, bool, bool | None]]) -> None:
+        self._do(self.states.probed, results)
+
+    # -- reading ----------------------------------------------------------------------
+
+    def describe(self, worker_id: str | None = None) -> list[dict[str, Any]]:
+        """Every worker (or the one named) for the admin API: never a credential."""
+        with self._lock:
+            now = self.clock()
+            return [
+                self.states.describe(w, i, now)
+                for i, w in enumerate(self.fleet.workers)
+                if worker_id is None or w.id == worker_id
+            ]
+
+    def loads(self) -> dict[str, int]:
+        """In-flight requests per candidate key."""
+        with self._lock:
+            return dict(self.fleet.load)
+
+    def load_of(self, worker: Worker) -> int:
+        with self._lock:
+            fleet = self.fleet
+            return sum(fleet.load.get(c.key, 0) for c in fleet.candidates_of(worker))
+
+    def total_load(self) -> int:
+        with self._lock:
+            return sum(self.fleet.load.values())
+
+    def health(self) -> tuple[int, int, int]:
+        """``(workers, healthy or asleep, in flight)``."""
+        with self._lock:
+            workers = self.fleet.workers
+            serving = sum(1 for w in workers if self.states.serving(w))
+            return len(workers), serving, self.fleet.in_flight
+
+    def lifecycle_rows(self) -> tuple[list[tuple[str, Any, Any, bool]], dict[str, int]]:
+        """What the lifecycle metrics read at scrape time: one row per worker
+        ``(url, state, breaker, healthy)`` and the counters."""
+        with self._lock:
+            states = self.states
+            rows = [
+                (w.url, m.state, m.breaker, states.health_of(w.id))
+                for w in self.fleet.workers
+                if (m := states.machines.get(w.id)) is not None
+            ]
+            leases = states.leases
+            counters = {
+                "leases": leases.total,
+                "wakes": states.wakes_total,
+                "sleeps": states.sleeps_total,
+                "started": leases.started_total,
+                "joined": leases.joined_total,
+                "replayed": leases.replayed_total,
+            }
+        return rows, counters
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def readiness(self, worker_id: str) -> _Readiness:
+        return _Readiness(self, worker_id)
+
+    def _changed(self) -> None:
+        """(lock) Wake whoever waits on a worker whose state changed."""
+        changed = self.states.changed
+        if self._sync_waiting:
+            self._cond.notify_all()
+        if self._async_waiters:
+            for wid in changed:
+                for loop, fut in self._async_waiters.pop(wid, ()):
+                    # A closed loop has nobody waiting any more.
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(_resolve, fut)
+        changed.clear()
+
+    def wait_sync(
+        self, pred: Callable[[], bool | None], deadline: float, *, poll_s: float | None = None
+    ) -> bool:
+        """Block until ``pred()`` (under the lock) is not None, or ``deadline``."""
+        clock = self.clock
+        with self._cond:
+            while True:
+                r = pred()
+                if r is not None:
+                    return r
+                remaining = deadline - clock()
+                if remaining <= 0:
+                    return False
+                if poll_s is not None:
+                    remaining = min(remaining, poll_s)
+                self._sync_waiting += 1
+                try:
+                    self._cond.wait(remaining)
+                finally:
+                    self._sync_waiting -= 1
+
+    async def wait_async(
+        self,
+        worker_id: str,
+        pred: Callable[[], bool | None],
+        deadline: float,
+        *,
+        poll_s: float | None = None,
+    ) -> bool:
+        """:meth:`wait_sync` for a coroutine; cancelling it stops the wait at once."""
+        loop = asyncio.get_running_loop()
+        clock = self.clock
+        lock = self._lock
+        while True:
+            with lock:
+                r = pred()
+                if r is not None:
+                    return r
+                remaining = deadline - clock()
+                if remaining <= 0:
+                    return False
+                fut: asyncio.Future[None] = loop.create_future()
+                waiter = (loop, fut)
+                self._async_waiters.setdefault(worker_id, []).append(waiter)
+            if poll_s is not None:
+                remaining = min(remaining, poll_s)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except TimeoutError:
+                pass
+            finally:
+                with lock:
+                    waiters = self._async_waiters.get(worker_id)
+                    if waiters is not None and waiter in waiters:
+                        waiters.remove(waiter)
+                        if not waiters:
+                            del self._async_waiters[worker_id]
+
+    def waiting(self, worker_id: str) -> bool:
+        """Whether a coroutine waits on ``worker_id`` (tests, diagnostics)."""
+        with self._lock:
+            return worker_id in self._async_waiters
