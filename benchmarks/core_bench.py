@@ -23,9 +23,9 @@ from typing import Any
 from _common import bodies
 
 from meshkit import Mesh
-from meshkit.upstream.drive import Relayed, drive_sync
 from meshkit.core.credentials import response_headers
 from meshkit.core.forward import Attempt
+from meshkit.upstream.drive import Relayed, drive_sync
 
 ANSWER = (
     b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"mock-model",'

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Coroutine
+import socket
+import time
+from collections.abc import Callable
 from typing import Any
-
-from upstream.test_fast import CHAT, RawServer
 
 from meshkit import Mesh
 from meshkit.frontends.routed import Headers, Routed
 from meshkit.upstream.fast import FastUpstream
+from upstreams import CHAT, RawServer
 
 BODY = json.dumps({"id": "x", "choices": [{"message": {"content": "hi"}}]}).encode()
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
@@ -49,21 +50,21 @@ class Recorder:
         self.calls.append(("whole", status, body))
 
 
-Reply = Callable[[asyncio.StreamWriter], Coroutine[Any, Any, bool]]
+Reply = Callable[[socket.socket], bool]
 
 
 def route_through(reply: Reply) -> tuple[list[tuple[Any, ...]], int]:
     """Route one chat request to a worker answering with ``reply``: the Downstream
     calls, and the load left once settled."""
 
-    async def script(srv: Any, w: asyncio.StreamWriter, n: int, head: bytes, body: bytes) -> bool:
+    def script(srv: Any, s: socket.socket, n: int, head: bytes, body: bytes) -> bool:
         if head.startswith(b"GET"):  # health probes
-            w.write(PROBE)
+            s.sendall(PROBE)
             return True
-        return await reply(w)
+        return reply(s)
 
     async def go() -> tuple[list[tuple[Any, ...]], int]:
-        async with RawServer(script) as srv:
+        with RawServer(script) as srv:
             mesh = Mesh(workers=[srv.url])
             upstream = FastUpstream(mesh.config.upstream)
             try:
@@ -83,23 +84,21 @@ def route_through(reply: Reply) -> tuple[list[tuple[Any, ...]], int]:
     return result
 
 
-async def _whole(w: asyncio.StreamWriter) -> bool:
-    w.write(HEAD % len(BODY) + BODY)
+def _whole(s: socket.socket) -> bool:
+    s.sendall(HEAD % len(BODY) + BODY)
     return True
 
 
-async def _pieces(w: asyncio.StreamWriter) -> bool:
-    w.write(HEAD % len(BODY) + BODY[:10])
-    await w.drain()
-    await asyncio.sleep(0.05)
-    w.write(BODY[10:])
+def _pieces(s: socket.socket) -> bool:
+    s.sendall(HEAD % len(BODY) + BODY[:10])
+    time.sleep(0.05)
+    s.sendall(BODY[10:])
     return True
 
 
-async def _dies_mid_body(w: asyncio.StreamWriter) -> bool:
-    w.write(HEAD % (len(BODY) + 100) + BODY)
-    await w.drain()
-    await asyncio.sleep(0.05)
+def _dies_mid_body(s: socket.socket) -> bool:
+    s.sendall(HEAD % (len(BODY) + 100) + BODY)
+    time.sleep(0.05)
     return False  # closes the connection, 100 bytes short
 
 

@@ -1,28 +1,28 @@
 """Which upstream each client transport sends attempts with, and how a passed-through
 body reaches the client.
 
-The async transport, under asyncio, sends ``http://`` attempts on
-:class:`~meshkit.upstream.fast.FastUpstream` (asyncio protocols), with its
-httpcore pools as the ``https://`` fallback; under another async library (trio)
-everything goes to httpcore.
+Each client library gets the upstream :mod:`meshkit.upstream.select` chooses, made on
+its first request: the async transport's sends ``http://`` attempts on
+:class:`~meshkit.upstream.fast.FastUpstream` (asyncio protocols), with httpcore as
+the fallback for ``https://`` and for other async libraries (trio); an ``inner``
+transport given, the requests of its library go through it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
+import httpx
 import httpx2
 import pytest
-import sniffio
 
 from meshkit import Mesh
-from meshkit.config import UpstreamConfig
 from meshkit.frontends.transport import AsyncMeshTransport, MeshTransport
 from meshkit.mock.thread import MockWorkerThread
+from meshkit.upstream.blocking import BlockingUpstream
 from meshkit.upstream.fast import FastUpstream
-from upstreams import attempt
+from meshkit.upstream.inner import InnerUpstream
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -50,7 +50,8 @@ def test_the_async_transport_relays_on_fast_upstream_under_asyncio(
                 events = await s.aread()
             # not an inference path: passed through to the worker, body streamed
             health = await client.get("/health")
-            fast = transport._afast["httpx2"]
+            fast = transport._upstreams["httpx2"]
+            assert isinstance(fast, FastUpstream)
             hub = fast._hub
             assert hub is not None
             opened = sum(p.count for p in hub.pools.values())
@@ -66,43 +67,20 @@ def test_the_async_transport_relays_on_fast_upstream_under_asyncio(
     assert mesh.total_load() == 0
 
 
-def test_under_another_async_library_the_transport_keeps_httpcore(
+def test_each_library_gets_its_own_upstream_and_inner_serves_its_library(
     mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
 ) -> None:
     worker = mock_factory(name="w")
-    transport = AsyncMeshTransport(_mesh(mesh_factory, worker.url))
-
-    async def senders() -> tuple[Any, Any]:
-        token = sniffio.current_async_library_cvar.set("trio")
-        try:
-            other = transport._sender(httpx2)
-        finally:
-            sniffio.current_async_library_cvar.reset(token)
-        return other, transport._sender(httpx2)
-
-    other, native = asyncio.run(senders())
-    core = transport._cores["httpx2"]
-    assert core is not None
-    assert other == core.send_async
-    assert native == transport._afast["httpx2"].send
-
-
-def test_fast_upstream_sends_https_to_its_fallback() -> None:
-    sent: list[str] = []
-
-    async def fallback(a: Any) -> Any:
-        sent.append(a.url)
-        return "answered by the fallback"
-
-    async def go() -> Any:
-        up = FastUpstream(UpstreamConfig(), fallback=fallback)
-        try:
-            return await up.send(attempt("https://worker.example:8443/v1/chat/completions"))
-        finally:
-            await up.aclose()
-
-    assert asyncio.run(go()) == "answered by the fallback"
-    assert sent == ["https://worker.example:8443/v1/chat/completions"]
+    mesh = _mesh(mesh_factory, worker.url)
+    inner = httpx.HTTPTransport()
+    transport = MeshTransport(mesh, inner=inner)
+    for lib in (httpx, httpx2):
+        with lib.Client(transport=transport, base_url="http://mesh") as client:
+            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    by_httpx, by_httpx2 = transport._upstreams["httpx"], transport._upstreams["httpx2"]
+    assert isinstance(by_httpx, InnerUpstream) and by_httpx.transport is inner
+    assert isinstance(by_httpx2, BlockingUpstream)  # meshkit's own sockets
+    assert worker.worker.stats.requests_total["/v1/chat/completions"] == 2
 
 
 def test_a_passed_through_body_cut_short_raises_the_librarys_error(

@@ -58,7 +58,8 @@ def test_auth_is_required_when_a_key_is_configured(admin: Any) -> None:
 
 def test_list_shows_state_and_never_an_api_key(admin: Any) -> None:
     client, mesh, _ = admin
-    assert wait_until(lambda: all(m.state is State.READY for m in mesh.router.states.machines.values()))
+    machines = mesh.router.states.machines
+    assert wait_until(lambda: all(m.state is State.READY for m in machines.values()))
     r = client.get("/workers")
     assert r.status_code == 200
     assert SECRET not in r.text and "api_key" not in r.text

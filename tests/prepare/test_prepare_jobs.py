@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from meshkit.errors import InvalidRequest, RequestTooLarge, UnsupportedApi
-from meshkit.prepare.jobs import detokenize_job, text_bytes, tokenize_job
 from meshkit.metrics import PrepareMetrics
+from meshkit.prepare.jobs import detokenize_job, text_bytes, tokenize_job
 from meshkit.prepare.pool import PreparePool
 from meshkit.prepare.tokenizers import LoadedTokenizer, TokenizerRegistry
 

@@ -268,57 +268,29 @@ def test_httpx_pool_timeout_is_a_pool_failure(mock_factory: Any, lib_name: str) 
 
     from meshkit.config import UpstreamConfig
     from meshkit.core.forward import Failure
-    from meshkit.upstream.drive import UpstreamFailure
-    from meshkit.upstream.inner import send_sync
+    from meshkit.upstream.base import UpstreamFailure
+    from meshkit.upstream.inner import InnerUpstream
 
     lib = importlib.import_module(lib_name)
     slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)
     cfg = UpstreamConfig(connect_timeout_s=0.2, pool_limit=1)
-    transport = lib.HTTPTransport(limits=lib.Limits(max_connections=1))
+    up = InnerUpstream(lib.HTTPTransport(limits=lib.Limits(max_connections=1)), cfg)
     try:
-        busy = send_sync(lib, transport, _attempt(slow.url), cfg)
+        busy = up.send(_attempt(slow.url))
         try:
             with pytest.raises(UpstreamFailure) as ei:
-                send_sync(lib, transport, _attempt(slow.url), cfg)
+                up.send(_attempt(slow.url))
             assert ei.value.failure is Failure.POOL
         finally:
             busy.close()
     finally:
-        transport.close()
-
-
-def test_aiohttp_pool_wait_timeout_is_a_pool_failure(mock_factory: Any) -> None:
-    from meshkit.config import UpstreamConfig
-    from meshkit.core.forward import Failure
-    from meshkit.upstream.aio import AiohttpUpstream, _pool_full
-    from meshkit.upstream.drive import UpstreamFailure
-
-    slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)
-
-    async def go() -> tuple[Failure, bool]:
-        up = AiohttpUpstream(UpstreamConfig(connect_timeout_s=0.2, pool_limit_per_worker=1))
-        try:
-            busy = await up.send(_attempt(slow.url))
-            try:
-                with pytest.raises(UpstreamFailure) as full:
-                    await up.send(_attempt(slow.url))
-            finally:
-                await busy.aclose()
-            # with a free slot, a connect timeout stays a connect failure
-            connector = up._session.connector if up._session is not None else None
-            return full.value.failure, _pool_full(connector, slow.url + PATH)
-        finally:
-            await up.aclose()
-
-    pool_failure, still_full = asyncio.run(go())
-    assert pool_failure is Failure.POOL
-    assert not still_full
+        up.close()
 
 
 def test_fastrelay_pool_wait_timeout_is_a_pool_failure(mock_factory: Any) -> None:
     from meshkit.config import UpstreamConfig
     from meshkit.core.forward import Failure
-    from meshkit.upstream.drive import UpstreamFailure
+    from meshkit.upstream.base import UpstreamFailure
     from meshkit.upstream.fast import FastUpstream
 
     slow = mock_factory(name="s", per_token_ms=50, output_tokens=400)
@@ -326,10 +298,10 @@ def test_fastrelay_pool_wait_timeout_is_a_pool_failure(mock_factory: Any) -> Non
     async def go() -> Failure:
         up = FastUpstream(UpstreamConfig(connect_timeout_s=0.2, pool_limit_per_worker=1))
         try:
-            busy = await up.send(_attempt(slow.url))
+            busy = await up.asend(_attempt(slow.url))
             try:
                 with pytest.raises(UpstreamFailure) as full:
-                    await up.send(_attempt(slow.url))
+                    await up.asend(_attempt(slow.url))
             finally:
                 await busy.aclose()
             return full.value.failure
@@ -380,22 +352,22 @@ def test_a_burst_on_a_fresh_transport_builds_one_pool(
 ) -> None:
     """Threads sharing a new client at once: one connection pool, so the configured
     connection limits hold (each racing request used to build its own). Counted at
-    the httpcore pool httpx2 is built on, whichever way the transport reaches it."""
-    import httpcore2
+    the upstream the transport makes for httpx2 (meshkit.upstream.select's)."""
     import httpx2
 
+    import meshkit.upstream.select
     from meshkit import MeshTransport
+    from meshkit.upstream.blocking import BlockingUpstream
 
     mock = mock_factory(name="b")
     built: list[object] = []
-    real = httpcore2.ConnectionPool
 
-    class Counting(real):  # type: ignore[misc,valid-type]
+    class Counting(BlockingUpstream):
         def __init__(self, *args: Any, **kw: Any) -> None:
             built.append(self)
             super().__init__(*args, **kw)
 
-    monkeypatch.setattr(httpcore2, "ConnectionPool", Counting)
+    monkeypatch.setattr(meshkit.upstream.select, "BlockingUpstream", Counting)
     mesh = Mesh(workers=[Worker(mock.url)], lifecycle={"probe": False})
     try:
         client = httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh")

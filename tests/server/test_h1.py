@@ -29,12 +29,12 @@ import pytest
 
 from harness import wait_until
 from meshkit import Mesh, MeshMiddleware
+from meshkit.http1 import Framing, response_head
 from meshkit.server import build_gateway
 from meshkit.server.h1.conn import H1Conn
 from meshkit.server.h1.server import H1Server
-from meshkit.server.h1.wire import Framing, response_head
 from meshkit.server.runner import GatewayThread
-from meshkit.upstream.fast_conn import HIGH_WATER as relay_high_water
+from meshkit.upstream.fast import HIGH_WATER as relay_high_water
 from reliability.faultkit import assert_settled, is_anthropic_error, is_openai_error, metric_value
 from reliability.rawworker import TruncatingWorker
 

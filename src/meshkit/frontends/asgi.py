@@ -37,8 +37,8 @@ from meshkit.core.requests import check_head
 from meshkit.errors import ErrorShape, MeshError, RequestTooLarge
 from meshkit.frontends.routed import Headers, Routed, error_reply
 from meshkit.mesh import Mesh
-from meshkit.upstream.aio import AsyncUpstream
-from meshkit.upstream.fast import FastUpstream
+from meshkit.upstream.base import AsyncUpstream
+from meshkit.upstream.select import async_upstream
 
 __all__ = ["MeshMiddleware"]
 
@@ -56,8 +56,9 @@ class MeshMiddleware:
 
     :param app: the wrapped ASGI application (receives every other request).
     :param mesh: the :class:`~meshkit.Mesh`; ``Mesh.from_env()`` when omitted.
-    :param upstream: the HTTP client towards workers (default: :class:`FastUpstream`,
-        pooled keep-alive connections on raw asyncio protocols).
+    :param upstream: the HTTP client towards workers (default: the one
+        :func:`~meshkit.upstream.select.async_upstream` chooses: pooled keep-alive
+        connections on raw asyncio protocols, httpcore for https).
     """
 
     def __init__(
@@ -69,9 +70,7 @@ class MeshMiddleware:
     ) -> None:
         self.app = app
         self.mesh = mesh if mesh is not None else Mesh.from_env()
-        # Raw uvloop/httptools connections: ~0.2-0.4x aiohttp's CPU per request
-        # (benchmarks/RESULTS.md); https goes through aiohttp.
-        self.upstream = upstream or FastUpstream(self.mesh.config.upstream)
+        self.upstream = upstream or async_upstream(self.mesh.config.upstream)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -23,7 +23,7 @@ from meshkit.core.endpoints import Match, StreamFormat
 from meshkit.core.sse import stream_error_event
 from meshkit.errors import ErrorShape, MeshError
 from meshkit.mesh import Accounting, Mesh
-from meshkit.upstream.aio import AsyncUpstream
+from meshkit.upstream.base import AsyncUpstream
 from meshkit.upstream.drive import (
     Answered,
     AsyncExchange,
@@ -94,7 +94,7 @@ class Routed:
         mesh = self.mesh
         view = await mesh.prepare_async(self.match, body, headers, query)
         flow = mesh.forward(view, headers, method)
-        final = self.final = await drive_async(flow, self.upstream.send)
+        final = self.final = await drive_async(flow, self.upstream.asend)
         down = self.down
         if isinstance(final, Answered):
             local = final.local

@@ -10,19 +10,17 @@ Client transports
 The client does its own placement, with no extra network hop. The transport
 ignores the host of the client's base URL, places the request on a worker,
 rewrites scheme/host/port (path and query kept), applies the worker's
-credentials and delegates to an inner transport of the client's own library.
+credentials and sends it to the worker.
 
 One class serves both httpx and httpx2 clients (the openai 3.x and anthropic 2.x
 SDKs use httpx2; a legacy ``httpx.Client`` still works): each request is answered
-in its own library's ``Response`` type. Attempts to ``http://`` workers go on
-meshkit's own connections: the sync transport's on blocking sockets
-(:mod:`meshkit.upstream.blocking`: ~30 µs of CPU per attempt where httpcore
-and h11 take ~200 µs), the async transport's, under asyncio, on asyncio protocols
-(:mod:`meshkit.upstream.fast`). Attempts to ``https://`` workers, and every
-attempt of the async transport under another library (trio), go straight to pools
-of the httpcore the library is built on (:mod:`meshkit.upstream.httpcore_pools`).
-All are created lazily per library, unless an ``inner`` transport is given: then
-attempts go through it as ``httpx`` requests.
+in its own library's ``Response`` type. Each library gets its own upstream, made
+on its first request by :mod:`meshkit.upstream.select`: ``http://`` workers on
+meshkit's own connections (the sync transport's on blocking sockets: ~30 µs of
+CPU per attempt where httpcore and h11 take ~200 µs; the async transport's, under
+asyncio, on asyncio protocols), ``https://`` workers and every attempt of the
+async transport under another library (trio) on the httpcore the library is
+built on. An ``inner`` transport given, attempts of its library go through it.
 
 Non-inference paths go to a healthy worker as they are; ``GET /v1/models``
 answers the union of the workers' lists.
@@ -51,7 +49,6 @@ from types import ModuleType
 from typing import Any
 
 import httpx
-import sniffio
 
 from meshkit.config import BoundsConfig
 from meshkit.core.credentials import response_headers
@@ -61,11 +58,10 @@ from meshkit.core.requests import RequestView, head_error
 from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
 from meshkit.frontends.relay import AsyncRelayStream, Relay, SyncRelayStream
 from meshkit.mesh import Accounting, Mesh
-from meshkit.upstream.blocking import SyncFastUpstream
+from meshkit.upstream.base import AsyncUpstream, SyncUpstream
 from meshkit.upstream.drive import Answered, UpstreamFailure, drive_async, drive_sync
-from meshkit.upstream.fast import FastUpstream
-from meshkit.upstream.httpcore_pools import CoreUpstream, core_for
-from meshkit.upstream.inner import send_async, send_sync
+from meshkit.upstream.inner import library_of
+from meshkit.upstream.select import async_upstream, sync_upstream
 
 try:  # httpx2 is a dependency; keep the module importable if a user removed it
     import httpx2
@@ -239,54 +235,28 @@ def _error_response(lib: ModuleType, exc: MeshError, path: str, mesh: Mesh) -> A
 
 
 class _Common:
-    #: the class of the library's own transport, built when no ``inner`` is given
-    _transport_class = "HTTPTransport"
-
     def __init__(self, mesh: Mesh | None, inner: Any) -> None:
         self.mesh = mesh if mesh is not None else Mesh.from_env()
-        self._inner: dict[str, Any] = {}
-        self._cores: dict[str, CoreUpstream | None] = {}
-        self._fast: dict[str, SyncFastUpstream] = {}
-        self._afast: dict[str, FastUpstream] = {}
+        self._inner = inner
+        self._inner_lib = library_of(inner) if inner is not None else None
+        #: library name -> its upstream, made on its first request
+        self._upstreams: dict[str, Any] = {}
         # Clients are shared by threads: without the lock, the first requests of
         # a burst each built a pool of their own (the limits did not hold and the
         # extra pools were never closed).
-        self._inner_lock = threading.Lock()
-        if inner is not None:
-            self._inner[type(inner).__module__.split(".", 1)[0]] = inner
+        self._lock = threading.Lock()
 
-    def _core(self, lib: ModuleType) -> CoreUpstream | None:
-        """The library's httpcore pools, unless an inner transport was given."""
+    def _upstream(self, lib: ModuleType, make: Callable[..., Any]) -> Any:
         name = lib.__name__
-        try:
-            return self._cores[name]
-        except KeyError:
-            pass
-        with self._inner_lock:
-            if name not in self._cores:
-                core = None if name in self._inner else core_for(lib)
-                up = self.mesh.config.upstream
-                self._cores[name] = CoreUpstream(core, up) if core is not None else None
-            return self._cores[name]
-
-    def _transport(self, lib: ModuleType) -> Any:
-        """The library's own pooled transport (an ``inner`` one, if given)."""
-        t = self._inner.get(lib.__name__)
-        if t is None:
-            with self._inner_lock:
-                t = self._inner.get(lib.__name__)
-                if t is None:
-                    kind = getattr(lib, self._transport_class)
-                    t = self._inner[lib.__name__] = kind(limits=self._limits(lib))
-        return t
-
-    def _limits(self, lib: ModuleType) -> Any:
-        up = self.mesh.config.upstream
-        return lib.Limits(
-            max_connections=up.pool_limit,
-            max_keepalive_connections=up.pool_limit_per_worker,
-            keepalive_expiry=up.idle_timeout_s,
-        )
+        up = self._upstreams.get(name)
+        if up is None:
+            with self._lock:
+                up = self._upstreams.get(name)
+                if up is None:
+                    inner = self._inner if name == self._inner_lib else None
+                    up = make(self.mesh.config.upstream, inner=inner, lib=lib)
+                    self._upstreams[name] = up
+        return up
 
     def _pass_through(
         self, request: Any, path: str, query: str, headers: list[tuple[bytes, bytes]], body: bytes
@@ -327,29 +297,16 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
     """A sync transport for ``httpx.Client`` and ``httpx2.Client``.
 
     :param mesh: the :class:`~meshkit.Mesh` (``Mesh.from_env()`` when omitted).
-    :param inner: the transport that talks to workers; by default a pooled
-        ``HTTPTransport`` of each request's own library.
+    :param inner: an httpx/httpx2 transport that talks to workers for the requests
+        of its library; by default meshkit's own connections.
     """
 
     def __init__(self, mesh: Mesh | None = None, *, inner: Any = None) -> None:
         _Common.__init__(self, mesh, inner)
 
     def _sender(self, lib: ModuleType) -> Callable[[Attempt], Any]:
-        fast = self._fast.get(lib.__name__)
-        if fast is not None:
-            return fast.send_sync
-        core = self._core(lib)
-        if core is not None:
-            # http:// workers on blocking sockets; https:// through httpcore
-            with self._inner_lock:
-                fast = self._fast.get(lib.__name__)
-                if fast is None:
-                    fast = SyncFastUpstream(self.mesh.config.upstream, fallback=core.send_sync)
-                    self._fast[lib.__name__] = fast
-            return fast.send_sync
-        transport = self._transport(lib)
-        upstream = self.mesh.config.upstream
-        return lambda a: send_sync(lib, transport, a, upstream)
+        up: SyncUpstream = self._upstream(lib, sync_upstream)
+        return up.send
 
     def handle_request(self, request: Any) -> Any:
         lib = _lib_of(request)
@@ -399,41 +356,19 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
         )
 
     def close(self) -> None:
-        for t in self._inner.values():
-            t.close()
-        for fast in self._fast.values():
-            fast.close()
-        for core in self._cores.values():
-            if core is not None:
-                core.close()
+        for up in self._upstreams.values():
+            up.close()
 
 
 class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
     """An async transport for ``httpx.AsyncClient`` and ``httpx2.AsyncClient``."""
 
-    _transport_class = "AsyncHTTPTransport"
-
     def __init__(self, mesh: Mesh | None = None, *, inner: Any = None) -> None:
         _Common.__init__(self, mesh, inner)
 
     def _sender(self, lib: ModuleType) -> Callable[[Attempt], Awaitable[Any]]:
-        core = self._core(lib)
-        if core is not None:
-            if sniffio.current_async_library() != "asyncio":
-                return core.send_async  # trio: httpcore's own backend
-            # http:// workers on asyncio protocols; https:// through httpcore
-            fast = self._afast.get(lib.__name__)
-            if fast is None:
-                with self._inner_lock:
-                    fast = self._afast.get(lib.__name__)
-                    if fast is None:
-                        up = self.mesh.config.upstream
-                        fast = FastUpstream(up, fallback=core.send_async)
-                        self._afast[lib.__name__] = fast
-            return fast.send
-        transport = self._transport(lib)
-        upstream = self.mesh.config.upstream
-        return lambda a: send_async(lib, transport, a, upstream)
+        up: AsyncUpstream = self._upstream(lib, async_upstream)
+        return up.asend
 
     async def handle_async_request(self, request: Any) -> Any:
         lib = _lib_of(request)
@@ -483,10 +418,5 @@ class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
         )
 
     async def aclose(self) -> None:
-        for t in self._inner.values():
-            await t.aclose()
-        for fast in self._afast.values():
-            await fast.aclose()
-        for core in self._cores.values():
-            if core is not None:
-                await core.aclose()
+        for up in self._upstreams.values():
+            await up.aclose()

@@ -12,8 +12,9 @@ request head is checked against ``bounds.max_header_bytes`` and
 werkzeug's input stream (413 past ``bounds.max_body_bytes``, checked while
 reading; a body that ends before its ``Content-Length`` is a 400, the client is
 gone anyway). Upstream requests carry ``upstream.connect_timeout_s`` and
-``read_timeout_s`` (a stalled worker is a 504). The upstream is a pooled
-``httpx.HTTPTransport`` (sync, the caller's thread only). The response is an
+``read_timeout_s`` (a stalled worker is a 504). The upstream is
+:func:`~meshkit.upstream.select.sync_upstream`'s (pooled keep-alive sockets,
+httpcore for https; a ``transport=`` given, that one). The response is an
 iterable relayed chunk by chunk; its ``close()`` — which every WSGI server calls,
 also when the client went away — settles accounting and releases the worker.
 
@@ -29,7 +30,6 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
-import httpx
 from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
@@ -40,7 +40,7 @@ from meshkit.errors import InvalidRequest, MeshError, RequestTooLarge, UpstreamE
 from meshkit.frontends.relay import Relay, SyncRelayStream
 from meshkit.mesh import Mesh
 from meshkit.upstream.drive import Answered, UpstreamFailure, drive_sync
-from meshkit.upstream.inner import send_sync
+from meshkit.upstream.select import sync_upstream
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
@@ -117,8 +117,8 @@ class MeshWSGIMiddleware:
 
     :param app: the wrapped WSGI application.
     :param mesh: the :class:`~meshkit.Mesh`; ``Mesh.from_env()`` when omitted.
-    :param transport: the sync transport towards workers (default: pooled
-        ``httpx.HTTPTransport``).
+    :param transport: an httpx/httpx2 sync transport to send every request through
+        (default: meshkit's own connections).
     """
 
     def __init__(
@@ -126,14 +126,7 @@ class MeshWSGIMiddleware:
     ) -> None:
         self.app = app
         self.mesh = mesh if mesh is not None else Mesh.from_env()
-        up = self.mesh.config.upstream
-        self.transport = transport or httpx.HTTPTransport(
-            limits=httpx.Limits(
-                max_connections=up.pool_limit,
-                max_keepalive_connections=up.pool_limit_per_worker,
-                keepalive_expiry=up.idle_timeout_s,
-            )
-        )
+        self.upstream = sync_upstream(self.mesh.config.upstream, inner=transport)
 
     def _error(self, start_response: StartResponse, exc: MeshError, path: str) -> Iterable[bytes]:
         self.mesh.reject(exc)
@@ -155,7 +148,6 @@ class MeshWSGIMiddleware:
             return self.app(environ, start_response)
         headers = _client_headers(environ)
         bounds = mesh.config.bounds
-        upstream = mesh.config.upstream
         try:
             check_head(headers, max_bytes=bounds.max_header_bytes, max_count=bounds.max_headers)
             body = b""
@@ -163,7 +155,7 @@ class MeshWSGIMiddleware:
                 body = _read_body(environ, bounds.max_body_bytes)
             view = mesh.prepare(match, body, headers, environ.get("QUERY_STRING", ""))
             flow = mesh.forward(view, headers, method)
-            final = drive_sync(flow, lambda a: send_sync(httpx, self.transport, a, upstream))
+            final = drive_sync(flow, self.upstream.send)
         except MeshError as exc:
             return self._error(start_response, exc, path)
         except UpstreamFailure:
@@ -185,4 +177,4 @@ class MeshWSGIMiddleware:
         return SyncRelayStream(exchange, Relay(view, acct))
 
     def close(self) -> None:
-        self.transport.close()
+        self.upstream.close()

@@ -3,7 +3,8 @@ The lifecycle runner
 ====================
 
 One daemon thread per :class:`~meshkit.Mesh`, running its own asyncio loop and
-aiohttp session, does every background call the lifecycle needs:
+upstream (:func:`~meshkit.upstream.select.async_upstream`), does every background
+call the lifecycle needs:
 
 * health probes: ``GET lifecycle.health_path`` on every tracked worker each
   ``health_interval_s`` (and at once when a worker is added), plus
@@ -20,7 +21,7 @@ app, the sync and async client transports. It starts lazily (first request, or
 
 Sleeps and wakes of one worker never overlap (one lock per worker): a wake asked
 for while a sleep is in flight is sent when the sleep returns. Probes use fresh
-connections (``force_close``) so a worker restarted on the same port is seen at
+connections (nothing is pooled) so a worker restarted on the same port is seen at
 once rather than through a dead pooled connection.
 
 Security: the runner sends the worker's own API key (``Authorization: Bearer``)
@@ -37,11 +38,13 @@ import json
 import logging
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-import aiohttp
-
+from meshkit.config import UpstreamConfig
 from meshkit.core.workers import Worker
+from meshkit.errors import InvalidRequest
+from meshkit.upstream.base import AsyncUpstream, UpstreamFailure
+from meshkit.upstream.select import async_upstream
 
 if TYPE_CHECKING:
     from meshkit.lifecycle.controller import Lifecycle
@@ -52,6 +55,15 @@ log = logging.getLogger("meshkit.lifecycle")
 
 T = TypeVar("T")
 _MAX_BODY = 64 * 1024
+
+
+class _Call(NamedTuple):
+    """A request of the runner's own (an upstream ``Request``)."""
+
+    method: str
+    url: str
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
 
 
 def _copy_outcome(task: asyncio.Future[T], cfut: concurrent.futures.Future[T]) -> None:
@@ -78,7 +90,7 @@ class Runner:
         self._stopping = False
         self._stop: asyncio.Event | None = None
         self._kick: asyncio.Event | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._upstream: AsyncUpstream | None = None
         self._op_locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -174,10 +186,11 @@ class Runner:
         if self._stopping:  # stopped before it started
             self._up.set()
             return
-        connector = aiohttp.TCPConnector(force_close=True, limit=64)
-        self._session = aiohttp.ClientSession(
-            connector=connector, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
-        )
+        # Nothing pooled (idle_timeout_s=0): every call on a fresh connection, bounded
+        # by its own timeout rather than these.
+        most = max(self.config.health_timeout_s, self.config.wake_timeout_s)
+        up = UpstreamConfig(most, most, pool_limit=64, idle_timeout_s=0)  # connect, read
+        self._upstream = async_upstream(up)
         try:
             if self.config.probe:
                 self._spawn(self._probe_loop())
@@ -190,7 +203,7 @@ class Runner:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._session.close()
+            await self._upstream.aclose()
 
     def _op_lock(self, worker_id: str) -> asyncio.Lock:
         lock = self._op_locks.get(worker_id)
@@ -202,25 +215,20 @@ class Runner:
         self, method: str, worker: Worker, path: str, timeout_s: float
     ) -> tuple[int, bytes] | None:
         """One call to a worker; None when it could not be reached in time."""
-        session = self._session
-        if session is None:  # pragma: no cover - only called from tasks of _main
+        upstream = self._upstream
+        if upstream is None:  # pragma: no cover - only called from tasks of _main
             return None
-        headers = {"Authorization": f"Bearer {worker.api_key}"} if worker.api_key else {}
+        key = worker.api_key
+        headers = [(b"authorization", b"Bearer " + key.encode("latin-1"))] if key else []
         try:
-            async with session.request(
-                method,
-                worker.url + path,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-                allow_redirects=False,
-            ) as resp:
-                body = bytearray()
-                async for chunk in resp.content.iter_any():
-                    body += chunk
-                    if len(body) >= _MAX_BODY:  # a worker is not trusted to be small
-                        break
-                return resp.status, bytes(body)
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            async with asyncio.timeout(timeout_s):
+                exchange = await upstream.asend(_Call(method, worker.url + path, headers))
+                try:
+                    # A worker is not trusted to be small.
+                    return exchange.status, await exchange.read(_MAX_BODY)
+                finally:
+                    await exchange.aclose()
+        except (UpstreamFailure, InvalidRequest, TimeoutError, ValueError):
             return None
 
     # -- probes ---------------------------------------------------------------------------

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs
 
 import msgspec
+
+from meshkit.http1 import chunk, status_line
 
 __all__ = [
     "Delayed",
@@ -34,9 +35,6 @@ __all__ = [
 ]
 
 encode = msgspec.json.Encoder().encode
-
-_REASONS: dict[int, bytes] = {s.value: s.phrase.encode() for s in HTTPStatus}
-_REASONS[529] = b"Site Overloaded"
 
 
 class Request:
@@ -105,7 +103,7 @@ def head(
 
     ``extra`` is more header lines, each ``b"name: value\\r\\n"``.
     """
-    parts = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
+    parts = [status_line(status)]
     if content_type is not None:
         parts.append(b"content-type: " + content_type + b"\r\n")
     if length is None:
@@ -128,11 +126,6 @@ def response(
 ) -> bytes:
     """A complete response."""
     return head(status, content_type if body else None, extra, keep_alive, len(body)) + body
-
-
-def chunk(data: bytes) -> bytes:
-    """One ``Transfer-Encoding: chunked`` chunk."""
-    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 def sse_data(obj: Any) -> bytes:

@@ -1,37 +1,25 @@
 """
-The fast relay, blocking
-========================
+The blocking client
+===================
 
-:class:`SyncFastUpstream` is :class:`~meshkit.upstream.fast.FastUpstream` for
-threads: the default upstream of :class:`~meshkit.frontends.transport.MeshTransport`
-for ``http://`` workers. An attempt through httpcore and h11 costs ~200 µs of CPU
-on this machine, one on a blocking socket parsed by ``httptools`` ~30 µs
-(``benchmarks/RESULTS.md``): more than the whole mesh adds to a client's request.
+:class:`BlockingUpstream` is :class:`~meshkit.upstream.fast.FastUpstream` for
+threads (the sync client transport and the WSGI middleware): an attempt through
+httpcore and h11 costs ~200 µs of CPU, one on a blocking socket parsed by
+``httptools`` ~30 µs (``benchmarks/RESULTS.md``), more than the whole mesh adds.
 
-* one pool of keep-alive sockets per origin, bounded by
-  ``upstream.pool_limit_per_worker`` per origin and ``upstream.pool_limit`` in all
-  (0 = unbounded); a request over a limit waits for a free socket at most
-  ``connect_timeout_s``, then fails with ``Failure.POOL`` (nothing was sent: the
-  worker is not blamed). Idle sockets are a stack (the most recently used is
-  taken first) and one idle longer than ``idle_timeout_s`` is closed when met;
-* the request head is built as the asynchronous relay builds it
-  (:func:`~meshkit.upstream.fast.build_head`: a header holding CR or LF is
-  refused, here as the client's 400, as httpcore refuses it);
-* responses are parsed by ``httptools`` callbacks on the connection: ``Content-Length``,
-  chunked and read-until-close bodies; interim 1xx skipped; a response to ``HEAD``
-  has no body, and its socket is not reused;
-* ``read_timeout_s`` bounds each wait for the worker's bytes (the socket's timeout,
-  sends included, as httpcore's read and write timeouts): ``Failure.TIMEOUT``
-  before the head, ``Failure.PROTOCOL`` from ``chunks()`` after it;
-* an idle socket with something to read when taken (the worker closed it, or sent
-  bytes nobody asked for) is closed, not used (one ``poll`` of it); a *reused*
-  socket that still ends before any response byte is retried once on a new
-  socket; a new socket that does the same is ``Failure.CONNECT``;
-* ``close()`` on an exchange whose body did not end closes its socket (the
-  worker sees the client leave); a socket returns to its pool only when its
-  response ended, keep-alive allowed.
+* pools and limits as the asyncio client's (a thread waits on a condition, at
+  most ``connect_timeout_s``, 0: unbounded); an idle socket past
+  ``idle_timeout_s``, or with something to read when taken (the worker closed it,
+  or sent bytes nobody asked for: one ``poll``), is closed, not used;
+* the head is :func:`~meshkit.http1.build_head`'s, sent with a body up to
+  :data:`JOIN_LIMIT` in one ``sendall``; :class:`~meshkit.http1.ResponseParser`
+  parses into the connection;
+* ``read_timeout_s`` is the socket's timeout (sends included, as httpcore's read
+  and write timeouts);
+* a socket is pooled again only when its response ended with keep-alive;
+  ``close()`` before the end closes it.
 
-``https://`` workers go to the fallback given (the transport's httpcore pools).
+``https://`` requests go to the ``fallback``.
 """
 
 from __future__ import annotations
@@ -41,28 +29,42 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-
-import httptools
+from collections.abc import Iterator
 
 from meshkit.config import UpstreamConfig
-from meshkit.core.forward import Attempt, Failure
-from meshkit.errors import InvalidRequest
-from meshkit.upstream.drive import SyncExchange, UpstreamFailure, read_upto
-from meshkit.upstream.fast import build_head, http_origin
+from meshkit.core.forward import Failure
+from meshkit.http1 import (
+    PARSE_ERRORS,
+    Headers,
+    ResponseParser,
+    Unsendable,
+    build_head,
+    ends_with_connection,
+)
+from meshkit.upstream.base import (
+    HEAD_OK,
+    HEAD_PROTOCOL,
+    HEAD_RESET,
+    HEAD_TIMEOUT,
+    Request,
+    SyncExchange,
+    SyncUpstream,
+    UpstreamFailure,
+    failure,
+    http_origin_of,
+    read_upto,
+    remember,
+    unsendable,
+)
 
-__all__ = ["SyncFastUpstream"]
+__all__ = ["JOIN_LIMIT", "BlockingUpstream"]
 
-#: cached request lines (per URL) before the cache is cleared
-MAX_ROUTES = 4096
 #: bytes asked of the socket per read
 READ_SIZE = 64 * 1024
 #: a body this long is sent after its head, not copied into one buffer with it
 JOIN_LIMIT = 64 * 1024
-
-_FRAMING = (b"content-length", b"transfer-encoding")
-# How reading a response head ended.
-_OK, _RESET, _TIMEOUT, _PROTOCOL = range(4)
+#: read_head: the head arrived, then bytes that are no body
+_BROKEN = -1
 
 
 class _Pool:
@@ -78,28 +80,17 @@ class _Pool:
 
 
 class _Conn:
-    """One keep-alive socket and its parser; the callbacks fill the current exchange."""
+    """One keep-alive socket, and the sink of its response parser."""
 
-    __slots__ = (
-        "_headers",
-        "_interim",
-        "_parser",
-        "_poll",
-        "ex",
-        "idle_since",
-        "pool",
-        "reusable",
-        "sock",
-    )
+    __slots__ = ("_feed", "_poll", "ex", "idle_since", "parser", "pool", "reusable", "sock")
 
     def __init__(self, pool: _Pool, sock: socket.socket) -> None:
         self.pool = pool
         self.sock = sock
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
-        self._parser = httptools.HttpResponseParser(self)
-        self._headers: list[tuple[bytes, bytes]] = []
-        self._interim = False
+        self.parser = ResponseParser(self)
+        self._feed = self.parser.feed
         self.ex: _Exchange | None = None
         self.reusable = False  # the last response ended and allows keep-alive
         self.idle_since = 0.0
@@ -112,116 +103,96 @@ class _Conn:
     # -- reading ---------------------------------------------------------------------
 
     def read_head(self, ex: _Exchange) -> int:
-        """Read until ``ex`` has its head (or ended): ``_OK`` or how it failed."""
+        """Read until ``ex`` has its head (or ended): ``HEAD_OK``, ``_BROKEN`` (the
+        head, then bytes that are no body) or how it failed."""
         replied = False
         while not ex.headed:
             try:
                 data = self.sock.recv(READ_SIZE)
             except TimeoutError:
-                return _TIMEOUT
+                return HEAD_TIMEOUT
             except OSError:
-                return _PROTOCOL if replied else _RESET
+                return HEAD_PROTOCOL if replied else HEAD_RESET
             if not data:
-                return _PROTOCOL if replied else _RESET
+                return HEAD_PROTOCOL if replied else HEAD_RESET
             replied = True
             try:
-                self._parser.feed_data(data)
-            except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+                self._feed(data)
+            except PARSE_ERRORS:
                 if not ex.done:
-                    return _PROTOCOL
+                    return _BROKEN if ex.headed else HEAD_PROTOCOL
                 self.reusable = False  # garbage after a whole response
-        return _OK
+        return HEAD_OK
 
-    def read_body(self, ex: _Exchange) -> None:
-        """One read of ``ex``'s body; raises ``UpstreamFailure(PROTOCOL)`` when it broke."""
+    def read_body(self, ex: _Exchange) -> bool:
+        """One read of ``ex``'s body; False when it broke (what came before is kept)."""
         try:
             data = self.sock.recv(READ_SIZE)
-        except OSError as exc:  # TimeoutError included: silence after the head
-            raise UpstreamFailure(Failure.PROTOCOL) from exc
+        except OSError:  # TimeoutError included: silence after the head
+            return False
         if not data:
-            if any(k in _FRAMING for k, _ in ex.headers):
-                raise UpstreamFailure(Failure.PROTOCOL)
+            if not ends_with_connection(ex.headers):
+                return False
             ex.done = True  # a body delimited by the end of the connection
             self.ex = None
-            return
+            return True
         try:
-            self._parser.feed_data(data)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._feed(data)
+        except PARSE_ERRORS:
             if not ex.done:
-                raise UpstreamFailure(Failure.PROTOCOL) from exc
+                return False
             self.reusable = False  # garbage after a whole response
+        return True
 
-    # -- httptools callbacks -----------------------------------------------------------
+    # -- the parser's sink ------------------------------------------------------------
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
-
-    def on_headers_complete(self) -> None:
+    def on_head(self, status: int, headers: Headers) -> None:
         ex = self.ex
-        status = self._parser.get_status_code()
-        if ex is None:
-            self.reusable = False  # a response nobody asked for: drop the socket
-            return
-        if status < 200:
-            # 1xx (101 raises an upgrade error): an interim response, skipped.
-            self._interim = True
-            self._headers = []
-            return
-        ex.status = status
-        ex.headers = self._headers
-        self._headers = []
-        ex.headed = True
-        if ex.head_only:
-            # A response to HEAD has no body whatever its headers say.
-            self._end(False)
+        if ex is not None:
+            ex.status = status
+            ex.headers = headers
+            ex.headed = True
 
     def on_body(self, body: bytes) -> None:
         ex = self.ex
         if ex is None:
-            self.reusable = False
+            self.reusable = False  # the body of a response nobody asked for (or of a HEAD)
         elif body:
             ex.pending.append(body)
 
-    def on_message_complete(self) -> None:
-        if self._interim:
-            self._interim = False
-            return
-        if self.ex is not None:
-            self._end(self._parser.should_keep_alive())
-
-    def _end(self, reuse: bool) -> None:
-        # Only marked here: the socket goes back to its pool once feed_data has
+    def on_end(self, keep_alive: bool) -> None:
+        # Only marked here: the socket goes back to its pool once feed has
         # returned, never while this thread is still inside its parser.
         ex = self.ex
-        assert ex is not None
-        ex.done = True
-        self.ex = None
-        self.reusable = reuse
+        if ex is not None:
+            ex.done = True
+            self.ex = None
+            self.reusable = keep_alive
+
+    def on_unasked(self) -> None:
+        self.reusable = False
 
 
 class _Exchange:
     """A response being read from one socket (a :class:`SyncExchange`)."""
 
-    __slots__ = (
-        "_conn",
-        "_upstream",
-        "done",
-        "head_only",
-        "headed",
-        "headers",
-        "pending",
-        "status",
-    )
+    __slots__ = ("_conn", "_upstream", "done", "headed", "headers", "pending", "status")
 
-    def __init__(self, upstream: SyncFastUpstream, conn: _Conn, head_only: bool) -> None:
+    def __init__(self, upstream: BlockingUpstream, conn: _Conn) -> None:
         self._upstream = upstream
         self._conn: _Conn | None = conn
-        self.head_only = head_only
         self.headed = False
         self.done = False
         self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers: Headers = []
         self.pending: list[bytes] = []
+
+    def whole(self) -> bytes | None:
+        if not self.done:
+            return None
+        got, self.pending = self.pending, []
+        self._settle()
+        return got[0] if len(got) == 1 else b"".join(got)
 
     def chunks(self) -> Iterator[bytes]:
         while True:
@@ -234,11 +205,8 @@ class _Exchange:
             conn = self._conn
             if conn is None:
                 raise UpstreamFailure(Failure.PROTOCOL)
-            try:
-                conn.read_body(self)
-            except UpstreamFailure:
-                self.close()
-                raise
+            if not conn.read_body(self):
+                self.close()  # then the chunks that came first, then the failure
 
     def read(self, limit: int) -> bytes:
         return read_upto(self.chunks(), limit)
@@ -259,16 +227,14 @@ class _Exchange:
             self._upstream._release(conn)
 
 
-class SyncFastUpstream:
+class BlockingUpstream(SyncUpstream):
     """Pooled keep-alive HTTP/1.1 over blocking sockets (see the module documentation).
 
-    :param fallback: sends the attempts to ``https://`` workers.
+    :param fallback: sends the requests to ``https://`` workers.
     """
 
     def __init__(
-        self,
-        config: UpstreamConfig | None = None,
-        fallback: Callable[[Attempt], SyncExchange] | None = None,
+        self, config: UpstreamConfig | None = None, fallback: SyncUpstream | None = None
     ) -> None:
         self.config = config or UpstreamConfig()
         self._fallback = fallback
@@ -277,13 +243,13 @@ class SyncFastUpstream:
         self._pools: dict[str, _Pool] = {}
         self._total = 0
         self._closed = False
-        #: attempt URL -> (its origin's pool, or None for https; the request line)
+        #: request URL -> (its origin's pool, or None for https; the request line)
         self._routes: dict[str, tuple[_Pool | None, bytes]] = {}
 
     # -- the hot path --------------------------------------------------------------
 
-    def send_sync(self, attempt: Attempt) -> SyncExchange:
-        url = attempt.url
+    def send(self, request: Request) -> SyncExchange:
+        url = request.url
         route = self._routes.get(url)
         if route is None:
             route = self._route(url)
@@ -291,43 +257,46 @@ class SyncFastUpstream:
         if pool is None:
             if self._fallback is None:
                 raise UpstreamFailure(Failure.CONNECT)
-            return self._fallback(attempt)
-        method, body = attempt.method, attempt.body
+            return self._fallback.send(request)
+        method, body = request.method, request.body
         try:
-            head = build_head(method, line, attempt.headers, len(body))
-        except UpstreamFailure:
-            raise InvalidRequest(
-                "the request's headers or query cannot be sent as valid HTTP"
-            ) from None
+            head = build_head(method, line, request.headers, len(body))
+        except Unsendable:
+            raise unsendable() from None
         if body and len(body) <= JOIN_LIMIT:
             head, body = head + body, b""
+        head_only = method == "HEAD"
         conn, reused = self._take(pool)
         while True:
-            ex = _Exchange(self, conn, method == "HEAD")
+            ex = _Exchange(self, conn)
             conn.ex = ex
+            parser = conn.parser
+            parser.waiting = True
+            parser.head_only = head_only
             try:
                 code = self._exchange(conn, ex, head, body)
             except BaseException:
                 conn.ex = None
                 self._drop(conn)
                 raise
-            if code == _OK:
+            if code == HEAD_OK:
                 if ex.done:  # the whole response arrived with its head
                     ex._settle()
                 return ex
             conn.ex = None
             self._drop(conn)
-            if code == _RESET and reused:
-                # A pooled socket the worker had closed: once more, on a new one.
-                reused = False
-                conn, _ = self._take(pool, fresh=True)
-                continue
-            if code == _RESET:
-                raise UpstreamFailure(Failure.CONNECT)
-            raise UpstreamFailure(Failure.TIMEOUT if code == _TIMEOUT else Failure.PROTOCOL)
+            if code == _BROKEN:  # the body fails from chunks(), after what came first
+                ex._conn = None
+                return ex
+            error = failure(code, fresh=not reused)
+            if error is not None:
+                raise error
+            reused = False
+            conn, _ = self._take(pool, fresh=True)
 
     def close(self) -> None:
-        """Close the idle sockets; busy ones close when their exchange ends."""
+        """Close the idle sockets (busy ones close when their exchange ends) and
+        the fallback."""
         with self._lock:
             self._closed = True
             idle = [c for p in self._pools.values() for c in p.idle]
@@ -338,6 +307,8 @@ class SyncFastUpstream:
             self._freed.notify_all()
         for conn in idle:
             _shut(conn.sock)
+        if self._fallback is not None:
+            self._fallback.close()
 
     # -- sockets -------------------------------------------------------------------
 
@@ -348,10 +319,10 @@ class SyncFastUpstream:
             if body:
                 conn.sock.sendall(body)
         except TimeoutError:
-            return _TIMEOUT
+            return HEAD_TIMEOUT
         except OSError:
             # Not one byte of an answer yet: as a reset before the reply.
-            return _RESET
+            return HEAD_RESET
         return conn.read_head(ex)
 
     def _take(self, pool: _Pool, *, fresh: bool = False) -> tuple[_Conn, bool]:
@@ -386,10 +357,10 @@ class SyncFastUpstream:
                         expired.append(victim.idle.pop(0))
                         self._uncount(victim)
                         continue
-                    if deadline is None:
+                    if deadline is None and c.connect_timeout_s > 0:
                         deadline = time.monotonic() + c.connect_timeout_s
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not self._freed.wait(left):
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if (left is not None and left <= 0) or not self._freed.wait(left):
                         # Nothing was sent: the worker is busy, not failing (503).
                         raise UpstreamFailure(Failure.POOL)
         finally:
@@ -412,7 +383,9 @@ class SyncFastUpstream:
     def _open(self, pool: _Pool) -> _Conn:
         c = self.config
         try:
-            sock = socket.create_connection((pool.host, pool.port), timeout=c.connect_timeout_s)
+            sock = socket.create_connection(
+                (pool.host, pool.port), timeout=c.connect_timeout_s or None
+            )
         except OSError as exc:  # refused, unreachable, timed out
             self._forget(pool)
             raise UpstreamFailure(Failure.CONNECT) from exc
@@ -451,7 +424,7 @@ class SyncFastUpstream:
         self._forget(conn.pool)
 
     def _route(self, url: str) -> tuple[_Pool | None, bytes]:
-        origin = http_origin(url)
+        origin = http_origin_of(url)
         if origin is None:
             route: tuple[_Pool | None, bytes] = (None, b"")
         else:
@@ -461,10 +434,7 @@ class SyncFastUpstream:
                 if pool is None:
                     pool = self._pools[key] = _Pool(host, port)
             route = (pool, line)
-        if len(self._routes) >= MAX_ROUTES:
-            self._routes.clear()
-        self._routes[url] = route
-        return route
+        return remember(self._routes, url, route)
 
 
 def _shut(sock: socket.socket) -> None:

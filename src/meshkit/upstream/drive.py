@@ -4,8 +4,9 @@ Driving a flow
 
 The forward and fan-out flows (:mod:`meshkit.core.forward`) yield attempts and
 receive results. These two drivers, one async and one sync, are the only loops
-that run them; each adapter supplies a ``send`` that performs one attempt with
-its own HTTP client and returns an exchange (status, headers, body access).
+that run them; each front end supplies a ``send`` that performs one attempt (its
+upstream's ``send``/``asend``, :mod:`meshkit.upstream.base`) and returns an
+exchange (status, headers, body access).
 
 A response stays open until the flow either moves on (the driver closes it) or
 returns its attempt (the caller relays it). When the attempt asked for its body
@@ -27,16 +28,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from meshkit.core.credentials import response_headers
 from meshkit.core.forward import (
     Attempt,
     AttemptResult,
-    Failure,
     ForwardFlow,
     Hold,
     Lease,
@@ -44,6 +44,7 @@ from meshkit.core.forward import (
     Pair,
     PairResult,
 )
+from meshkit.upstream.base import AsyncExchange, SyncExchange, UpstreamFailure
 
 __all__ = [
     "Answered",
@@ -52,64 +53,12 @@ __all__ = [
     "Relayed",
     "SyncExchange",
     "UpstreamFailure",
-    "aread_upto",
     "drive_async",
     "drive_sync",
-    "read_upto",
 ]
 
 #: error and listing bodies read into memory are bounded (a worker is not trusted)
 MAX_CAPTURED_BODY = 1024 * 1024
-
-
-class UpstreamFailure(Exception):
-    """The attempt failed before (or, from ``chunks``, during) the response body."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.value)
-        self.failure = failure
-
-
-class AsyncExchange(Protocol):
-    status: int
-    headers: list[tuple[bytes, bytes]]
-
-    def chunks(self) -> AsyncIterator[bytes]: ...
-
-    async def read(self, limit: int) -> bytes: ...
-
-    async def aclose(self) -> None: ...
-
-
-class SyncExchange(Protocol):
-    status: int
-    headers: list[tuple[bytes, bytes]]
-
-    def chunks(self) -> Iterator[bytes]: ...
-
-    def read(self, limit: int) -> bytes: ...
-
-    def close(self) -> None: ...
-
-
-def read_upto(chunks: Iterable[bytes], limit: int) -> bytes:
-    """At most ``limit`` bytes of a body (error and listing bodies are bounded)."""
-    buf = bytearray()
-    for chunk in chunks:
-        buf += chunk
-        if len(buf) >= limit:
-            break
-    return bytes(buf[:limit])
-
-
-async def aread_upto(chunks: AsyncIterable[bytes], limit: int) -> bytes:
-    """:func:`read_upto` for an async body."""
-    buf = bytearray()
-    async for chunk in chunks:
-        buf += chunk
-        if len(buf) >= limit:
-            break
-    return bytes(buf[:limit])
 
 
 X = TypeVar("X")

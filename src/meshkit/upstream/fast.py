@@ -1,164 +1,112 @@
 """
-A fast upstream relay on raw asyncio protocols
-==============================================
+The asyncio client
+==================
 
-:class:`FastUpstream` is an :class:`~meshkit.upstream.aio.AsyncUpstream`
-built for the relay's hot path (``benchmarks/RESULTS.notes.md``: aiohttp's client
-was ~37 % of a 1 KiB proxy's samples)::
-
-    MeshMiddleware(app, mesh=mesh, upstream=FastUpstream(mesh.config.upstream))
+:class:`FastUpstream` sends ``http://`` requests on raw asyncio protocols, the
+relay's hot path: a few µs of CPU per request, where aiohttp's client was ~37 % of
+a 1 KiB proxy's samples (``benchmarks/RESULTS.notes.md``). What it cannot send
+(``https://``; any request under a loop that is not asyncio's, e.g. trio, where
+``asyncio.get_running_loop()`` raises) goes to its ``fallback``.
 
 * one pool of keep-alive connections per origin, bounded by
-  ``upstream.pool_limit_per_worker`` per origin and ``upstream.pool_limit`` in all
-  (0 = unbounded, as aiohttp); a request over a limit waits for a free connection
-  at most ``connect_timeout_s``, then fails with ``Failure.POOL`` (503
-  ``overloaded``; the worker is not blamed). Idle
-  connections expire after ``idle_timeout_s`` (checked when one is taken, and by
-  one sweep timer; the pool is a stack, the most recently used first, so the
-  stale ones sink and expire together);
-* the request head is one ``bytes`` (request line and ``host`` cached per URL,
-  the headers joined in C), written with the body by one ``writelines``;
-  a header name or value holding CR or LF is refused (``Failure.PROTOCOL``):
-  nothing can inject a line;
-* responses are parsed by ``httptools`` callbacks on the protocol itself: no task
-  and no queue per request, body chunks go to a deque with one waiter future;
-  ``Content-Length``, chunked and read-until-close bodies; interim 1xx skipped;
-* ``read_timeout_s`` bounds the worker's silence while a response head or a body
-  chunk is awaited (``Failure.TIMEOUT`` before the head, ``Failure.PROTOCOL``
-  from ``chunks()`` after it) with one timer per connection, re-armed lazily;
-* a *reused* connection that ends before any response byte (the worker closed an
-  idle keep-alive, as SGLang does after 5 s) is retried once, transparently, on a
-  new connection; a new connection that does the same is ``Failure.CONNECT``, so
-  the forward flow moves the request to another worker;
-* ``aclose()`` on an exchange whose body did not end closes its connection (the
-  worker sees the client leave); a connection returns to its pool only when its
-  response ended, keep-alive allowed.
+  ``upstream.pool_limit_per_worker`` per origin and ``pool_limit`` in all (0 =
+  unbounded); a request over a limit waits at most ``connect_timeout_s``, then
+  fails with ``Failure.POOL``. Idle connections are a stack (the coldest sink and
+  expire together after ``idle_timeout_s``: checked when taken, and by one sweep
+  timer per hub);
+* the head is one ``bytes`` (:func:`~meshkit.http1.build_head`, the request line
+  cached per URL), written with the body by one ``writelines``; the response is
+  parsed by :class:`~meshkit.http1.ResponseParser` into the protocol itself: no
+  task or queue per request, the body a deque with one waiter; reading pauses
+  above :data:`HIGH_WATER` unread bytes and resumes below :data:`LOW_WATER`;
+* ``read_timeout_s`` bounds the worker's silence with one timer per connection,
+  re-armed lazily from the last byte: none per chunk, none per request;
+* a connection is pooled again only when its response ended with keep-alive;
+  ``aclose()`` before the end closes it (the worker sees the client leave).
 
-``https://`` workers are delegated to the ``fallback`` given, else to a lazily
-created :class:`~meshkit.upstream.aio.AiohttpUpstream`. The pools belong to the
-event loop of the first ``send``; a ``send`` from another loop starts new pools
-(the old loop's connections are dropped, not closed: that loop owns them).
+The pools belong to the loop of the first ``asend``; one from another loop starts
+new pools (the old loop's connections are dropped, not closed: that loop owns them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import deque
-from collections.abc import Awaitable, Callable
-from urllib.parse import quote, urlsplit
+from typing import cast
 
 from meshkit.config import UpstreamConfig
-from meshkit.core.forward import Attempt, Failure
-from meshkit.upstream.aio import AiohttpUpstream
-from meshkit.upstream.drive import AsyncExchange, UpstreamFailure
-from meshkit.upstream.fast_conn import HEAD_OK, HEAD_RESET, HEAD_TIMEOUT, Conn, Exchange
-from meshkit.upstream.fast_pool import Hub, Pool
+from meshkit.core.forward import Failure
+from meshkit.http1 import (
+    PARSE_ERRORS,
+    Headers,
+    ResponseParser,
+    Unsendable,
+    build_head,
+    ends_with_connection,
+)
+from meshkit.upstream.base import (
+    HEAD_OK,
+    HEAD_PROTOCOL,
+    HEAD_RESET,
+    HEAD_TIMEOUT,
+    AsyncExchange,
+    AsyncUpstream,
+    Request,
+    UpstreamFailure,
+    aread_upto,
+    failure,
+    http_origin_of,
+    remember,
+    unsendable,
+)
 
-__all__ = ["FastUpstream", "build_head", "http_origin"]
+__all__ = ["HIGH_WATER", "LOW_WATER", "FastUpstream"]
 
-#: cached request lines (per URL) before the cache is cleared
-MAX_ROUTES = 4096
+HIGH_WATER = 1024 * 1024
+LOW_WATER = 256 * 1024
 
-_METHODS = {m: m.encode() for m in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")}
-_NO_BODY = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
-# RFC 9110 token characters (a method); anything else is refused.
-_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-# Kept as is in a path + query; everything else (controls, space, non-ASCII) is
-# percent-encoded.
-_PATH_SAFE = "/?#[]@!$&'()*+,;=:%-._~"
-
-
-def build_head(method: str, line: bytes, headers: list[tuple[bytes, bytes]], size: int) -> bytes:
-    """``METHOD SP line`` + headers + ``content-length`` + CRLF; ``line`` is
-    ``b" /path HTTP/1.1\\r\\nhost: h:p\\r\\n"``. Raises ``UpstreamFailure(PROTOCOL)``
-    when a header name or value holds CR or LF (it would inject a line)."""
-    m = _METHODS.get(method)
-    if m is None:
-        m = method.encode("latin-1")
-        if not m or not set(m) <= _TCHAR:
-            raise UpstreamFailure(Failure.PROTOCOL)
-    bare = not size and method in _NO_BODY  # no content-length, as aiohttp
-    if not headers:
-        if bare:
-            return b"%s%s\r\n" % (m, line)
-        return b"%s%scontent-length: %d\r\n\r\n" % (m, line, size)
-    block = b"\r\n".join(map(b": ".join, headers))
-    # The joints put exactly len(headers) - 1 of each; any other is in a header.
-    joints = len(headers) - 1
-    if block.count(b"\n") != joints or block.count(b"\r") != joints:
-        raise UpstreamFailure(Failure.PROTOCOL)
-    if bare:
-        return b"%s%s%s\r\n\r\n" % (m, line, block)
-    return b"%s%s%s\r\ncontent-length: %d\r\n\r\n" % (m, line, block, size)
+_NO_HEADERS: Headers = []
 
 
-def http_origin(url: str) -> tuple[str, str, int, bytes] | None:
-    """``(origin key, host, port, request line)`` of an ``http://`` attempt URL,
-    None for ``https://``; the line is ``b" /path?query HTTP/1.1\\r\\nhost: h:p\\r\\n"``
-    (the target percent-encoded where it must be). Another scheme, or no host,
-    is ``Failure.CONNECT``."""
-    parts = urlsplit(url)
-    if parts.scheme == "https":
-        return None
-    host = parts.hostname
-    if parts.scheme != "http" or not host:
-        raise UpstreamFailure(Failure.CONNECT)
-    try:
-        port = parts.port or 80
-    except ValueError:
-        raise UpstreamFailure(Failure.CONNECT) from None
-    netloc = f"[{host}]" if ":" in host else host
-    if port != 80:
-        netloc = f"{netloc}:{port}"
-    key = f"http://{netloc}"
-    target = parts.path or "/"
-    if parts.query:
-        target = f"{target}?{parts.query}"
-    if not target.isascii() or not target.isprintable() or " " in target:
-        target = quote(target, safe=_PATH_SAFE)
-    if not netloc.isascii():
-        netloc = netloc.replace(host, host.encode("idna").decode("ascii"))
-    line = b" %s HTTP/1.1\r\nhost: %s\r\n" % (target.encode(), netloc.encode())
-    return key, host, port, line
-
-
-class FastUpstream:
+class FastUpstream(AsyncUpstream):
     """Pooled keep-alive HTTP/1.1 client on asyncio protocols (see the module doc)."""
 
-    __slots__ = ("_fallback", "_hub", "_routes", "_send_https", "config")
+    __slots__ = ("_fallback", "_hub", "_routes", "config")
 
     def __init__(
-        self,
-        config: UpstreamConfig | None = None,
-        fallback: Callable[[Attempt], Awaitable[AsyncExchange]] | None = None,
+        self, config: UpstreamConfig | None = None, fallback: AsyncUpstream | None = None
     ) -> None:
         self.config = config or UpstreamConfig()
         self._hub: Hub | None = None
-        #: attempt URL -> (its origin's pool, or None for https; the request line)
+        #: request URL -> (its origin's pool, or None for https; the request line)
         self._routes: dict[str, tuple[Pool | None, bytes]] = {}
-        self._fallback: AiohttpUpstream | None = None
-        self._send_https = fallback
+        self._fallback = fallback
 
     # -- the hot path ----------------------------------------------------------
 
-    async def send(self, attempt: Attempt) -> AsyncExchange:
-        loop = asyncio.get_running_loop()
+    async def asend(self, request: Request) -> AsyncExchange:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # another async library's loop
+            return await self._other(request)
         hub = self._hub
         if hub is None or hub.loop is not loop:
             hub = self._bind(loop)
-        url = attempt.url
+        url = request.url
         route = self._routes.get(url)
         if route is None:
             route = self._route(url, hub)
         pool, line = route
         if pool is None:
-            if self._send_https is not None:
-                return await self._send_https(attempt)
-            return await self._https().send(attempt)
-        method = attempt.method
-        body = attempt.body
-        head = build_head(method, line, attempt.headers, len(body))
+            return await self._other(request)
+        method = request.method
+        body = request.body
+        try:
+            head = build_head(method, line, request.headers, len(body))
+        except Unsendable:
+            raise unsendable() from None
         head_only = method == "HEAD"
         conn = pool.take()
         reused = conn is not None
@@ -176,28 +124,27 @@ class FastUpstream:
                 raise
             if code == HEAD_OK:
                 return ex
-            if code == HEAD_RESET and reused:
-                # A pooled connection the worker had closed: once more, on a new one.
-                reused = False
-                conn = await self._acquire(pool, loop, fresh=True)
-                continue
-            if code == HEAD_RESET:
-                raise UpstreamFailure(Failure.CONNECT)
-            if code == HEAD_TIMEOUT:
-                raise UpstreamFailure(Failure.TIMEOUT)
-            raise UpstreamFailure(Failure.PROTOCOL)
+            error = failure(code, fresh=not reused)
+            if error is not None:
+                raise error
+            reused = False
+            conn = await self._acquire(pool, loop, fresh=True)
 
     async def aclose(self) -> None:
-        """Close every connection (pooled or busy) and the https fallback."""
+        """Close every connection (pooled or busy) and the fallback."""
         hub, self._hub = self._hub, None
         self._routes.clear()
         if hub is not None:
             hub.close()
-        fallback, self._fallback = self._fallback, None
-        if fallback is not None:
-            await fallback.aclose()
+        if self._fallback is not None:
+            await self._fallback.aclose()
 
     # -- slow paths ------------------------------------------------------------
+
+    async def _other(self, request: Request) -> AsyncExchange:
+        if self._fallback is None:
+            raise UpstreamFailure(Failure.CONNECT)
+        return await self._fallback.asend(request)
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> Hub:
         c = self.config
@@ -212,7 +159,7 @@ class FastUpstream:
         return hub
 
     def _route(self, url: str, hub: Hub) -> tuple[Pool | None, bytes]:
-        origin = http_origin(url)
+        origin = http_origin_of(url)
         if origin is None:
             route: tuple[Pool | None, bytes] = (None, b"")
         else:
@@ -221,16 +168,7 @@ class FastUpstream:
             if pool is None:
                 pool = hub.pools[key] = Pool(hub, host, port)
             route = (pool, line)
-        if len(self._routes) >= MAX_ROUTES:
-            self._routes.clear()
-        self._routes[url] = route
-        return route
-
-    def _https(self) -> AiohttpUpstream:
-        fallback = self._fallback
-        if fallback is None:
-            fallback = self._fallback = AiohttpUpstream(self.config)
-        return fallback
+        return remember(self._routes, url, route)
 
     async def _acquire(self, pool: Pool, loop: asyncio.AbstractEventLoop, *, fresh: bool) -> Conn:
         """A connection of ``pool``: idle (unless ``fresh``), new, or after a wait."""
@@ -312,3 +250,470 @@ def _discard(queue: deque[asyncio.Future[bool]], waiter: asyncio.Future[bool]) -
 def _expire(waiter: asyncio.Future[bool]) -> None:
     if not waiter.done():
         waiter.set_result(False)
+
+
+def _refuse(waiters: deque[asyncio.Future[bool]]) -> None:
+    """Wake every waiter with no connection for it (the upstream is closing)."""
+    while waiters:
+        _expire(waiters.popleft())
+
+
+# -- exchanges and connections ------------------------------------------------------------
+
+
+class Exchange:
+    """One response (an :class:`~meshkit.upstream.base.AsyncExchange`): status,
+    headers and the body as a deque of chunks plus one waiter future."""
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_conn",
+        "_done",
+        "_failed",
+        "_head",
+        "_waiter",
+        "headers",
+        "status",
+    )
+
+    status: int
+    headers: Headers
+
+    def __init__(self, conn: Conn, head: asyncio.Future[int]) -> None:
+        self.status = 0
+        self.headers = _NO_HEADERS
+        self._conn: Conn | None = conn  # None once the body ended (or failed)
+        self._head: asyncio.Future[int] | None = head  # None once the head arrived
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._done = False
+        self._failed = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def chunks(self) -> Exchange:
+        return self
+
+    def whole(self) -> bytes | None:
+        if not self._done:
+            return None
+        q = self._chunks
+        data = q.popleft() if len(q) == 1 else b"".join(q)
+        q.clear()
+        self._buffered = 0
+        return data
+
+    def __aiter__(self) -> Exchange:
+        return self
+
+    async def __anext__(self) -> bytes:
+        # A class, not an async generator: no asyncgen hooks, nothing to finalise
+        # when the consumer stops early.
+        q = self._chunks
+        while True:
+            if q:
+                if len(q) == 1:
+                    data = q.popleft()
+                    self._buffered -= len(data)
+                else:
+                    data = b"".join(q)
+                    q.clear()
+                    self._buffered = 0
+                conn = self._conn
+                if conn is not None and conn.paused and self._buffered < LOW_WATER:
+                    conn.resume()
+                return data
+            if self._done:
+                raise StopAsyncIteration
+            conn = self._conn
+            if self._failed or conn is None:
+                raise UpstreamFailure(Failure.PROTOCOL)
+            waiter = self._waiter = conn.loop.create_future()
+            await waiter
+
+    async def read(self, limit: int) -> bytes:
+        return await aread_upto(self, limit)
+
+    async def aclose(self) -> None:
+        self.abandon()
+        self._chunks.clear()
+        self._buffered = 0
+
+    def abandon(self) -> None:
+        """Close the connection unless the response already ended (then it is
+        pooled again, possibly serving another request: not ours to touch)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            # The body did not end: the worker is still writing. Closing the
+            # connection is how it learns the client left (generation stops).
+            self._failed = True
+            conn.abandon()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class Conn(asyncio.Protocol):
+    """One keep-alive connection to a worker, and the sink of its response parser;
+    serves one request at a time."""
+
+    __slots__ = (
+        "_ex",
+        "_feed",
+        "_last_io",
+        "_on_timer",
+        "_parser",
+        "_pool",
+        "_replied",
+        "_time",
+        "_timeout",
+        "_timer",
+        "closed",
+        "idle_since",
+        "loop",
+        "paused",
+        "pooled",
+        "transport",
+    )
+
+    def __init__(self, pool: Pool) -> None:
+        hub = pool.hub
+        self._pool = pool
+        self.loop = hub.loop
+        self._time = hub.loop.time
+        self._timeout = hub.read_timeout
+        self._parser = ResponseParser(self)
+        self._feed = self._parser.feed
+        self._on_timer = self._fire  # bound once
+        self.transport: asyncio.Transport | None = None
+        self._ex: Exchange | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_io = 0.0
+        self._replied = False  # a byte of the current response arrived
+        self.closed = False
+        self.paused = False
+        self.pooled = False
+        self.idle_since = 0.0
+
+    # -- the request ---------------------------------------------------------------
+
+    def send(self, ex: Exchange, head: bytes, body: bytes, head_only: bool) -> None:
+        transport = self.transport
+        assert transport is not None
+        self._ex = ex
+        self._replied = False
+        parser = self._parser
+        parser.waiting = True
+        parser.head_only = head_only
+        if self._timeout > 0:
+            self._last_io = self._time()
+            if self._timer is None:
+                # Left armed across the requests of a keep-alive connection: it
+                # re-arms from _last_io when it fires, and drops when idle.
+                self._timer = self.loop.call_later(self._timeout, self._on_timer)
+        if body:
+            transport.writelines((head, body))
+        else:
+            transport.write(head)
+
+    def abandon(self) -> None:
+        """The exchange was given up before its end (client gone, send cancelled)."""
+        self._ex = None
+        self._close(abort=True)
+
+    def close(self) -> None:
+        self._close(abort=False)
+
+    def resume(self) -> None:
+        self.paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def _close(self, *, abort: bool) -> None:
+        timer = self._timer
+        if timer is not None:
+            self._timer = None
+            timer.cancel()
+        if self.closed:
+            return
+        self.closed = True
+        self._pool.forget(self)
+        transport = self.transport
+        if transport is not None:
+            if abort:
+                transport.abort()
+            else:
+                transport.close()
+
+    def _fail(self, code: int) -> None:
+        """The current response cannot go on: report ``code`` and abort."""
+        ex = self._ex
+        self._ex = None
+        if ex is not None:
+            ex._conn = None
+            head = ex._head
+            if head is not None:
+                ex._head = None
+                if not head.done():
+                    head.set_result(code)
+            else:
+                ex._failed = True
+                ex._wake()
+        self._close(abort=True)
+
+    def _fire(self) -> None:
+        self._timer = None
+        ex = self._ex
+        if ex is None or self.closed:
+            return
+        left = self._timeout - (self._time() - self._last_io)
+        if left > 0:
+            self._timer = self.loop.call_later(left, self._on_timer)
+        elif ex._head is not None:
+            self._fail(HEAD_TIMEOUT)
+        elif ex._waiter is not None and not self.paused:
+            self._fail(HEAD_PROTOCOL)
+        else:
+            # Buffered data waits for a slow consumer: not the worker's silence.
+            self._timer = self.loop.call_later(self._timeout, self._on_timer)
+
+    # -- asyncio.Protocol ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, AttributeError):  # not TCP
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        timer = self._timer
+        if timer is not None:
+            self._timer = None
+            timer.cancel()
+        if not self.closed:
+            self.closed = True
+            self._pool.forget(self)
+        ex = self._ex
+        if ex is None:
+            return
+        self._ex = None
+        ex._conn = None
+        head = ex._head
+        if head is not None:
+            ex._head = None
+            if not head.done():
+                head.set_result(HEAD_PROTOCOL if self._replied else HEAD_RESET)
+            return
+        if exc is None and ends_with_connection(ex.headers):
+            ex._done = True  # a body delimited by the end of the connection
+        else:
+            ex._failed = True
+        ex._wake()
+
+    def data_received(self, data: bytes) -> None:
+        if self._ex is None:
+            self._close(abort=True)  # bytes nobody asked for
+            return
+        self._replied = True
+        if self._timer is not None:
+            self._last_io = self._time()
+        try:
+            self._feed(data)
+        except PARSE_ERRORS:
+            self._fail(HEAD_PROTOCOL)
+
+    # -- the parser's sink -----------------------------------------------------------
+
+    def on_head(self, status: int, headers: Headers) -> None:
+        ex = self._ex
+        if ex is None:
+            return
+        ex.status = status
+        ex.headers = headers
+        head = ex._head
+        ex._head = None
+        if head is not None and not head.done():
+            head.set_result(HEAD_OK)
+
+    def on_body(self, body: bytes) -> None:
+        ex = self._ex
+        if ex is None or not body:
+            return
+        ex._chunks.append(body)
+        ex._buffered += len(body)
+        if ex._buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        if ex._waiter is not None:
+            ex._wake()
+
+    def on_end(self, keep_alive: bool) -> None:
+        ex = self._ex
+        if ex is None:
+            return
+        self._ex = None
+        ex._conn = None
+        ex._done = True
+        ex._wake()
+        if keep_alive and not self.closed:
+            if self.paused:
+                self.resume()
+            self._pool.put(self)
+        else:
+            self.close()
+
+    def on_unasked(self) -> None:
+        self._close(abort=True)
+
+
+# -- pools ----------------------------------------------------------------------------------
+
+
+class Hub:
+    """The limits shared by every origin's pool of one :class:`FastUpstream`, bound to
+    one event loop, and the requests waiting for a slot of the total.
+
+    A wake-up (a connection became idle or closed) resolves one waiter, which then
+    tries again; a waiter that leaves (timeout, cancellation) after being woken
+    passes the wake-up on.
+    """
+
+    __slots__ = (
+        "closed",
+        "idle_timeout",
+        "limit",
+        "loop",
+        "per_limit",
+        "pools",
+        "read_timeout",
+        "sweeper",
+        "total",
+        "waiters",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        limit: int,
+        per_limit: int,
+        idle_timeout: float,
+        read_timeout: float,
+    ) -> None:
+        self.loop = loop
+        self.limit = limit  # 0 = unbounded
+        self.per_limit = per_limit
+        self.idle_timeout = idle_timeout
+        self.read_timeout = read_timeout  # <= 0: no read timeout
+        self.total = 0  # open or opening connections, all origins
+        self.pools: dict[str, Pool] = {}
+        #: requests waiting because of ``limit`` (the per-origin ones wait on their pool)
+        self.waiters: deque[asyncio.Future[bool]] = deque()
+        self.closed = False
+        #: one timer for all pools, armed while a connection idles
+        self.sweeper: asyncio.TimerHandle | None = None
+
+    def sweep(self) -> None:
+        """Close the idle connections that expired (oldest first in every pool)."""
+        self.sweeper = None
+        if self.closed:
+            return
+        horizon = self.loop.time() - self.idle_timeout
+        left = False
+        for pool in self.pools.values():
+            idle = pool.idle
+            while idle and idle[0].idle_since <= horizon:
+                idle[0].close()
+            left = left or bool(idle)
+        if left:
+            self.sweeper = self.loop.call_later(self.idle_timeout, self.sweep)
+
+    def wake(self, pool: Pool) -> None:
+        """A connection of ``pool`` became idle or went away: let one waiter retry."""
+        for q in (pool.waiters, self.waiters):
+            while q:
+                fut = q.popleft()
+                if not fut.done():
+                    fut.set_result(True)
+                    return
+
+    def evict_idle(self) -> bool:
+        """Close the oldest idle connection of any origin; False when none is idle."""
+        for pool in self.pools.values():
+            if pool.idle:
+                pool.idle[0].close()
+                return True
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+            self.sweeper = None
+        for pool in self.pools.values():
+            for conn in list(pool.conns):
+                conn.close()
+            _refuse(pool.waiters)
+        _refuse(self.waiters)
+
+
+class Pool:
+    """The connections of one origin (``http://host:port``): the idle ones as a LIFO
+    stack, and the requests waiting for a slot of this origin."""
+
+    __slots__ = ("conns", "count", "host", "hub", "idle", "port", "waiters")
+
+    def __init__(self, hub: Hub, host: str, port: int) -> None:
+        self.hub = hub
+        self.host = host
+        self.port = port
+        self.count = 0  # open or opening
+        self.conns: set[Conn] = set()
+        self.idle: list[Conn] = []  # oldest first; taken from the end
+        self.waiters: deque[asyncio.Future[bool]] = deque()
+
+    def take(self) -> Conn | None:
+        """The most recently used idle connection, unless it expired (then all did)."""
+        idle = self.idle
+        if not idle:
+            return None
+        conn = idle.pop()
+        conn.pooled = False
+        if self.hub.loop.time() - conn.idle_since < self.hub.idle_timeout and not conn.closed:
+            return conn
+        stale = [conn, *idle]
+        idle.clear()
+        for c in stale:
+            c.pooled = False
+            c.close()
+        return None
+
+    def put(self, conn: Conn) -> None:
+        hub = self.hub
+        if hub.closed or hub.idle_timeout <= 0:
+            conn.close()
+            return
+        conn.idle_since = hub.loop.time()
+        conn.pooled = True
+        self.idle.append(conn)
+        if hub.sweeper is None:
+            hub.sweeper = hub.loop.call_later(hub.idle_timeout, hub.sweep)
+        if self.waiters or hub.waiters:
+            hub.wake(self)
+
+    def forget(self, conn: Conn) -> None:
+        """``conn`` is closed: free its slot."""
+        if conn.pooled:
+            conn.pooled = False
+            self.idle.remove(conn)
+        self.conns.discard(conn)
+        self.count -= 1
+        hub = self.hub
+        hub.total -= 1
+        if self.waiters or hub.waiters:
+            hub.wake(self)

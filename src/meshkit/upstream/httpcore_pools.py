@@ -1,88 +1,90 @@
 """
-Attempts straight on httpcore pools
-===================================
+Requests on httpcore pools
+==========================
 
-The client transports' default upstream. An ``httpx.HTTPTransport`` would take
-an ``httpx.Request`` (its URL parsed, its headers normalised) and turn it into an
-``httpcore.Request``, then wrap httpcore's response in an ``httpx.Response``: for
-every attempt meshkit would build a second request and a second response on top
-of the client's own (``benchmarks/RESULTS.md``: MeshTransport cost 1.5x a plain
-client's CPU). Here an attempt becomes the ``httpcore.Request`` directly: the
-worker's scheme/host/port and ``Host`` header are parsed once per origin, the
-request target is the tail of the attempt's URL, and the response's raw stream
-is relayed. Each client library gets the httpcore it is built on (httpx:
-``httpcore``, httpx2: ``httpcore2``) with the limits of ``[upstream]``.
+:class:`HttpcoreUpstream` sends what the fast clients cannot: ``https://``, and
+every request under an event loop that is not asyncio's (httpcore runs on trio).
+Each client library gets the httpcore it is built on (httpx: ``httpcore``,
+httpx2: ``httpcore2``; ``httpcore`` by default), imported by the first request.
+``pool_limit`` is httpcore's ``max_connections``; it has no per-origin bound, so
+``pool_limit_per_worker`` bounds the idle connections it keeps.
 
-Failures are mapped as in :mod:`meshkit.upstream.inner` (the httpcore
-exception names are the same): ``PoolTimeout`` is ``POOL``, a connect timeout or
-error ``CONNECT``, another timeout ``TIMEOUT``; closed or reset before any
-response byte is tried once more on another connection, then ``CONNECT``; a
-request httpcore refuses to send (``LocalProtocolError``) is the client's 400.
+A request becomes the ``httpcore.Request`` directly (its URL and ``host`` parsed
+once per URL), not an ``httpx.Request`` and back, with the ``[upstream]``
+timeouts as its ``timeout`` extension: without it httpcore waits forever.
+
+httpcore cannot tell a reused connection from a new one, so a request closed or
+reset before any response byte is always sent once more; nor garbage instead of a
+response from a close before any byte (both are ``RemoteProtocolError``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
-from urllib.parse import urlsplit
 
 from meshkit.config import UpstreamConfig
-from meshkit.core.forward import Attempt, Failure
-from meshkit.errors import InvalidRequest
-from meshkit.upstream.drive import UpstreamFailure, aread_upto, read_upto
-from meshkit.upstream.inner import timeouts
+from meshkit.core.forward import Failure
+from meshkit.http1 import Headers, split_url
+from meshkit.upstream.base import (
+    AsyncUpstream,
+    Request,
+    SyncUpstream,
+    UpstreamFailure,
+    aread_upto,
+    check_request,
+    content_length,
+    error_of,
+    errors_of,
+    failure,
+    read_upto,
+    remember,
+)
 
-__all__ = ["CoreUpstream", "core_for"]
+__all__ = ["AsyncStreamExchange", "HttpcoreUpstream", "SyncStreamExchange"]
 
 #: the httpcore each client library is built on
 _CORES = {"httpx": "httpcore", "httpx2": "httpcore2"}
-#: parsed attempt URLs kept before the cache is cleared (workers come and go)
-MAX_URLS = 4096
+
+Errors = tuple[type[BaseException], ...]
 
 
-def core_for(lib: ModuleType) -> ModuleType | None:
-    """The httpcore module under ``lib`` (None for an unknown library)."""
-    name = _CORES.get(lib.__name__)
-    if name is None:
-        return None
-    try:
-        return importlib.import_module(name)
-    except ImportError:  # pragma: no cover
-        return None
+def timeouts(config: UpstreamConfig) -> dict[str, float | None]:
+    """The ``timeout`` request extension httpcore reads, from ``[upstream]``."""
+    connect = config.connect_timeout_s or None
+    read = config.read_timeout_s if config.read_timeout_s > 0 else None
+    return {"connect": connect, "pool": connect, "read": read, "write": read}
 
 
-class _Origin:
-    __slots__ = ("host", "host_header", "port", "scheme")
-
-    def __init__(self, origin: str) -> None:
-        parts = urlsplit(origin)
-        self.scheme = parts.scheme.encode("ascii")
-        host = parts.hostname or ""
-        self.host = host.encode("idna") if host else b""
-        self.port = parts.port
-        default = 443 if parts.scheme == "https" else 80
-        shown = f"[{host}]" if ":" in host else host
-        hh = shown if self.port in (None, default) else f"{shown}:{self.port}"
-        self.host_header = hh.encode("idna")
+def _lower(headers: Headers) -> Headers:
+    return [(k.lower(), v) for k, v in headers]
 
 
-class SyncCoreExchange:
-    __slots__ = ("_errors", "_resp", "headers", "status")
+class _StreamExchange:
+    """A response whose body is a library's byte stream (the one close ends)."""
 
-    def __init__(
-        self, resp: Any, errors: type[BaseException] | tuple[type[BaseException], ...]
-    ) -> None:
-        self._resp = resp
+    __slots__ = ("_errors", "_stream", "headers", "status")
+
+    def __init__(self, status: int, headers: Headers, stream: Any, errors: Errors) -> None:
+        self.status = status
+        self.headers = headers
+        self._stream = stream
         self._errors = errors
-        self.status: int = resp.status
-        self.headers: list[tuple[bytes, bytes]] = resp.headers
+
+    def whole(self) -> bytes | None:
+        return None  # the stream does not say whether its body is all here
+
+
+class SyncStreamExchange(_StreamExchange):
+    __slots__ = ()
 
     def chunks(self) -> Iterator[bytes]:
         try:
-            yield from self._resp.stream
+            yield from self._stream
         except self._errors as exc:
             raise UpstreamFailure(Failure.PROTOCOL) from exc
 
@@ -90,24 +92,18 @@ class SyncCoreExchange:
         return read_upto(self.chunks(), limit)
 
     def close(self) -> None:
-        with contextlib.suppress(*_as_tuple(self._errors)):
-            self._resp.close()
+        # Closing a stream that did not end closes its connection (httpcore
+        # reuses only a connection whose response completed).
+        with contextlib.suppress(*self._errors):
+            self._stream.close()
 
 
-class AsyncCoreExchange:
-    __slots__ = ("_errors", "_resp", "headers", "status")
-
-    def __init__(
-        self, resp: Any, errors: type[BaseException] | tuple[type[BaseException], ...]
-    ) -> None:
-        self._resp = resp
-        self._errors = errors
-        self.status: int = resp.status
-        self.headers: list[tuple[bytes, bytes]] = resp.headers
+class AsyncStreamExchange(_StreamExchange):
+    __slots__ = ()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self._resp.stream:
+            async for chunk in self._stream:
                 yield chunk
         except self._errors as exc:
             raise UpstreamFailure(Failure.PROTOCOL) from exc
@@ -116,125 +112,122 @@ class AsyncCoreExchange:
         return await aread_upto(self.chunks(), limit)
 
     async def aclose(self) -> None:
-        with contextlib.suppress(*_as_tuple(self._errors)):
-            await self._resp.aclose()
+        with contextlib.suppress(*self._errors):
+            await self._stream.aclose()
 
 
-def _as_tuple(
-    errors: type[BaseException] | tuple[type[BaseException], ...],
-) -> tuple[type[BaseException], ...]:
-    return errors if isinstance(errors, tuple) else (errors,)
+class HttpcoreUpstream(SyncUpstream, AsyncUpstream):
+    """Sync and async httpcore pools of one library (``send`` and ``asend``).
 
+    :param lib: the client library (``httpx`` or ``httpx2``) whose httpcore to use.
+    """
 
-class CoreUpstream:
-    """Sync and async httpcore pools of one library, and attempts sent on them."""
-
-    def __init__(self, core: ModuleType, config: UpstreamConfig) -> None:
-        self.core = core
-        self.config = config
-        self._extensions = {"timeout": timeouts(config)}
-        #: attempt URL -> (httpcore URL, Host header); httpcore does not mutate them
+    def __init__(self, config: UpstreamConfig | None = None, lib: ModuleType | None = None) -> None:
+        self.config = config or UpstreamConfig()
+        self._name = _CORES.get(lib.__name__, "httpcore") if lib is not None else "httpcore"
+        self._extensions = {"timeout": timeouts(self.config)}
+        #: request URL -> (httpcore URL, host); httpcore does not mutate them
         self._urls: dict[str, tuple[Any, bytes]] = {}
-        limits = {
-            "max_connections": config.pool_limit or None,
-            "max_keepalive_connections": config.pool_limit_per_worker or None,
-            "keepalive_expiry": config.idle_timeout_s,
-        }
-        # Built now, not on first use: threads sharing a new client would race.
-        self._pool: Any = core.ConnectionPool(**limits)
-        self._apool: Any = core.AsyncConnectionPool(**limits)
-        c = core
-        # Every error the pools raise; each is mapped below.
-        self._errors: tuple[type[BaseException], ...] = (
-            c.TimeoutException,
-            c.NetworkError,
-            c.ProtocolError,
-            c.ProxyError,
-            c.UnsupportedProtocol,
-        )
-        self._resend = (c.RemoteProtocolError, c.ReadError, c.WriteError)
+        self._lock = threading.Lock()
+        #: the httpcore module and its pools, made by the first request: no httpcore
+        #: is imported until a request needs it
+        self.core: Any = None
+        self._pool: Any = None
+        self._apool: Any = None
+        self._errors: Errors = ()
+
+    def _load(self) -> None:
+        with self._lock:  # threads sharing a new client would each build pools
+            if self._pool is not None:
+                return
+            core = self.core = importlib.import_module(self._name)
+            c = self.config
+            limits = {
+                "max_connections": c.pool_limit or None,
+                "max_keepalive_connections": c.pool_limit_per_worker or None,
+                "keepalive_expiry": c.idle_timeout_s,
+            }
+            self._errors = errors_of(core)
+            self._apool = core.AsyncConnectionPool(**limits)
+            self._pool = core.ConnectionPool(**limits)
 
     # -- requests -------------------------------------------------------------------
 
-    def _request(self, attempt: Attempt) -> Any:
-        url = attempt.url
+    def _request(self, request: Request) -> Any:
+        """The library's request for ``request``; the 400 when it cannot be sent."""
+        check_request(request)
+        url = request.url
         known = self._urls.get(url)
         if known is None:
             known = self._url(url)
-        target, host_header = known
-        headers = [(b"host", host_header), *attempt.headers]
-        body = attempt.body
-        method = attempt.method
-        if body or method not in ("GET", "DELETE", "HEAD"):
-            headers.append((b"content-length", b"%d" % len(body)))
-            content: bytes | None = body
-        else:
-            content = None
+        target, host = known
+        headers = [(b"host", host), *request.headers]
+        body = request.body
+        size = content_length(request.method, body)
+        if size is not None:
+            headers.append((b"content-length", b"%d" % size))
         return self.core.Request(
-            method, target, headers=headers, content=content, extensions=self._extensions
+            request.method,
+            target,
+            headers=headers,
+            content=body if size is not None else None,
+            extensions=self._extensions,
         )
 
     def _url(self, url: str) -> tuple[Any, bytes]:
-        """httpcore's URL for an attempt's URL and its ``Host`` (parsed once per URL)."""
-        cut = url.find("/", url.find("//") + 2)
-        origin, target = (url, "/") if cut < 0 else (url[:cut], url[cut:])
-        o = _Origin(origin)
+        try:
+            scheme, host, port, authority, target = split_url(url)
+        except ValueError as exc:
+            raise error_of(exc) from None
         core_url = self.core.URL(
-            scheme=o.scheme, host=o.host, port=o.port, target=target.encode("latin-1")
+            scheme=scheme.encode(), host=host.encode(), port=port, target=target.encode()
         )
-        if len(self._urls) >= MAX_URLS:
-            self._urls.clear()
-        known = self._urls[url] = (core_url, o.host_header)
-        return known
+        return remember(self._urls, url, (core_url, authority.encode()))
 
-    def _failure(self, exc: BaseException) -> Failure:
-        c = self.core
-        if isinstance(exc, c.PoolTimeout):
-            return Failure.POOL
-        if isinstance(exc, (c.ConnectTimeout, c.ConnectError)):
-            return Failure.CONNECT
-        if isinstance(exc, c.TimeoutException):
-            return Failure.TIMEOUT
-        return Failure.CONNECT
+    @staticmethod
+    def _head(resp: Any) -> tuple[int, Headers]:
+        return resp.status, _lower(resp.headers)
 
-    def send_sync(self, attempt: Attempt) -> SyncCoreExchange:
-        for again in (False, True):
+    # -- the contract -----------------------------------------------------------------
+
+    def _prepared(self, request: Request) -> Any:
+        if self._pool is None:
+            self._load()
+        try:
+            return self._request(request)
+        except self._errors as exc:  # an httpx.InvalidURL, say
+            raise error_of(exc) from None
+
+    def send(self, request: Request) -> SyncStreamExchange:
+        req = self._prepared(request)
+        for fresh in (False, True):
             try:
-                req = self._request(attempt)
                 resp = self._pool.handle_request(req)
-            except (self.core.LocalProtocolError, UnicodeEncodeError) as exc:
-                raise _unsendable() from exc
-            except self._resend as exc:
-                if again:
-                    raise UpstreamFailure(Failure.CONNECT) from exc
-                continue
             except self._errors as exc:
-                raise UpstreamFailure(self._failure(exc)) from exc
-            return SyncCoreExchange(resp, self._errors)
+                error = failure(exc, fresh=fresh)
+                if error is None:
+                    continue
+                raise error from exc
+            return SyncStreamExchange(*self._head(resp), resp.stream, self._errors)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def send_async(self, attempt: Attempt) -> AsyncCoreExchange:
-        for again in (False, True):
+    async def asend(self, request: Request) -> AsyncStreamExchange:
+        req = self._prepared(request)
+        for fresh in (False, True):
             try:
-                req = self._request(attempt)
                 resp = await self._apool.handle_async_request(req)
-            except (self.core.LocalProtocolError, UnicodeEncodeError) as exc:
-                raise _unsendable() from exc
-            except self._resend as exc:
-                if again:
-                    raise UpstreamFailure(Failure.CONNECT) from exc
-                continue
             except self._errors as exc:
-                raise UpstreamFailure(self._failure(exc)) from exc
-            return AsyncCoreExchange(resp, self._errors)
+                error = failure(exc, fresh=fresh)
+                if error is None:
+                    continue
+                raise error from exc
+            return AsyncStreamExchange(*self._head(resp), resp.stream, self._errors)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def close(self) -> None:
-        self._pool.close()
+        if self._pool is not None:
+            self._pool.close()
 
     async def aclose(self) -> None:
-        await self._apool.aclose()
-
-
-def _unsendable() -> InvalidRequest:
-    return InvalidRequest("the request's headers or query cannot be sent as valid HTTP")
+        if self._apool is not None:
+            await self._apool.aclose()

@@ -42,7 +42,7 @@ from meshkit.errors import (
     Unavailable,
 )
 from meshkit.frontends.routed import Headers, Routed, error_reply
-from meshkit.server.h1.wire import LAST_CHUNK, Framing, chunk, date_header, response_head
+from meshkit.http1 import LAST_CHUNK, Framing, chunk, date_header, response_head
 
 if TYPE_CHECKING:
     from meshkit.server.h1.server import H1Server
