@@ -23,7 +23,9 @@ from harness import wait_until
 from meshkit import Mesh
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
-from meshkit.frontends.transport import MeshTransport, _SyncBody
+from meshkit.core.relay import Relay
+from meshkit.frontends.relay import NO_BOOKS
+from meshkit.frontends.transport import MeshTransport, _SyncStream
 from meshkit.mock import MockWorkerThread
 from meshkit.upstream.base import UpstreamFailure
 from meshkit.upstream.blocking import JOIN_LIMIT, BlockingUpstream
@@ -126,7 +128,7 @@ def test_a_passed_through_body_is_a_byte_stream(upstream: Callable[..., Blocking
     """Pass-through requests hand the exchange to the client library as its byte stream."""
     with RawServer(scripted(*CHUNKED_SSE)) as srv:
         up = upstream()
-        stream = _SyncBody(up.send(attempt(srv.url + "/x")), httpx2)
+        stream = _SyncStream(up.send(attempt(srv.url + "/x")), Relay(NO_BOOKS, None))
         assert isinstance(stream, httpx2.SyncByteStream)
         assert b"".join(stream) == b'data: a\n\ndata: {"k": "\xc3\xa9\xe2\x82\xac"}\n\n' + (
             b"data: [DONE]\n\n"

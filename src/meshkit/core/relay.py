@@ -64,11 +64,13 @@ class Relay:
 
     __slots__ = ("_books", "_fmt", "_held", "_hold", "cut", "finished")
 
-    def __init__(self, books: Books, view: RequestView) -> None:
+    def __init__(self, books: Books, view: RequestView | None) -> None:
+        """:param view: the request; None for one meshkit does not own (passed
+        through: relayed as it comes, a failure always a cut)."""
         self._books = books
-        stream = view.stream
+        stream = view is None or view.stream
         self._hold = not stream
-        self._fmt = view.match.endpoint.stream_format if stream else _NONE
+        self._fmt = view.match.endpoint.stream_format if view is not None and stream else _NONE
         self._held = b""
         #: the body ended (or failed): the books are closed
         self.finished = False

@@ -1,156 +1,107 @@
 """
-Relaying a response body
-========================
+Relayed bodies for the front ends that hand out an iterable
+===========================================================
 
-The body of the final attempt goes to the client chunk by chunk; each chunk feeds
-the accounting. The stream's ``close()`` settles accounting and the lease exactly
-once: a stream read to its end counts as completed, one closed early (the client
-went away) as aborted. An upstream failure after the first byte ends the stream
-with one error event in its own framing. A body without event framing (a plain
-JSON answer) has no way to say so in-band: the client transports then raise their
-library's ``RemoteProtocolError``, as a direct connection would, instead of
-handing over a silently truncated body.
+The WSGI middleware returns a response iterable and the client transports hand
+their library a byte stream; both are these two classes, which drive the core
+relay (:class:`~meshkit.core.relay.Relay`) with an upstream exchange's chunks.
+Their ``close()`` (which every WSGI server calls, also when the client went
+away, and every httpx response calls) settles the books exactly once.
 
-The stream classes subclass both httpx's and httpx2's byte-stream bases, so a
-client transport can hand them to either library's ``Response``; the WSGI
-middleware returns the sync one as its response iterable.
+A body cut short that has no in-band way to say so (a plain JSON answer) raises
+``cut()``'s exception when one is given (the client transports raise their
+library's ``RemoteProtocolError``, as a direct connection would); without one the
+iterable simply ends, and the server's framing tells the client.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
 
-import httpx
+from meshkit.core.relay import Relay
+from meshkit.upstream.base import AsyncExchange, SyncExchange, UpstreamFailure
 
-from meshkit.core.endpoints import StreamFormat
-from meshkit.core.requests import RequestView
-from meshkit.core.sse import stream_error_event
-from meshkit.mesh import Accounting
-from meshkit.upstream.drive import AsyncExchange, SyncExchange, UpstreamFailure
+__all__ = ["NO_BOOKS", "AsyncRelayStream", "SyncRelayStream"]
 
-try:
-    import httpx2
-except ImportError:  # pragma: no cover
-    httpx2 = None  # type: ignore[assignment]
-
-__all__ = ["AsyncRelayStream", "Relay", "SyncRelayStream"]
-
-_SyncStream: tuple[type, ...] = (httpx.SyncByteStream,) + (
-    (httpx2.SyncByteStream,) if httpx2 else ()
-)
-_AsyncStream: tuple[type, ...] = (httpx.AsyncByteStream,) + (
-    (httpx2.AsyncByteStream,) if httpx2 else ()
-)
+Cut = Callable[[], BaseException] | None
 
 
-class Relay:
-    """Shared by the sync and async streams: accounting and the lease, once."""
+class _NoBooks:
+    """The books of a body meshkit only passes through: none to keep."""
 
-    def __init__(
-        self,
-        view: RequestView,
-        acct: Accounting,
-        abort: Callable[[], BaseException] | None = None,
-    ) -> None:
-        self.view = view
-        self.acct = acct
-        #: the exception that ends a body cut short without an error event
-        self.abort = abort
-        self.finished = False
+    done = False
 
-    def failed_tail(self) -> bytes:
-        fmt = self.view.match.endpoint.stream_format if self.view.stream else StreamFormat.NONE
-        self.acct.abort(client_left=False)
-        return stream_error_event(fmt, "upstream_error", "the worker failed mid-response")
+    def feed(self, chunk: bytes) -> None:
+        return None
 
-    def settle(self) -> None:
-        # Accounting releases the lease, exactly once. A client that closes right
-        # after the terminal event (the openai SDK stops at [DONE], before EOF)
-        # got the whole response: that is a completion, not a disconnect.
-        if self.finished or self.acct.accountant.done:
-            self.acct.end()
-        else:
-            self.acct.abort(client_left=True)
+    def end(self) -> None:
+        return None
+
+    def abort(self, *, client_left: bool = True) -> None:
+        return None
 
 
-class SyncRelayStream(*_SyncStream):  # type: ignore[misc]
-    def __init__(self, exchange: SyncExchange, relay: Relay) -> None:
+#: for a request meshkit does not route (``Relay(NO_BOOKS, None)``)
+NO_BOOKS = _NoBooks()
+
+
+class SyncRelayStream:
+    """A relayed body as an iterable of bytes (see the module docstring)."""
+
+    __slots__ = ("_cut", "_exchange", "_relay")
+
+    def __init__(self, exchange: SyncExchange, relay: Relay, cut: Cut = None) -> None:
         self._exchange = exchange
         self._relay = relay
+        self._cut = cut
 
     def __iter__(self) -> Iterator[bytes]:
         relay = self._relay
-        hold = not relay.view.stream
-        held = b""
         try:
             for chunk in self._exchange.chunks():
-                relay.acct.feed(chunk)
-                if hold:
-                    # A whole body is relayed one chunk behind, so the books close
-                    # (lease, Responses affinity) before the client holds all of it
-                    # and can send its next request (previous_response_id).
-                    if held:
-                        yield held
-                    held = chunk
-                    continue
-                yield chunk
+                out = relay.chunk(chunk)
+                if out:
+                    yield out
         except UpstreamFailure:
-            if held:
-                yield held
-            tail = relay.failed_tail()
-            if tail:
-                yield tail
-            elif relay.abort is not None:
-                raise relay.abort() from None
-            return
-        relay.finished = True
-        # The worker's body ended: close the books now, not when the server or the
-        # client gets round to close() (a whole body's last chunk is still held, so
-        # they close before the client holds all of it).
-        relay.acct.end()
-        if held:
-            yield held
+            out = relay.fail()
+        else:
+            out = relay.end()
+        if out:
+            yield out
+        if relay.cut and self._cut is not None:
+            raise self._cut()
 
     def close(self) -> None:
         self._exchange.close()
-        self._relay.settle()
+        self._relay.close()
 
 
-class AsyncRelayStream(*_AsyncStream):  # type: ignore[misc]
-    def __init__(self, exchange: AsyncExchange, relay: Relay) -> None:
+class AsyncRelayStream:
+    """:class:`SyncRelayStream` for an async exchange."""
+
+    __slots__ = ("_cut", "_exchange", "_relay")
+
+    def __init__(self, exchange: AsyncExchange, relay: Relay, cut: Cut = None) -> None:
         self._exchange = exchange
         self._relay = relay
+        self._cut = cut
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         relay = self._relay
-        hold = not relay.view.stream
-        held = b""
         try:
             async for chunk in self._exchange.chunks():
-                relay.acct.feed(chunk)
-                if hold:
-                    if held:
-                        yield held
-                    held = chunk
-                    continue
-                yield chunk
+                out = relay.chunk(chunk)
+                if out:
+                    yield out
         except UpstreamFailure:
-            if held:
-                yield held
-            tail = relay.failed_tail()
-            if tail:
-                yield tail
-            elif relay.abort is not None:
-                raise relay.abort() from None
-            return
-        relay.finished = True
-        # The worker's body ended: close the books now, not when the server or the
-        # client gets round to close() (a whole body's last chunk is still held, so
-        # they close before the client holds all of it).
-        relay.acct.end()
-        if held:
-            yield held
+            out = relay.fail()
+        else:
+            out = relay.end()
+        if out:
+            yield out
+        if relay.cut and self._cut is not None:
+            raise self._cut()
 
     async def aclose(self) -> None:
         await self._exchange.aclose()
-        self._relay.settle()
+        self._relay.close()

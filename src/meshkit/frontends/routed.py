@@ -8,9 +8,10 @@ the worker's response (or meshkit's own answer) and settle the books exactly
 once. The front end supplies a :class:`Downstream`, the only thing that differs
 between :class:`~meshkit.MeshMiddleware` (ASGI ``send`` messages) and the built-in
 server (bytes on its own transport), so both take the same steps in the same
-order: accounting closes before the loop takes the client's next request (with
-no await between the last write and the books), and an upstream failure after
-the first byte ends the stream with one error event in its own framing.
+order. The body goes through the core relay (:class:`~meshkit.core.relay.Relay`),
+as in every mode: the books close before the loop takes the client's next
+request, and an upstream failure after the first byte ends the stream with the
+one error event every mode sends.
 """
 
 from __future__ import annotations
@@ -19,23 +20,15 @@ import contextlib
 from typing import Protocol
 
 from meshkit.core.credentials import response_headers
-from meshkit.core.endpoints import Match, StreamFormat
-from meshkit.core.sse import stream_error_event
+from meshkit.core.endpoints import Match
+from meshkit.core.relay import Relay
 from meshkit.errors import ErrorShape, MeshError
-from meshkit.mesh import Accounting, Mesh
-from meshkit.upstream.base import AsyncUpstream
-from meshkit.upstream.drive import (
-    Answered,
-    AsyncExchange,
-    Final,
-    Relayed,
-    UpstreamFailure,
-    drive_async,
-)
+from meshkit.mesh import Mesh
+from meshkit.types import Headers
+from meshkit.upstream.base import AsyncExchange, AsyncUpstream, UpstreamFailure
+from meshkit.upstream.drive import Answered, Final, Relayed, drive_async
 
 __all__ = ["Downstream", "Headers", "Routed", "error_reply"]
-
-Headers = list[tuple[bytes, bytes]]
 
 
 class Downstream(Protocol):
@@ -61,12 +54,12 @@ class Routed:
     """The per-request responder: route, relay, settle."""
 
     __slots__ = (
-        "acct",
         "client_left",
         "down",
         "final",
         "match",
         "mesh",
+        "relay",
         "responded",
         "started",
         "upstream",
@@ -81,7 +74,7 @@ class Routed:
         self.client_left = False
         self.started = False  # a response head was sent
         self.responded = False  # the last body byte was handed to the front end
-        self.acct: Accounting | None = None
+        self.relay: Relay | None = None
         self.final: Final[AsyncExchange] | None = None
 
     async def fail(self, exc: MeshError) -> None:
@@ -103,59 +96,45 @@ class Routed:
             await down.whole(local.status, list(local.headers), local.body)
             return
         exchange = final.exchange
-        acct = self.acct = mesh.account(view, final.attempt.lease, exchange.status)
+        relay = self.relay = Relay(mesh.account(view, final.attempt.lease, exchange.status), view)
         self.started = True
         await down.start(exchange.status, response_headers(exchange.headers))
-        # An exchange may offer ``whole()``: the body, when it all arrived with its
-        # head (the common small answer). One write then, and no iteration.
-        whole = getattr(exchange, "whole", None)
-        data = whole() if whole is not None else None
+        data = exchange.whole()
         if data is not None:
-            acct.feed(data)
+            # The common small answer, all here with its head: one write, no
+            # iteration. ``end`` hands its bytes over before it could suspend, so
+            # the books close after the write yet before the loop can read the
+            # client's next request (writing first lets it arrive meanwhile).
             self.responded = True
-            await down.end(data)
-            # Closed after the write, yet before the loop can read the client's next
-            # request: ``end`` hands its bytes over before it could suspend (for a
-            # drain, which wakes this task before the client can have read them).
-            # Writing first lets that request arrive while this one finishes.
-            acct.end()
-            self.final = None  # the books are closed and the exchange ended: nothing to settle
+            await down.end(relay.whole(data))
+            relay.end()
+            self.final = None  # books closed, exchange ended: nothing to settle
             return
         try:
             async for chunk in exchange.chunks():
-                acct.feed(chunk)
-                await down.body(chunk)
+                out = relay.chunk(chunk)
+                if out:
+                    await down.body(out)
         except UpstreamFailure:
-            # After the first byte an upstream failure cannot become an HTTP error.
-            fmt = view.match.endpoint.stream_format if view.stream else StreamFormat.NONE
-            tail = stream_error_event(
-                fmt, "upstream_error", "the worker failed while streaming the response"
-            )
-            acct.abort(client_left=False)
+            # After the first byte an upstream failure cannot become an HTTP error:
+            # one error event, or (no event framing) a body the server cuts short.
             self.responded = True
             with contextlib.suppress(Exception):
-                await down.end(tail)
+                await down.end(relay.fail())
             return
         self.responded = True
-        # Close the books (lease, Responses affinity) before the client holds the
-        # whole response and can send its next request.
-        acct.end()
-        await down.end()
+        await down.end(relay.end())
 
     async def settle(self) -> None:
         """Release whatever is still held, exactly once (every path ends here)."""
         final = self.final
         if final is None:
             return
-        acct = self.acct
-        if acct is not None:
-            # Closing the books releases the lease (once): nothing else to release.
-            if self.responded:
-                acct.end()
-            else:
-                acct.abort(client_left=self.client_left)
+        relay = self.relay
+        if relay is not None:
+            relay.close()  # closing the books releases the lease (once)
         if isinstance(final, Relayed):
             await final.exchange.aclose()
-        if acct is None and final.attempt is not None:
+        if relay is None and final.attempt is not None:
             # Idempotent: a no-op when accounting released it already.
             final.attempt.lease.release(ok=self.responded)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -53,13 +53,25 @@ import httpx
 from meshkit.config import BoundsConfig
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import shape_for_path
-from meshkit.core.forward import Attempt
+from meshkit.core.relay import Relay
 from meshkit.core.requests import RequestView, head_error
 from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
-from meshkit.frontends.relay import AsyncRelayStream, Relay, SyncRelayStream
-from meshkit.mesh import Accounting, Mesh
-from meshkit.upstream.base import AsyncUpstream, SyncUpstream
-from meshkit.upstream.drive import Answered, UpstreamFailure, drive_async, drive_sync
+from meshkit.frontends.relay import NO_BOOKS, AsyncRelayStream, SyncRelayStream
+from meshkit.mesh import Mesh
+from meshkit.types import Headers
+from meshkit.upstream.drive import (
+    BODY,
+    CLOSE,
+    PREPARE,
+    READ,
+    SEND,
+    Answered,
+    Steps,
+    UpstreamFailure,
+    flow_steps,
+    run_async,
+    run_sync,
+)
 from meshkit.upstream.inner import library_of
 from meshkit.upstream.select import async_upstream, sync_upstream
 
@@ -70,16 +82,18 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["AsyncMeshTransport", "MeshTransport"]
 
-_SyncBase: tuple[type, ...] = (httpx.BaseTransport,) + ((httpx2.BaseTransport,) if httpx2 else ())
-_AsyncBase: tuple[type, ...] = (httpx.AsyncBaseTransport,) + (
-    (httpx2.AsyncBaseTransport,) if httpx2 else ()
-)
-_SyncStream: tuple[type, ...] = (httpx.SyncByteStream,) + (
-    (httpx2.SyncByteStream,) if httpx2 else ()
-)
-_AsyncStream: tuple[type, ...] = (httpx.AsyncByteStream,) + (
-    (httpx2.AsyncByteStream,) if httpx2 else ()
-)
+
+def _both(name: str) -> tuple[type, ...]:
+    """The class ``name`` of httpx and of httpx2 (each library checks its own)."""
+    return (getattr(httpx, name),) + ((getattr(httpx2, name),) if httpx2 else ())
+
+
+class _SyncStream(SyncRelayStream, *_both("SyncByteStream")):  # type: ignore[misc]
+    """A relayed body as both libraries' sync byte stream."""
+
+
+class _AsyncStream(AsyncRelayStream, *_both("AsyncByteStream")):  # type: ignore[misc]
+    """A relayed body as both libraries' async byte stream."""
 
 
 _LIBS: dict[type, ModuleType] = {}
@@ -100,7 +114,7 @@ def _split(request: Any) -> tuple[str, str]:
     return path, query
 
 
-def _head(request: Any, inference: bool, bounds: BoundsConfig) -> list[tuple[bytes, bytes]]:
+def _head(request: Any, inference: bool, bounds: BoundsConfig) -> Headers:
     """The request's headers as a server would hand them on, in one pass.
 
     Values lose the optional whitespace around them (RFC 9110 §5.5; h11 refuses
@@ -109,7 +123,7 @@ def _head(request: Any, inference: bool, bounds: BoundsConfig) -> list[tuple[byt
     ``Content-Length`` is over ``bounds.max_body_bytes`` is refused (413) before
     its body is read.
     """
-    out: list[tuple[bytes, bytes]] = []
+    out: Headers = []
     size = 0
     declared = b""
     for k, v in request.headers.raw:
@@ -124,12 +138,8 @@ def _head(request: Any, inference: bool, bounds: BoundsConfig) -> list[tuple[byt
         if error is not None:
             raise error
     if declared.isdigit() and int(declared) > bounds.max_body_bytes:
-        raise _too_large(bounds.max_body_bytes)
+        raise RequestTooLarge(f"request body is over {bounds.max_body_bytes} bytes")
     return out
-
-
-def _too_large(limit: int) -> RequestTooLarge:
-    return RequestTooLarge(f"request body is over {limit} bytes")
 
 
 def _held(lib: ModuleType, request: Any, limit: int) -> bytes | None:
@@ -141,83 +151,16 @@ def _held(lib: ModuleType, request: Any, limit: int) -> bytes | None:
     if not isinstance(body, bytes):
         return None
     if len(body) > limit:
-        raise _too_large(limit)
+        raise RequestTooLarge(f"request body is over {limit} bytes")
     return body
 
 
-def _read_sync(lib: ModuleType, request: Any, limit: int) -> bytes:
-    """The request body, refused as soon as it is over ``limit`` (never buffered whole)."""
-    body = _held(lib, request, limit)
-    if body is not None:
-        return body
-    chunks: list[bytes] = []
-    total = 0
-    for chunk in request.stream:
-        total += len(chunk)
-        if total > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _read_async(lib: ModuleType, request: Any, limit: int) -> bytes:
-    body = _held(lib, request, limit)
-    if body is not None:
-        return body
-    chunks: list[bytes] = []
-    total = 0
-    async for chunk in request.stream:
-        total += len(chunk)
-        if total > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-class _SyncBody(*_SyncStream):  # type: ignore[misc]
-    """A passed-through answer's body, as the client library's byte stream: read
-    from the exchange whatever its upstream, a cut raising the library's own error."""
-
-    def __init__(self, exchange: Any, lib: ModuleType) -> None:
-        self._exchange = exchange
-        self._lib = lib
-
-    def __iter__(self) -> Iterator[bytes]:
-        try:
-            yield from self._exchange.chunks()
-        except UpstreamFailure:
-            raise _cut_short(self._lib)() from None
-
-    def close(self) -> None:
-        self._exchange.close()
-
-
-class _AsyncBody(*_AsyncStream):  # type: ignore[misc]
-    """:class:`_SyncBody` for the async transport."""
-
-    def __init__(self, exchange: Any, lib: ModuleType) -> None:
-        self._exchange = exchange
-        self._lib = lib
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._exchange.chunks():
-                yield chunk
-        except UpstreamFailure:
-            raise _cut_short(self._lib)() from None
-
-    async def aclose(self) -> None:
-        await self._exchange.aclose()
-
-
-def _cut_short(lib: ModuleType) -> Any:
+def _cut_short(lib: ModuleType) -> Callable[[], BaseException]:
     """What a body the worker cut short raises in the client (as a direct connection)."""
     return lambda: lib.RemoteProtocolError("the worker closed the connection mid-response")
 
 
-def _bytes_response(
-    lib: ModuleType, status: int, headers: list[tuple[bytes, bytes]], body: bytes
-) -> Any:
+def _bytes_response(lib: ModuleType, status: int, headers: Headers, body: bytes) -> Any:
     """A response meshkit built, streamable like one from the network.
 
     ``Response(content=...)`` would mark the stream consumed at once, and a client
@@ -229,12 +172,28 @@ def _bytes_response(
     return lib.Response(status, headers=headers, stream=lib.ByteStream(body))
 
 
-def _error_response(lib: ModuleType, exc: MeshError, path: str, mesh: Mesh) -> Any:
-    mesh.reject(exc)
-    return _bytes_response(lib, exc.status, exc.headers(), exc.body(shape_for_path(path)))
+def _whole(view: RequestView, headers: Headers, limit: int) -> bool:
+    """Whether to read the worker's body before answering: a whole (not streamed)
+    body whose ``Content-Length`` is within what accounting parses anyway.
+
+    Read at once, it is accounted before the client gets the response (the books
+    close first), and the response carries it in memory: no relay stream for the
+    client library to drive (~10 µs of a client's ~400 µs per request).
+    """
+    if view.stream:
+        return False
+    for k, v in headers:
+        if len(k) == 14 and k.lower() == b"content-length":
+            return v.isdigit() and int(v) <= limit
+    return False
 
 
 class _Common:
+    """What both transports do: one request's steps, driven by each one's loop."""
+
+    #: the byte stream a relayed body is handed over as
+    _stream: type[SyncRelayStream] | type[AsyncRelayStream]
+
     def __init__(self, mesh: Mesh | None, inner: Any) -> None:
         self.mesh = mesh if mesh is not None else Mesh.from_env()
         self._inner = inner
@@ -258,42 +217,63 @@ class _Common:
                     self._upstreams[name] = up
         return up
 
-    def _pass_through(
-        self, request: Any, path: str, query: str, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> Attempt:
-        return self.mesh.pass_through(request.method, path, query, headers, body)
+    def _steps(self, request: Any, lib: ModuleType) -> Steps[Any]:
+        """One client request, start to response, as the operations of
+        :mod:`meshkit.upstream.drive`."""
+        mesh = self.mesh
+        bounds = mesh.config.bounds
+        path, query = _split(request)
+        try:
+            match = mesh.resolve(request.method, path)
+            headers = _head(request, match is not None, bounds)
+            body = _held(lib, request, bounds.max_body_bytes)
+            if body is None:
+                body = yield (BODY, (request.stream, bounds.max_body_bytes))
+            if match is None:  # not ours: to a healthy worker, as it is
+                attempt = mesh.pass_through(request.method, path, query, headers, body)
+                plain = yield (SEND, attempt)
+                return self._relayed(lib, plain, Relay(NO_BOOKS, None))
+            view = yield (PREPARE, (mesh, match, body, headers, query))
+            final = yield from flow_steps(mesh.forward(view, headers, request.method))
+        except MeshError as exc:
+            return self._refused(lib, exc, path)
+        except UpstreamFailure:
+            return self._refused(lib, UpstreamError("the worker could not be reached"), path)
+        if isinstance(final, Answered):
+            local = final.local
+            mesh.account_local(view, final.attempt, local)
+            return _bytes_response(lib, local.status, list(local.headers), local.body)
+        exchange = final.exchange
+        relay = Relay(mesh.account(view, final.attempt.lease, exchange.status), view)
+        if not _whole(view, exchange.headers, bounds.max_sse_line_bytes):
+            return self._relayed(lib, exchange, relay)
+        # Read whole: the books close before the client holds the response.
+        try:
+            data = exchange.whole()
+            if data is None:
+                data = yield (READ, (exchange, bounds.max_sse_line_bytes))
+        except UpstreamFailure:
+            relay.fail()
+            raise _cut_short(lib)() from None
+        finally:
+            yield (CLOSE, exchange)
+        data = relay.whole(data)
+        relay.end()
+        headers = response_headers(exchange.headers)
+        return lib.Response(exchange.status, headers=headers, stream=lib.ByteStream(data))
 
-    def _whole(self, view: RequestView, headers: list[tuple[bytes, bytes]]) -> bool:
-        """Whether to read the worker's body before answering: a whole (not
-        streamed) body whose ``Content-Length`` is within what accounting parses.
+    def _refused(self, lib: ModuleType, exc: MeshError, path: str) -> Any:
+        self.mesh.reject(exc)
+        return _bytes_response(lib, exc.status, exc.headers(), exc.body(shape_for_path(path)))
 
-        Read at once, it is accounted before the client gets the response (the
-        books close first, as when relayed one chunk behind), and the response
-        carries it in memory: no relay stream for the client library to drive
-        (~10 µs of a client's ~400 µs per request, ``benchmarks/RESULTS.md``).
-        """
-        if view.stream:
-            return False
-        for k, v in headers:
-            if len(k) == 14 and k.lower() == b"content-length":
-                return v.isdigit() and int(v) <= self.mesh.config.bounds.max_sse_line_bytes
-        return False
-
-    def _settled(self, lib: ModuleType, exchange: Any, acct: Accounting, body: bytes) -> Any:
-        """The response of a body read whole, once accounted."""
-        acct.feed(body)
-        acct.end()
+    def _relayed(self, lib: ModuleType, exchange: Any, relay: Relay) -> Any:
+        stream = self._stream(exchange, relay, _cut_short(lib))
         return lib.Response(
-            exchange.status, headers=response_headers(exchange.headers), stream=lib.ByteStream(body)
+            exchange.status, headers=response_headers(exchange.headers), stream=stream
         )
 
-    def _answer(self, lib: ModuleType, final: Answered, view: RequestView) -> Any:
-        self.mesh.account_local(view, final.attempt, final.local)
-        local = final.local
-        return _bytes_response(lib, local.status, list(local.headers), local.body)
 
-
-class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
+class MeshTransport(_Common, *_both("BaseTransport")):  # type: ignore[misc]
     """A sync transport for ``httpx.Client`` and ``httpx2.Client``.
 
     :param mesh: the :class:`~meshkit.Mesh` (``Mesh.from_env()`` when omitted).
@@ -301,121 +281,33 @@ class MeshTransport(_Common, *_SyncBase):  # type: ignore[misc]
         of its library; by default meshkit's own connections.
     """
 
+    _stream = _SyncStream
+
     def __init__(self, mesh: Mesh | None = None, *, inner: Any = None) -> None:
         _Common.__init__(self, mesh, inner)
 
-    def _sender(self, lib: ModuleType) -> Callable[[Attempt], Any]:
-        up: SyncUpstream = self._upstream(lib, sync_upstream)
-        return up.send
-
     def handle_request(self, request: Any) -> Any:
         lib = _lib_of(request)
-        send = self._sender(lib)
-        mesh = self.mesh
-        path, query = _split(request)
-        try:
-            match = mesh.resolve(request.method, path)
-            bounds = mesh.config.bounds
-            headers = _head(request, match is not None, bounds)
-            body = _read_sync(lib, request, bounds.max_body_bytes)
-            if match is None:
-                attempt = self._pass_through(request, path, query, headers, body)
-                plain = send(attempt)
-                return lib.Response(
-                    plain.status,
-                    headers=response_headers(plain.headers),
-                    stream=_SyncBody(plain, lib),
-                )
-            view = mesh.prepare(match, body, headers, query)
-            flow = mesh.forward(view, headers, request.method)
-            final = drive_sync(flow, send)
-        except MeshError as exc:
-            return _error_response(lib, exc, path, mesh)
-        except UpstreamFailure:
-            return _error_response(
-                lib, UpstreamError("the worker could not be reached"), path, mesh
-            )
-        if isinstance(final, Answered):
-            return self._answer(lib, final, view)
-        exchange, lease = final.exchange, final.attempt.lease
-        acct = mesh.account(view, lease, exchange.status)
-        if self._whole(view, exchange.headers):
-            try:
-                body = b"".join(exchange.chunks())
-            except UpstreamFailure:
-                acct.abort(client_left=False)
-                raise _cut_short(lib)() from None
-            finally:
-                exchange.close()
-            return self._settled(lib, exchange, acct, body)
-        relay = Relay(view, acct, _cut_short(lib))
-        return lib.Response(
-            exchange.status,
-            headers=response_headers(exchange.headers),
-            stream=SyncRelayStream(exchange, relay),
-        )
+        send = self._upstream(lib, sync_upstream).send
+        return run_sync(self._steps(request, lib), send, self.mesh.legs)
 
     def close(self) -> None:
         for up in self._upstreams.values():
             up.close()
 
 
-class AsyncMeshTransport(_Common, *_AsyncBase):  # type: ignore[misc]
+class AsyncMeshTransport(_Common, *_both("AsyncBaseTransport")):  # type: ignore[misc]
     """An async transport for ``httpx.AsyncClient`` and ``httpx2.AsyncClient``."""
+
+    _stream = _AsyncStream
 
     def __init__(self, mesh: Mesh | None = None, *, inner: Any = None) -> None:
         _Common.__init__(self, mesh, inner)
 
-    def _sender(self, lib: ModuleType) -> Callable[[Attempt], Awaitable[Any]]:
-        up: AsyncUpstream = self._upstream(lib, async_upstream)
-        return up.asend
-
     async def handle_async_request(self, request: Any) -> Any:
         lib = _lib_of(request)
-        send = self._sender(lib)
-        mesh = self.mesh
-        path, query = _split(request)
-        try:
-            match = mesh.resolve(request.method, path)
-            bounds = mesh.config.bounds
-            headers = _head(request, match is not None, bounds)
-            body = await _read_async(lib, request, bounds.max_body_bytes)
-            if match is None:
-                attempt = self._pass_through(request, path, query, headers, body)
-                plain = await send(attempt)
-                return lib.Response(
-                    plain.status,
-                    headers=response_headers(plain.headers),
-                    stream=_AsyncBody(plain, lib),
-                )
-            view = await mesh.prepare_async(match, body, headers, query)
-            flow = mesh.forward(view, headers, request.method)
-            final = await drive_async(flow, send)
-        except MeshError as exc:
-            return _error_response(lib, exc, path, mesh)
-        except UpstreamFailure:
-            return _error_response(
-                lib, UpstreamError("the worker could not be reached"), path, mesh
-            )
-        if isinstance(final, Answered):
-            return self._answer(lib, final, view)
-        exchange, lease = final.exchange, final.attempt.lease
-        acct = mesh.account(view, lease, exchange.status)
-        if self._whole(view, exchange.headers):
-            try:
-                body = b"".join([chunk async for chunk in exchange.chunks()])
-            except UpstreamFailure:
-                acct.abort(client_left=False)
-                raise _cut_short(lib)() from None
-            finally:
-                await exchange.aclose()
-            return self._settled(lib, exchange, acct, body)
-        relay = Relay(view, acct, _cut_short(lib))
-        return lib.Response(
-            exchange.status,
-            headers=response_headers(exchange.headers),
-            stream=AsyncRelayStream(exchange, relay),
-        )
+        send = self._upstream(lib, async_upstream).asend
+        return await run_async(self._steps(request, lib), send)
 
     async def aclose(self) -> None:
         for up in self._upstreams.values():

@@ -26,7 +26,6 @@ forwarded is always rebuilt from the endpoint registry.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
@@ -35,9 +34,11 @@ from werkzeug.wsgi import get_input_stream
 
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import shape_for_path
+from meshkit.core.relay import Relay
 from meshkit.core.requests import check_head
 from meshkit.errors import InvalidRequest, MeshError, RequestTooLarge, UpstreamError
-from meshkit.frontends.relay import Relay, SyncRelayStream
+from meshkit.frontends.relay import SyncRelayStream
+from meshkit.http1 import status_line
 from meshkit.mesh import Mesh
 from meshkit.upstream.drive import Answered, UpstreamFailure, drive_sync
 from meshkit.upstream.select import sync_upstream
@@ -49,10 +50,8 @@ __all__ = ["MeshWSGIMiddleware"]
 
 
 def _status_line(status: int) -> str:
-    try:
-        return f"{status} {HTTPStatus(status).phrase}"
-    except ValueError:
-        return f"{status} Unknown"
+    """``"200 OK"``: the status line's code and reason (cached there)."""
+    return status_line(status)[9:-2].decode("latin-1")
 
 
 def _str_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
@@ -155,7 +154,7 @@ class MeshWSGIMiddleware:
                 body = _read_body(environ, bounds.max_body_bytes)
             view = mesh.prepare(match, body, headers, environ.get("QUERY_STRING", ""))
             flow = mesh.forward(view, headers, method)
-            final = drive_sync(flow, self.upstream.send)
+            final = drive_sync(flow, self.upstream.send, mesh.legs)
         except MeshError as exc:
             return self._error(start_response, exc, path)
         except UpstreamFailure:
@@ -174,7 +173,7 @@ class MeshWSGIMiddleware:
         start_response(
             _status_line(exchange.status), _str_headers(response_headers(exchange.headers))
         )
-        return SyncRelayStream(exchange, Relay(view, acct))
+        return SyncRelayStream(exchange, Relay(acct, view))
 
     def close(self) -> None:
         self.upstream.close()

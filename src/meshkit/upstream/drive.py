@@ -2,36 +2,40 @@
 Driving a flow
 ==============
 
-The forward and fan-out flows (:mod:`meshkit.core.forward`) yield attempts and
-receive results. These two drivers, one async and one sync, are the only loops
-that run them; each front end supplies a ``send`` that performs one attempt (its
-upstream's ``send``/``asend``, :mod:`meshkit.upstream.base`) and returns an
-exchange (status, headers, body access).
+The core's flows (:mod:`meshkit.core.forward`) yield attempts and receive their
+results; what to do with each attempt (send it, read an error body, close the
+response, run a prefill leg beside it, wait out a hold) is written once, as the
+step generator :func:`flow_steps`. It yields I/O *operations* and receives their
+outcomes, httpx's ``auth_flow`` pattern one level up; :func:`run_sync` and
+:func:`run_async` are the only loops that perform them, one with blocking calls,
+one awaiting. A front end's own steps (the client transports') yield the same
+operations and embed a flow with ``yield from flow_steps(flow)``.
 
-A response stays open until the flow either moves on (the driver closes it) or
+An operation that raises is thrown into the steps at the ``yield``, so they
+handle failures where they asked; a cancellation (the client left) lands the same
+way, and the steps close what they opened and *abandon* the leases the flow held:
+released without a verdict, so a client's disconnect never counts against a
+worker's breaker.
+
+A response stays open until the flow either moves on (the steps close it) or
 returns its attempt (the caller relays it). When the attempt asked for its body
-(``read_body``), the driver reads it (bounded) and hands it to the flow; the
-caller then relays those captured bytes.
+(``read_body``), the steps read it (bounded) and hand it to the flow; the caller
+then relays those captured bytes.
 
-A :class:`~meshkit.core.forward.Hold` step (the only workers are waking) is
-waited out here, holding no lease: the async driver awaits a future the lifecycle
-resolves from its own thread (``loop.call_soon_threadsafe``), so a client that
-disconnects cancels the wait at once and is never forwarded; the sync driver
-waits on a condition. Either sends back whether the worker became ready.
-
-When the driver gives up on an attempt because of an error or a cancellation
-(the client left), its lease is *abandoned*: released without blaming the
-worker, so a client's disconnect never counts against a worker's breaker.
+A :class:`~meshkit.core.forward.Hold` (the only workers are waking) is waited out
+holding no lease: the async loop awaits a future the router resolves from the
+thread that changes the state, so a client that disconnects cancels the wait at
+once; the sync loop waits on a condition.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterable, Awaitable, Callable, Generator, Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from meshkit.core.credentials import response_headers
 from meshkit.core.forward import (
@@ -39,11 +43,11 @@ from meshkit.core.forward import (
     AttemptResult,
     ForwardFlow,
     Hold,
-    Lease,
     LocalResponse,
     Pair,
     PairResult,
 )
+from meshkit.errors import RequestTooLarge
 from meshkit.upstream.base import AsyncExchange, SyncExchange, UpstreamFailure
 
 __all__ = [
@@ -51,17 +55,36 @@ __all__ = [
     "AsyncExchange",
     "Final",
     "Relayed",
+    "Steps",
     "SyncExchange",
     "UpstreamFailure",
     "drive_async",
     "drive_sync",
+    "flow_steps",
+    "run_async",
+    "run_sync",
 ]
 
 #: error and listing bodies read into memory are bounded (a worker is not trusted)
 MAX_CAPTURED_BODY = 1024 * 1024
 
-
 X = TypeVar("X")
+T = TypeVar("T")
+
+# The operations (the first item of what steps yield; the second is the argument):
+SEND = 0  # an attempt -> its exchange (raises UpstreamFailure)
+READ = 1  # (exchange, limit) -> at most limit bytes of its body (raises UpstreamFailure)
+CLOSE = 2  # an exchange -> None
+WAIT = 3  # a Hold -> whether the worker became ready
+SLEEP = 4  # seconds -> None
+LEG = 5  # an attempt -> a handle on it running beside (sent, its body read whole)
+JOIN = 6  # a handle -> the leg's AttemptResult
+CANCEL = 7  # a handle -> None
+BODY = 8  # (a request body's chunks, limit) -> the body (413 past limit)
+PREPARE = 9  # (mesh, match, body, headers, query) -> the RequestView
+
+Op = tuple[int, Any]
+Steps = Generator[Op, Any, T]
 
 
 @dataclass(slots=True)
@@ -84,17 +107,13 @@ class Answered:
 Final = Relayed[X] | Answered
 
 
-def _result(
-    attempt: Attempt, status: int, headers: list[tuple[bytes, bytes]], body: bytes | None
-) -> tuple[AttemptResult, LocalResponse | None]:
+def _result(exchange: Any, body: bytes | None) -> tuple[AttemptResult, LocalResponse | None]:
+    status = exchange.status
     if body is None:
         return AttemptResult(status=status), None
-    captured = LocalResponse(
-        status,
-        tuple((k, v) for k, v in response_headers(headers) if k != b"content-length"),
-        body,
-    )
-    return AttemptResult(status=status, headers=captured.headers, body=body), captured
+    headers = tuple((k, v) for k, v in response_headers(exchange.headers) if k != b"content-length")
+    captured = LocalResponse(status, headers, body)
+    return AttemptResult(status=status, headers=headers, body=body), captured
 
 
 def _wants_body(attempt: Attempt, status: int) -> bool:
@@ -102,214 +121,217 @@ def _wants_body(attempt: Attempt, status: int) -> bool:
     return mode == "always" or (mode == "errors" and status >= 400)
 
 
-def _first(flow: ForwardFlow) -> Attempt | Hold | Pair | Answered:
-    """The flow's first step; a flow that answers locally returns before any attempt."""
+def _captured(exchange: Any) -> Steps[tuple[AttemptResult, LocalResponse | None]]:
+    """The body an attempt asked for (bounded; a body cut short is empty), captured."""
     try:
-        return next(flow)
-    except StopIteration as stop:
-        final = stop.value
-        if not isinstance(final, LocalResponse):  # pragma: no cover - flow contract
-            raise RuntimeError("a flow returned an attempt it never yielded") from None
-        return Answered(None, final)
+        body = yield (READ, (exchange, MAX_CAPTURED_BODY))
+    except UpstreamFailure:
+        body = b""
+    return _result(exchange, body)
 
 
-def _abandon(lease: Lease) -> None:
-    # Mesh leases can be released without a verdict on the worker; a plain Lease
-    # (tests, third-party placers) is released as a failed attempt, as before.
-    abandon = getattr(lease, "abandon", None)
-    if abandon is not None:
-        abandon()
-    else:
-        lease.release(ok=False)
-
-
-def _advance(
-    flow: ForwardFlow, result: AttemptResult, exchange: X | None, captured: LocalResponse | None
-) -> tuple[Attempt | Hold | Pair | Final[X], bool]:
-    """Send ``result`` into the flow: the next attempt or what to relay, and
-    whether the current exchange must be closed."""
+def leg_steps(attempt: Attempt) -> Steps[AttemptResult]:
+    """One leg sent and its whole (bounded) body read: what runs beside a decode leg."""
     try:
-        nxt = flow.send(result)
-    except StopIteration as stop:
-        final: Attempt | LocalResponse = stop.value
-        if isinstance(final, LocalResponse):
-            return Answered(None, final), True
-        if captured is not None:
-            return Answered(final, captured), True
-        if exchange is None:  # pragma: no cover - a flow returns only answered attempts
-            raise RuntimeError("the flow returned an attempt that got no response") from None
-        return Relayed(final, exchange), False
-    return nxt, True
+        exchange = yield (SEND, attempt)
+    except UpstreamFailure as exc:
+        return AttemptResult.failed(exc.failure)
+    try:
+        return (yield from _captured(exchange))[0]
+    finally:
+        yield (CLOSE, exchange)
 
 
-async def drive_async(
-    flow: ForwardFlow,
-    send: Callable[[Attempt], Awaitable[AsyncExchange]],
-) -> Final[AsyncExchange]:
-    """Run ``flow`` to its end with an async ``send``."""
+def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
+    """Run ``flow`` to its end (see the module docstring)."""
     attempt: Attempt | None = None
-    exchange: AsyncExchange | None = None
+    exchange: Any = None
     companion: Attempt | None = None
+    other: Any = None
     try:
-        step: Attempt | Hold | Pair | Final[AsyncExchange] = _first(flow)
-        while isinstance(step, Attempt | Hold | Pair):
+        try:
+            step = next(flow)
+        except StopIteration as stop:  # answered locally, before any attempt
+            return Answered(None, stop.value)
+        while True:
             if isinstance(step, Hold):
-                # No lease is held while waiting; a cancellation lands here.
-                ready = await step.waiter.wait_async(step.deadline_s)
-                step, _ = _advance(flow, AttemptResult.held(ready), None, None)
-                continue
-            companion = None
-            if isinstance(step, Pair):
-                # The prefill leg runs beside the decode leg (SGLang needs both
-                # sides connected for the KV handover); its body is read whole.
-                companion = step.prefill
-                other = asyncio.ensure_future(_leg_async(send, step.prefill))
-                step = step.decode
-            attempt, exchange = step, None
-            if attempt.delay_s > 0:
-                await asyncio.sleep(attempt.delay_s)
-            captured = None
-            try:
-                exchange = await send(attempt)
-            except UpstreamFailure as exc:
-                result = AttemptResult.failed(exc.failure)
+                ready = yield (WAIT, step)
+                result: AttemptResult = AttemptResult.held(ready)
+                exchange = captured = None
             else:
-                body = None
-                if _wants_body(attempt, exchange.status):
-                    body = await _read_async(exchange)
-                result, captured = _result(attempt, exchange.status, exchange.headers, body)
-            if companion is not None:
-                result = _paired(result, await other)
-            step, done_with = _advance(flow, result, exchange, captured)
-            companion = None
-            if done_with and exchange is not None:
-                await exchange.aclose()
-        return step
+                if isinstance(step, Pair):
+                    # The prefill leg runs beside the decode leg (SGLang needs both
+                    # sides connected for the KV handover); its body is read whole.
+                    companion = step.prefill
+                    other = yield (LEG, companion)
+                    step = step.decode
+                attempt, exchange, captured = step, None, None
+                if attempt.delay_s > 0:
+                    yield (SLEEP, attempt.delay_s)
+                try:
+                    exchange = yield (SEND, attempt)
+                except UpstreamFailure as exc:
+                    result = AttemptResult.failed(exc.failure)
+                else:
+                    if _wants_body(attempt, exchange.status):
+                        result, captured = yield from _captured(exchange)
+                    else:
+                        result = AttemptResult(status=exchange.status)
+                if companion is not None:
+                    prefill = yield (JOIN, other)
+                    companion = other = None
+                    result = PairResult(
+                        status=result.status,
+                        failure=result.failure,
+                        headers=result.headers,
+                        body=result.body,
+                        prefill=prefill,
+                    )
+            try:
+                step = flow.send(result)
+            except StopIteration as stop:
+                final: Attempt | LocalResponse = stop.value
+                if isinstance(final, LocalResponse):
+                    answer: Final[Any] = Answered(None, final)
+                elif captured is not None:
+                    answer = Answered(final, captured)
+                else:
+                    answer, exchange = Relayed(final, exchange), None  # the caller's now
+                if exchange is not None:
+                    yield (CLOSE, exchange)
+                return answer
+            if exchange is not None:
+                yield (CLOSE, exchange)
+                exchange = None
     except BaseException:
-        # The flow owns leases until it returns; an error or a cancellation in
-        # between must not leak the current attempt's.
+        # The flow owns its leases until it returns; an error or a cancellation
+        # in between must not leak the current attempt's.
+        if other is not None:
+            yield (CANCEL, other)
         if exchange is not None:
-            await exchange.aclose()
+            yield (CLOSE, exchange)
         if attempt is not None:
-            _abandon(attempt.lease)
+            attempt.lease.abandon()
         if companion is not None:
-            other.cancel()
-            _abandon(companion.lease)
+            companion.lease.abandon()
         raise
     finally:
         flow.close()
+
+
+# -- the two loops ----------------------------------------------------------------------
+
+
+def _body_sync(chunks: Iterable[bytes], limit: int) -> bytes:
+    parts: list[bytes] = []
+    total = 0
+    for chunk in chunks:
+        total += len(chunk)
+        if total > limit:
+            raise RequestTooLarge(f"request body is over {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def _body_async(chunks: AsyncIterable[bytes], limit: int) -> bytes:
+    parts: list[bytes] = []
+    total = 0
+    async for chunk in chunks:
+        total += len(chunk)
+        if total > limit:
+            raise RequestTooLarge(f"request body is over {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def run_sync(
+    steps: Steps[T],
+    send: Callable[[Attempt], SyncExchange],
+    legs: Callable[[], Executor] | None = None,
+) -> T:
+    """Perform ``steps``' operations with blocking calls; ``legs`` gives the threads
+    a prefill leg runs on."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op, arg = steps.send(result) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        result = error = None
+        try:
+            if op == SEND:
+                result = send(arg)
+            elif op == CLOSE:
+                arg.close()
+            elif op == READ:
+                result = arg[0].read(arg[1])
+            elif op == PREPARE:
+                result = arg[0].prepare(*arg[1:])
+            elif op == BODY:
+                result = _body_sync(*arg)
+            elif op == WAIT:
+                result = arg.waiter.wait_sync(arg.deadline_s)
+            elif op == SLEEP:
+                time.sleep(arg)
+            elif op == LEG:
+                if legs is None:  # pragma: no cover - front ends with PD pass legs
+                    raise RuntimeError("a prefill leg needs threads (legs=)")
+                result = legs().submit(run_sync, leg_steps(arg), send)
+            elif op == JOIN:
+                result = arg.result()
+            elif op == CANCEL:
+                arg.cancel()
+        except BaseException as exc:
+            error = exc
+
+
+async def run_async(steps: Steps[T], send: Callable[[Attempt], Awaitable[AsyncExchange]]) -> T:
+    """Perform ``steps``' operations, awaiting each."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op, arg = steps.send(result) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        result = error = None
+        try:
+            if op == SEND:
+                result = await send(arg)
+            elif op == CLOSE:
+                await arg.aclose()
+            elif op == READ:
+                result = await arg[0].read(arg[1])
+            elif op == PREPARE:
+                result = await arg[0].prepare_async(*arg[1:])
+            elif op == BODY:
+                result = await _body_async(*arg)
+            elif op == WAIT:
+                result = await arg.waiter.wait_async(arg.deadline_s)
+            elif op == SLEEP:
+                await asyncio.sleep(arg)
+            elif op == LEG:
+                result = asyncio.ensure_future(run_async(leg_steps(arg), send))
+            elif op == JOIN:
+                result = await arg
+            elif op == CANCEL:
+                arg.cancel()
+        except BaseException as exc:
+            error = exc
 
 
 def drive_sync(
     flow: ForwardFlow,
     send: Callable[[Attempt], SyncExchange],
-    sleep: Callable[[float], None] = time.sleep,
+    legs: Callable[[], Executor] | None = None,
 ) -> Final[SyncExchange]:
     """Run ``flow`` to its end with a blocking ``send``."""
-    attempt: Attempt | None = None
-    exchange: SyncExchange | None = None
-    companion: Attempt | None = None
-    try:
-        step: Attempt | Hold | Pair | Final[SyncExchange] = _first(flow)
-        while isinstance(step, Attempt | Hold | Pair):
-            if isinstance(step, Hold):
-                ready = step.waiter.wait_sync(step.deadline_s)
-                step, _ = _advance(flow, AttemptResult.held(ready), None, None)
-                continue
-            companion = None
-            if isinstance(step, Pair):
-                companion = step.prefill
-                pending = _legs().submit(_leg_sync, send, step.prefill)
-                step = step.decode
-            attempt, exchange = step, None
-            if attempt.delay_s > 0:
-                sleep(attempt.delay_s)
-            captured = None
-            try:
-                exchange = send(attempt)
-            except UpstreamFailure as exc:
-                result = AttemptResult.failed(exc.failure)
-            else:
-                body = None
-                if _wants_body(attempt, exchange.status):
-                    body = _read_sync(exchange)
-                result, captured = _result(attempt, exchange.status, exchange.headers, body)
-            if companion is not None:
-                result = _paired(result, pending.result())
-            step, done_with = _advance(flow, result, exchange, captured)
-            companion = None
-            if done_with and exchange is not None:
-                exchange.close()
-        return step
-    except BaseException:
-        if exchange is not None:
-            exchange.close()
-        if attempt is not None:
-            _abandon(attempt.lease)
-        if companion is not None:
-            _abandon(companion.lease)
-        raise
-    finally:
-        flow.close()
+    return run_sync(flow_steps(flow), send, legs)
 
 
-def _paired(decode: AttemptResult, prefill: AttemptResult) -> PairResult:
-    return PairResult(
-        status=decode.status,
-        failure=decode.failure,
-        headers=decode.headers,
-        body=decode.body,
-        prefill=prefill,
-    )
-
-
-async def _leg_async(
-    send: Callable[[Attempt], Awaitable[AsyncExchange]], attempt: Attempt
-) -> AttemptResult:
-    """Send one leg and read its whole (bounded) body."""
-    try:
-        exchange = await send(attempt)
-    except UpstreamFailure as exc:
-        return AttemptResult.failed(exc.failure)
-    try:
-        body = await _read_async(exchange)
-    finally:
-        await exchange.aclose()
-    return _result(attempt, exchange.status, exchange.headers, body)[0]
-
-
-def _leg_sync(send: Callable[[Attempt], SyncExchange], attempt: Attempt) -> AttemptResult:
-    try:
-        exchange = send(attempt)
-    except UpstreamFailure as exc:
-        return AttemptResult.failed(exc.failure)
-    try:
-        body = _read_sync(exchange)
-    finally:
-        exchange.close()
-    return _result(attempt, exchange.status, exchange.headers, body)[0]
-
-
-_LEGS: ThreadPoolExecutor | None = None
-
-
-def _legs() -> ThreadPoolExecutor:
-    """Threads for the prefill legs of sync callers (bounded; created on first use)."""
-    global _LEGS
-    if _LEGS is None:
-        _LEGS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="meshkit-pd-leg")
-    return _LEGS
-
-
-async def _read_async(exchange: AsyncExchange) -> bytes:
-    try:
-        return await exchange.read(MAX_CAPTURED_BODY)
-    except UpstreamFailure:
-        return b""
-
-
-def _read_sync(exchange: SyncExchange) -> bytes:
-    try:
-        return exchange.read(MAX_CAPTURED_BODY)
-    except UpstreamFailure:
-        return b""
+def drive_async(
+    flow: ForwardFlow, send: Callable[[Attempt], Awaitable[AsyncExchange]]
+) -> Awaitable[Final[AsyncExchange]]:
+    """Run ``flow`` to its end with an async ``send`` (await it)."""
+    return run_async(flow_steps(flow), send)
