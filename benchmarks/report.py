@@ -538,7 +538,7 @@ def write(data: dict[str, Any], out_dir: Path, notes: str = "") -> Path:
 
     L.append("## Headline ratios (meshkit standalone vs the others)")
     L.append("")
-    vs = [BASELINE, RUST_REF, "smg", "vllm-router"]
+    vs = ["meshkit-base", BASELINE, RUST_REF, "smg", "vllm-router"]
     present = {r["frontend"] for r in res}
     vs = [v for v in vs if v in present]
     pts = sorted({(series(r), r["size"], r["clients"]) for r in res}, key=_pkey)
@@ -696,6 +696,7 @@ def write(data: dict[str, Any], out_dir: Path, notes: str = "") -> Path:
 
 _FE_ORDER = [
     "meshkit",
+    "meshkit-base",
     "meshkit-fastapi",
     "fastapi",
     "sglang-router",

@@ -289,6 +289,15 @@ def versions(router_versions: dict[str, str]) -> dict[str, str]:
             check=False,
         ).stdout.strip()
         out["meshkit"] += f" (git {rev}{' + uncommitted changes in src/' if dirty else ''})"
+        base = os.environ.get("MESHBENCH_BASE")
+        if base:
+            base_rev = subprocess.run(
+                ["git", "-C", base, "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.strip()
+            out["meshkit-base"] = f"git {base_rev} ({base})"
     except OSError:
         pass
     out.update(router_versions)
@@ -338,6 +347,11 @@ def plan(ns: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit(f"unknown frontend {f!r}; known: {', '.join(FRONTENDS)}")
     if ns.no_rust or ns.smoke:
         fes = [f for f in fes if FRONTENDS[f].kind != "rust"]
+    fes = [f for f in fes if f != "meshkit-base"]
+    if ns.base:
+        # the other checkout's gateway, right after this one's (one A/B per round)
+        os.environ["MESHBENCH_BASE"] = str(Path(ns.base).resolve())
+        fes.insert(fes.index("meshkit") + 1 if "meshkit" in fes else 0, "meshkit-base")
     workloads = ns.workloads.split(",") if ns.workloads else ["proxy", "tokenize"]
     tok_sizes = (
         [parse_size(s) for s in ns.tokenize_sizes.split(",")] if ns.tokenize_sizes else sizes
@@ -584,6 +598,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frontend-cpus", default="0", help="taskset list for the frontend")
     ap.add_argument("--load-cpus", default="1", help="taskset list: backends + load generator")
     ap.add_argument("--no-rust", action="store_true", help="skip the Rust routers")
+    ap.add_argument(
+        "--base",
+        default=None,
+        help="another checkout (with its own .venv) whose gateway runs as meshkit-base",
+    )
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--profile-seconds", type=float, default=8.0)
     ap.add_argument("--report-only", default=None, help="re-render a results.json")

@@ -92,6 +92,16 @@ FRONTENDS: dict[str, Frontend] = {
             dist="vllm-router",
         ),
         Frontend("direct", "direct to the backends (the limit)", "direct", ("proxy", "tokenize")),
+        # --base DIR: the same gateway from another checkout (its own .venv), measured
+        # beside this one in the same rounds: a before/after A/B of a change.
+        Frontend(
+            "meshkit-base",
+            "meshkit standalone at the --base checkout",
+            "python",
+            ("proxy", "tokenize"),
+            module="meshkit_builtin",
+            meshkit=True,
+        ),
     )
 }
 
@@ -124,6 +134,11 @@ def command(
     env = {"MESHBENCH_WORKERS": ",".join(workers), "MESHBENCH_WORKLOAD": workload}
     if tokenizer:
         env["MESHBENCH_TOKENIZER"] = tokenizer
+    if fe.key == "meshkit-base":
+        base = Path(os.environ["MESHBENCH_BASE"])
+        script = str(base / "benchmarks" / "frontends" / "meshkit_builtin.py")
+        python = str(base / ".venv" / "bin" / "python")
+        return Launch([*_pin(cpus), python, script, "--port", str(port)], env)
     if fe.module == "meshkit_builtin":
         script = str(HERE / "meshkit_builtin.py")
         return Launch([*_pin(cpus), sys.executable, script, "--port", str(port)], env)

@@ -60,10 +60,6 @@ class Accounting:
         self._failed = False
 
     @property
-    def accountant(self) -> StreamAccountant:
-        return self._acct
-
-    @property
     def done(self) -> bool:
         """The books are closed, or the stream already carried its terminal event."""
         return self._done or self._acct.done

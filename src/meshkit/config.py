@@ -58,6 +58,33 @@ class PrepareConfig:
     # Prefix ids through tiktoken (the `fast` extra) where it is proven exact.
     fast_tokenizer: bool = True
 
+    def __post_init__(self) -> None:
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError("prepare.workers", "must be at least 1")
+        for name in ("queue_timeout_ms", "timeout_ms", "workers_per_tokenizer"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"prepare.{name}", "must be at least 1")
+        for name in (
+            "queue_capacity",
+            "shutdown_grace_ms",
+            "inline_threshold_bytes",
+            "max_tokenize_bytes",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"prepare.{name}", "must not be negative")
+
+    @property
+    def resolved_workers(self) -> int:
+        """``workers``, or the default (half the CPUs this process may run on, at
+        least one)."""
+        if self.workers is not None:
+            return self.workers
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # pragma: no cover - not Linux
+            cpus = os.cpu_count() or 1
+        return max(1, cpus // 2)
+
 
 @dataclass(frozen=True)
 class UpstreamConfig:

@@ -42,12 +42,12 @@ from meshkit.errors import MeshError
 from meshkit.lifecycle.controller import Lifecycle
 from meshkit.metrics import LifecycleCollector, RouterMetrics
 from meshkit.prepare.pipeline import Preparer
-from meshkit.prepare.pool import PoolConfig, PreparePool
+from meshkit.prepare.pool import PreparePool
 from meshkit.prepare.tokenizers import TokenizerRegistry
 from meshkit.router import Router
 from meshkit.types import Headers
 
-__all__ = ["Accounting", "Mesh"]
+__all__ = ["Mesh"]
 
 _MODELS = Api.MODELS
 #: threads that run the prefill legs of sync callers (SGLang's concurrent legs)
@@ -113,19 +113,7 @@ class Mesh:
         self.router = Router(config, clock=clock, metrics=self.metrics)
         self.metrics.series.load = self.router.loads
         pc = config.prepare
-        self.pool = PreparePool(
-            PoolConfig(
-                workers=pc.workers or max(1, (os.cpu_count() or 2) // 2),
-                queue_capacity=pc.queue_capacity,
-                queue_timeout_ms=pc.queue_timeout_ms,
-                timeout_ms=pc.timeout_ms,
-                shutdown_grace_ms=pc.shutdown_grace_ms,
-                inline_threshold_bytes=pc.inline_threshold_bytes,
-                max_tokenize_bytes=pc.max_tokenize_bytes,
-                workers_per_tokenizer=pc.workers_per_tokenizer,
-            ),
-            registry=self.metrics.registry,
-        )
+        self.pool = PreparePool(pc, registry=self.metrics.registry)
         self.tokenizers = TokenizerRegistry(
             workers_per_tokenizer=pc.workers_per_tokenizer, fast_tokenizer=pc.fast_tokenizer
         )

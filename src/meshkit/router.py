@@ -26,7 +26,7 @@ import contextlib
 import random
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from meshkit.core.endpoints import Api
 from meshkit.core.forward import WakePending
@@ -50,6 +50,7 @@ _SUCCESS, _FAILURE, _NEUTRAL = Verdict.SUCCESS, Verdict.FAILURE, Verdict.NEUTRAL
 _JOINED = LeaseKind.JOINED
 _PD_PROTOCOLS = ("sglang", "vllm")
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+T = TypeVar("T")
 
 
 def _listens(policy: Policy) -> bool:
@@ -392,60 +393,26 @@ class Router:
         with self._lock:
             self.states.set_manual(worker_id, healthy)
 
-    # -- the lifecycle's state changes (the controller and runner call these) ---------
+    # -- the lifecycle's state changes (the controller calls these) ---------------------
 
-    def _do(self, op: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """``op(*args, now, **kw)`` on the states under the lock, then wake waiters."""
+    def do(self, op: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """``op(states, *args, now, **kw)`` under the lock, then wake whoever waits on
+        the workers it changed: one check-and-change of the lifecycle (``op`` is a
+        method of :class:`~meshkit.core.states.WorkerStates`)."""
         with self._lock:
             try:
-                return op(*args, self.clock(), **kw)
+                return op(self.states, *args, self.clock(), **kw)
             finally:
                 if self.states.changed:
                     self._changed()
-
-    def begin_drain(self, worker_id: str) -> None:
-        self._do(self.states.begin_drain, worker_id)
-
-    def drained(self, worker_id: str) -> bool | None:
-        return self.states.drained(worker_id, self.clock())  # called under the lock
-
-    def finish_drain(self, worker_id: str, drained: bool) -> bool:
-        if drained:
-            self._do(self.states.finish_drain, worker_id)
-        return drained
 
     def ask_wake(self, worker_id: str) -> None:
         """An explicit wake (admin): starts one unless the worker is ready or waking.
 
         :raises LifecycleError: no sleep mode, or a state that cannot be woken."""
         with self._lock:
-            if self._do(self.states.wake_asked, worker_id):
+            if self.do(WorkerStates.wake_asked, worker_id):
                 self.on_wake(worker_id)
-
-    def wake_target(self, worker_id: str) -> Worker | None:
-        with self._lock:
-            return self.states.wake_target(worker_id)
-
-    def wake_done(self, worker_id: str, ok: bool) -> None:
-        self._do(self.states.wake_done, worker_id, ok)
-
-    def begin_sleep(self, worker_id: str, *, strict: bool) -> Worker | None:
-        """Check and start a sleep under one lock hold, so no request is placed in between."""
-        return self._do(self.states.begin_sleep, worker_id, strict=strict)  # type: ignore[no-any-return]
-
-    def sleep_done(self, worker_id: str, ok: bool) -> None:
-        self._do(self.states.sleep_done, worker_id, ok)
-
-    def idle_candidates(self) -> list[str]:
-        with self._lock:
-            return self.states.idle_candidates(self.clock())
-
-    def probe_targets(self) -> list[tuple[Worker, int]]:
-        with self._lock:
-            return self.states.probe_targets()
-
-    def probed(self, results: list[tuple[Worker, int, bool, bool | None]]) -> None:
-        self._do(self.states.probed, results)
 
     # -- reading ----------------------------------------------------------------------
 
@@ -519,24 +486,31 @@ class Router:
                         loop.call_soon_threadsafe(_resolve, fut)
         changed.clear()
 
+    def _verdict(
+        self, pred: Callable[[], bool | None], deadline: float, poll_s: float | None
+    ) -> tuple[bool | None, float]:
+        """(lock) ``pred()``'s verdict (False once ``deadline`` passed), else None and
+        how long to wait before looking again."""
+        r = pred()
+        if r is not None:
+            return r, 0.0
+        remaining = deadline - self.clock()
+        if remaining <= 0:
+            return False, 0.0
+        return None, remaining if poll_s is None else min(remaining, poll_s)
+
     def wait_sync(
         self, pred: Callable[[], bool | None], deadline: float, *, poll_s: float | None = None
     ) -> bool:
         """Block until ``pred()`` (under the lock) is not None, or ``deadline``."""
-        clock = self.clock
         with self._cond:
             while True:
-                r = pred()
-                if r is not None:
-                    return r
-                remaining = deadline - clock()
-                if remaining <= 0:
-                    return False
-                if poll_s is not None:
-                    remaining = min(remaining, poll_s)
+                verdict, wait = self._verdict(pred, deadline, poll_s)
+                if verdict is not None:
+                    return verdict
                 self._sync_waiting += 1
                 try:
-                    self._cond.wait(remaining)
+                    self._cond.wait(wait)
                 finally:
                     self._sync_waiting -= 1
 
@@ -550,23 +524,17 @@ class Router:
     ) -> bool:
         """:meth:`wait_sync` for a coroutine; cancelling it stops the wait at once."""
         loop = asyncio.get_running_loop()
-        clock = self.clock
         lock = self._lock
         while True:
             with lock:
-                r = pred()
-                if r is not None:
-                    return r
-                remaining = deadline - clock()
-                if remaining <= 0:
-                    return False
+                verdict, wait = self._verdict(pred, deadline, poll_s)
+                if verdict is not None:
+                    return verdict
                 fut: asyncio.Future[None] = loop.create_future()
                 waiter = (loop, fut)
                 self._async_waiters.setdefault(worker_id, []).append(waiter)
-            if poll_s is not None:
-                remaining = min(remaining, poll_s)
             try:
-                await asyncio.wait_for(fut, remaining)
+                await asyncio.wait_for(fut, wait)
             except TimeoutError:
                 pass
             finally:

@@ -110,7 +110,7 @@ class FakePlacer:
         self.placements.append((exclude, attempt))
         return place(self.fleet, self.policy, view, self.rng, exclude=exclude, attempt=attempt)
 
-    def lease(self, cand: Candidate, view: RequestView) -> FakeLease:
+    def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> FakeLease:
         if not self.fleet.admits(cand.worker):
             raise overloaded(self.fleet, 1, "full")
         self.fleet.acquire(cand, view.prompt_weight)
@@ -969,7 +969,7 @@ class _Racing(FakePlacer):
         super().__init__(workers, max_in_flight_per_worker=1, **kw)
         self.races = races
 
-    def lease(self, cand: Candidate, view: RequestView) -> FakeLease:
+    def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> FakeLease:
         if self.races:
             self.races -= 1
             self.fleet.acquire(cand)  # the other thread's request

@@ -63,7 +63,7 @@ class Placer:
             raise WakePending("http://w:1", 12.5, _Waiter(), 0.3)
         return self.cand
 
-    def lease(self, cand: Candidate, view: RequestView) -> _Lease:
+    def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> _Lease:
         lease = _Lease(cand)
         self.leases.append(lease)
         return lease

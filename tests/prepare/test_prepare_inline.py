@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from meshkit import Mesh
+from meshkit.errors import RequestTooLarge
 from meshkit.prepare.tokenizers import LoadedTokenizer
 
 pytest.importorskip("tiktoken")
@@ -103,5 +104,38 @@ def test_without_the_fast_path_prefix_tokens_stay_on_the_pool(qwen_path: Path) -
         body = _body("plain words " * 40)
         seen = _threads_that_tokenized(mesh, lambda: mesh.prepare(match, body, HEADERS))
         assert seen == {"fast@caller", "full@pool"}
+    finally:
+        mesh.close()
+
+
+def test_a_body_over_the_inline_threshold_is_parsed_on_the_pool() -> None:
+    """``prepare.inline_threshold_bytes``: at the bound on the calling thread, one
+    byte over on the pool (the pool counts the jobs it ran)."""
+    mesh = Mesh(
+        workers=["http://127.0.0.1:9"], prepare={"workers": 1, "inline_threshold_bytes": 100}
+    )
+    try:
+        match = mesh.resolve("POST", "/v1/completions")
+        assert match is not None
+        at = json.dumps({"model": "m", "prompt": "x"}).encode()
+        at = at[:-1] + b" " * (100 - len(at)) + b"}"
+        assert len(at) == 100
+        mesh.prepare(match, at, HEADERS)
+        assert sum(mesh.pool.outcomes.values()) == 0
+        mesh.prepare(match, at[:-1] + b" }", HEADERS)
+        assert sum(mesh.pool.outcomes.values()) == 1
+    finally:
+        mesh.close()
+
+
+def test_a_prompt_over_max_tokenize_bytes_is_413_before_tokenizing(qwen_path: Path) -> None:
+    mesh = _mesh(qwen_path, prepare={"max_tokenize_bytes": 1000, "workers": 1})
+    try:
+        match = mesh.resolve("POST", "/v1/completions")
+        assert match is not None
+        with pytest.raises(RequestTooLarge) as info:
+            mesh.prepare(match, _body("word " * 300), HEADERS)
+        assert info.value.status == 413
+        assert mesh.prepare(match, _body("word " * 150), HEADERS).token_ids
     finally:
         mesh.close()

@@ -170,17 +170,6 @@ def test_done_callbacks_fire_once(make_pool: MakePool, wait_until: WaitUntil) ->
     assert seen == [job, job]
 
 
-def test_inline_threshold_and_size_check(make_pool: MakePool) -> None:
-    pool = make_pool(workers=1, inline_threshold_bytes=100, max_tokenize_bytes=1000)
-    assert pool.should_inline(99)
-    assert not pool.should_inline(100)
-    pool.check_tokenize_size(1000)
-    with pytest.raises(RequestTooLarge) as info:
-        pool.check_tokenize_size(1001)
-    assert info.value.status == 413
-    assert pool.metrics.error_count("too_large") == 1
-
-
 # -- 503: queue full ----------------------------------------------------------------
 
 

@@ -75,6 +75,7 @@ __all__ = [
     "Failure",
     "ForwardFlow",
     "Hold",
+    "Leaser",
     "LocalResponse",
     "Pair",
     "PairResult",
@@ -182,15 +183,17 @@ class Hold:
     waiter: ReadinessWaiter
 
 
-class Placer(Protocol):
-    """The stateful side the flow drives (the :class:`~meshkit.router.Router`, under its lock)."""
-
-    def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate: ...
-
+class Leaser(Protocol):
     def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> Lease:
         """A lease on ``cand``; raises :class:`~meshkit.errors.Overloaded` when it is
         (by now) at its admission limit (``admission=False``: not checked)."""
         ...
+
+
+class Placer(Leaser, Protocol):
+    """The stateful side the flow drives (the :class:`~meshkit.router.Router`, under its lock)."""
+
+    def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate: ...
 
     def targets(self, view: RequestView) -> list[Candidate]:
         """One candidate per origin that may hold a resource (owner first, healthy first)."""
@@ -260,7 +263,7 @@ def _sends_rank(cand: Candidate, api: Api) -> bool:
 
 
 def build_attempt(
-    placer: Placer,
+    placer: Leaser,
     view: RequestView,
     cand: Candidate,
     client_headers: list[tuple[bytes, bytes]],
@@ -268,14 +271,17 @@ def build_attempt(
     number: int,
     body: bytes,
     rank: int | None = None,
+    *,
+    admission: bool = True,
 ) -> Attempt:
-    """An attempt on ``cand`` with its credentials, rank header and a fresh lease."""
+    """An attempt on ``cand`` with its credentials, rank header and a fresh lease
+    (``admission``: the lease checks the admission limits again)."""
     query = ("?" + view.query) if view.query else ""
     headers = request_headers(client_headers, api_key=cand.worker.api_key, api=view.api, rank=rank)
     return Attempt(
         number=number,
         candidate=cand,
-        lease=placer.lease(cand, view),
+        lease=placer.lease(cand, view, admission=admission),
         method=method,
         url=cand.worker.url + view.match.path + query,
         headers=headers,

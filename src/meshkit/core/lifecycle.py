@@ -7,7 +7,7 @@ h11 ``_state.py`` style: *everything that decides a state transition lives here*
 as data, and nothing here does I/O, keeps time or takes a lock. Callers pass
 ``now`` in; :mod:`meshkit.core.states` keeps one machine per worker, the
 :class:`~meshkit.router.Router` serialises calls under its lock and the lifecycle
-runner (:mod:`meshkit.lifecycle.runner`) turns probes, wakes and sleeps into
+controller (:mod:`meshkit.lifecycle.controller`) turns probes, wakes and sleeps into
 events.
 
 Worker states
@@ -749,9 +749,6 @@ class LeaseTable:
         """The candidate key a running ``key`` is on (a join should go there)."""
         entry = self._running.get(key)
         return None if entry is None else entry.candidate_key
-
-    def last_placed(self, worker_id: str) -> float | None:
-        return self.placed_at.get(worker_id)
 
     def touch(self, worker_id: str, now: float) -> None:
         """Restart ``worker_id``'s idle clock (added, or just woken)."""

@@ -38,7 +38,6 @@ from typing import Any, Protocol
 
 import msgspec
 
-from meshkit.core.credentials import request_headers
 from meshkit.core.endpoints import Api
 from meshkit.core.forward import (
     Attempt,
@@ -46,9 +45,11 @@ from meshkit.core.forward import (
     Failure,
     ForwardFlow,
     Lease,
+    Leaser,
     LocalResponse,
     Pair,
     PairResult,
+    build_attempt,
     pool_refusal,
 )
 from meshkit.core.payload import RankBase, append_fields, rank_base
@@ -92,14 +93,10 @@ class PairLease:
         self.decode.abandon()
 
 
-class PdPlacer(Protocol):
+class PdPlacer(Leaser, Protocol):
     """What the PD flow needs from the router (implemented under its lock)."""
 
     def place_pair(self, view: RequestView) -> tuple[Candidate, Candidate]: ...
-
-    def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> Lease:
-        """A leg's lease: ``admission=False`` (the pair was admitted when placed)."""
-        ...
 
     def pd_event(self, kind: str) -> None:
         """Count a PD event (``request``, ``bootstrap_failure``)."""
@@ -139,17 +136,11 @@ def _leg(
     rank = cand.rank
     if rank is not None:
         members += b',"data_parallel_rank":' + str(rank).encode()
-    query = ("?" + view.query) if view.query else ""
-    return Attempt(
-        number=number,
-        candidate=cand,
-        lease=placer.lease(cand, view, admission=False),
-        method=method,
-        url=cand.worker.url + view.match.path + query,
-        headers=request_headers(
-            client_headers, api_key=cand.worker.api_key, api=view.api, rank=rank
-        ),
-        body=append_fields(base, members),
+    body = append_fields(base, members)
+    # admission=False: the pair was admitted when placed (a refused second leg
+    # would strand the first).
+    return build_attempt(
+        placer, view, cand, client_headers, method, number, body, rank, admission=False
     )
 
 

@@ -32,16 +32,39 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import msgspec
+
 from meshkit.core.endpoints import StreamFormat
 from meshkit.core.requests import RequestView
-from meshkit.core.sse import stream_error_event
 
-__all__ = ["MID_STREAM_CODE", "MID_STREAM_MESSAGE", "Books", "Relay"]
+__all__ = ["MID_STREAM_CODE", "MID_STREAM_MESSAGE", "Books", "Relay", "stream_error_event"]
 
 #: what a stream cut by the worker ends with, in every mode
 MID_STREAM_CODE = "upstream_error"
 MID_STREAM_MESSAGE = "the worker failed while streaming the response"
 _NONE = StreamFormat.NONE
+
+
+def stream_error_event(fmt: StreamFormat, code: str, message: str) -> bytes:
+    """One SSE event that reports ``code`` in ``fmt``'s framing (b"" for non-streams):
+    the OpenAI SDK raises on a data payload with an ``error`` key, the Anthropic SDK
+    on ``event: error``, the Responses helpers on an ``error`` event."""
+    if fmt is StreamFormat.ANTHROPIC:
+        data = msgspec.json.encode(
+            {"type": "error", "error": {"type": "api_error", "message": message}}
+        )
+        return b"event: error\ndata: " + data + b"\n\n"
+    if fmt is StreamFormat.RESPONSES:
+        data = msgspec.json.encode(
+            {"type": "error", "code": code, "message": message, "param": None}
+        )
+        return b"event: error\ndata: " + data + b"\n\n"
+    if fmt in (StreamFormat.OPENAI, StreamFormat.GENERATE):
+        data = msgspec.json.encode(
+            {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+        )
+        return b"data: " + data + b"\n\n"
+    return b""
 
 
 class Books(Protocol):

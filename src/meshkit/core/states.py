@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote
 
 from meshkit.core.lifecycle import (
@@ -75,16 +75,13 @@ def _toggle(s: set[str], key: str, on: bool) -> None:
         s.discard(key)
 
 
-class WakeDecision:
+class WakeDecision(NamedTuple):
     """What :meth:`WorkerStates.unavailable` decided: hold the request for
     ``worker_id`` (``start``: a wake must be started for it now)."""
 
-    __slots__ = ("retry_after_s", "start", "worker_id")
-
-    def __init__(self, worker_id: str, start: bool, retry_after_s: float) -> None:
-        self.worker_id = worker_id
-        self.start = start
-        self.retry_after_s = retry_after_s
+    worker_id: str
+    start: bool
+    retry_after_s: float
 
 
 class WorkerStates:
@@ -243,15 +240,14 @@ class WorkerStates:
                     self._refresh(wid)
         key = view.idempotency_key
         prefer = None if key is None else self.leases.joinable(key)
-        fleet = self.fleet
         unverified = self.unverified
-        if unverified:
-            # Unverified workers are routable but not preferred: try the verified
-            # ones first (a failed pass calls no policy, so a round robin's
-            # rotation is not disturbed).
+        # Unverified workers are routable but not preferred: the verified ones are
+        # tried first (a failed pass calls no policy: a round robin's rotation holds).
+        admit = (lambda w: w.id not in unverified) if unverified else None
+        while True:
             try:
                 cand = place_candidate(
-                    fleet,
+                    self.fleet,
                     policy,
                     view,
                     rng,
@@ -260,22 +256,13 @@ class WorkerStates:
                     exclude=exclude,
                     owner=owner,
                     prefer=prefer,
-                    admit=lambda w: w.id not in unverified,
+                    admit=admit,
                 )
+                break
             except NoAvailableWorkers:
-                unverified = set()
-        if not unverified:
-            cand = place_candidate(
-                fleet,
-                policy,
-                view,
-                rng,
-                now=now,
-                attempt=attempt,
-                exclude=exclude,
-                owner=owner,
-                prefer=prefer,
-            )
+                if admit is None:
+                    raise
+                admit = None
         wid = cand.worker.id
         self.placed_at[wid] = now
         if self.half_open and wid in self.half_open:
@@ -409,7 +396,7 @@ class WorkerStates:
         self.begin_wake(worker_id, now)
         return True
 
-    def wake_target(self, worker_id: str) -> Worker | None:
+    def wake_target(self, worker_id: str, now: float) -> Worker | None:
         """The worker to send ``/wake_up`` to, if it is still waking."""
         m = self.machines.get(worker_id)
         if m is None or m.state is not State.WAKING:
@@ -483,7 +470,7 @@ class WorkerStates:
 
     # -- probes -----------------------------------------------------------------------
 
-    def probe_targets(self) -> list[tuple[Worker, int]]:
+    def probe_targets(self, now: float) -> list[tuple[Worker, int]]:
         """Tracked workers to probe, with their op epoch."""
         out = []
         for w in self.fleet.workers:

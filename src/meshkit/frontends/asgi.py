@@ -29,24 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from meshkit.core.endpoints import Match, shape_for_path
 from meshkit.core.requests import check_head
-from meshkit.errors import ErrorShape, MeshError, RequestTooLarge
-from meshkit.frontends.routed import Headers, Routed, error_reply
+from meshkit.errors import MeshError, RequestTooLarge
+from meshkit.frontends.routed import Routed, error_reply
 from meshkit.mesh import Mesh
+from meshkit.types import ASGIApp, Headers, Message, Receive, Scope, Send
 from meshkit.upstream.base import AsyncUpstream
 from meshkit.upstream.select import async_upstream
 
 __all__ = ["MeshMiddleware"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 log = logging.getLogger("meshkit.asgi")
 
@@ -86,7 +81,7 @@ class MeshMiddleware:
         try:
             match = self.mesh.resolve(scope["method"], path)
         except MeshError as exc:
-            await _send_error(send, exc, shape_for_path(path), self.mesh)
+            await _AsgiDown(send).whole(*error_reply(self.mesh, exc, shape_for_path(path)))
             return
         if match is None:
             await self.app(scope, receive, send)
@@ -103,10 +98,6 @@ class MeshMiddleware:
 
     async def aclose(self) -> None:
         await self.upstream.aclose()
-
-
-async def _send_error(send: Send, exc: MeshError, shape: ErrorShape, mesh: Mesh) -> None:
-    await _AsgiDown(send).whole(*error_reply(mesh, exc, shape))
 
 
 class _AsgiDown:
@@ -164,18 +155,7 @@ class _Exchange:
         watcher = asyncio.ensure_future(self.receive())
         watcher.add_done_callback(lambda w: self._on_receive(w, task))
         query = self.scope.get("query_string", b"").decode("latin-1")
-        try:
-            await routed.route(self.scope["method"], body, headers, query)
-        except asyncio.CancelledError:
-            if not routed.client_left or task is None:
-                raise
-            # We cancelled ourselves because the client left: finish quietly.
-            task.uncancel()
-        except MeshError as exc:
-            await routed.fail(exc)
-        finally:
-            watcher.cancel()
-            await routed.settle()
+        await routed.run(self.scope["method"], body, headers, query, watcher)
 
     def _on_receive(self, watcher: asyncio.Future[Message], task: asyncio.Task[Any] | None) -> None:
         if watcher.cancelled() or self.routed.responded:

@@ -16,8 +16,9 @@ one error event every mode sends.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from typing import Protocol
+from typing import Any, Protocol
 
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import Match
@@ -82,6 +83,34 @@ class Routed:
         if not self.started:
             self.started = self.responded = True
             await self.down.whole(*error_reply(self.mesh, exc, self.match.endpoint.shape))
+
+    async def run(
+        self,
+        method: str,
+        body: bytes,
+        headers: Headers,
+        query: str,
+        watcher: asyncio.Future[Any] | None = None,
+    ) -> None:
+        """Route, answer a refusal, settle; a cancellation the front end caused because
+        the client left (``client_left``) ends here quietly, any other goes on.
+
+        :param watcher: what the front end watches the client with; cancelled
+            before the books settle, so no late disconnect cancels the settling.
+        """
+        try:
+            await self.route(method, body, headers, query)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.client_left or task is None:
+                raise
+            task.uncancel()
+        except MeshError as exc:
+            await self.fail(exc)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            await self.settle()
 
     async def route(self, method: str, body: bytes, headers: Headers, query: str) -> None:
         mesh = self.mesh

@@ -40,7 +40,7 @@ from meshkit.errors import InvalidRequest, MeshError, RequestTooLarge, UpstreamE
 from meshkit.frontends.relay import SyncRelayStream
 from meshkit.http1 import status_line
 from meshkit.mesh import Mesh
-from meshkit.upstream.drive import Answered, UpstreamFailure, drive_sync
+from meshkit.upstream.drive import Answered, UpstreamFailure, drive_sync, read_body
 from meshkit.upstream.select import sync_upstream
 
 if TYPE_CHECKING:
@@ -89,26 +89,25 @@ _READ_SIZE = 64 * 1024
 
 def _read_body(environ: WSGIEnvironment, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is over ``limit`` bytes."""
-    too_large = RequestTooLarge(f"request body is over {limit} bytes")
     try:
         # limit + 1: werkzeug refuses a read *after* a streamed body reached its
         # maximum, which would refuse a body of exactly ``limit`` bytes.
         stream = get_input_stream(environ, max_content_length=limit + 1)
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            chunk = stream.read(_READ_SIZE)
-            if not chunk:
-                break
-            total += len(chunk)
-            if total > limit:
-                raise too_large
-            chunks.append(chunk)
+        return read_body(iter(lambda: stream.read(_READ_SIZE), b""), limit)
     except RequestEntityTooLarge:
-        raise too_large from None
+        raise RequestTooLarge(f"request body is over {limit} bytes") from None
     except ClientDisconnected:
         raise InvalidRequest("the request body ended before its Content-Length") from None
-    return b"".join(chunks)
+
+
+def _whole(
+    start_response: StartResponse, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes
+) -> Iterable[bytes]:
+    """A response meshkit built, of known length."""
+    out = _str_headers(headers)
+    out.append(("Content-Length", str(len(body))))
+    start_response(_status_line(status), out)
+    return [body]
 
 
 class MeshWSGIMiddleware:
@@ -129,11 +128,7 @@ class MeshWSGIMiddleware:
 
     def _error(self, start_response: StartResponse, exc: MeshError, path: str) -> Iterable[bytes]:
         self.mesh.reject(exc)
-        body = exc.body(shape_for_path(path))
-        headers = _str_headers(exc.headers())
-        headers.append(("Content-Length", str(len(body))))
-        start_response(_status_line(exc.status), headers)
-        return [body]
+        return _whole(start_response, exc.status, exc.headers(), exc.body(shape_for_path(path)))
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         mesh = self.mesh
@@ -163,10 +158,7 @@ class MeshWSGIMiddleware:
         if isinstance(final, Answered):
             local = final.local
             mesh.account_local(view, final.attempt, local)
-            out = _str_headers(local.headers)
-            out.append(("Content-Length", str(len(local.body))))
-            start_response(_status_line(local.status), out)
-            return [local.body]
+            return _whole(start_response, local.status, local.headers, local.body)
         exchange = final.exchange
         lease = final.attempt.lease
         acct = mesh.account(view, lease, exchange.status)

@@ -6,9 +6,8 @@ What takes time in a worker's lifecycle (``docs/lifecycle.md``); the state itsel
 is the :class:`~meshkit.router.Router`'s (:mod:`meshkit.core.states`):
 
 * :mod:`~meshkit.lifecycle.controller` — :class:`Lifecycle`, one per
-  :class:`~meshkit.Mesh` (``mesh.lifecycle``): drains, wakes, sleeps;
-* :mod:`~meshkit.lifecycle.runner` — the background thread that probes, wakes
-  and sleeps workers;
+  :class:`~meshkit.Mesh` (``mesh.lifecycle``): drains, and the background thread
+  that probes, wakes and sleeps workers;
 * :mod:`~meshkit.lifecycle.admin` — :class:`AdminApp`, the admin API as a pure
   ASGI app to mount.
 """

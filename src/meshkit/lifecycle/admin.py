@@ -52,7 +52,7 @@ from meshkit.types import Receive, Scope, Send
 if TYPE_CHECKING:
     from meshkit.mesh import Mesh
 
-__all__ = ["AdminApp"]
+__all__ = ["AdminApp", "lifespan"]
 
 
 _MAX_BODY = 64 * 1024
@@ -90,7 +90,7 @@ class AdminApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -269,7 +269,9 @@ async def _send(send: Send, status: int, body: Any, headers: list[tuple[bytes, b
     await send({"type": "http.response.body", "body": data})
 
 
-async def _lifespan(receive: Receive, send: Send) -> None:
+async def lifespan(receive: Receive, send: Send) -> None:
+    """An app's side of the ASGI lifespan protocol, for apps with nothing to set up
+    (a ``MeshMiddleware`` around one closes its upstream when shutdown passes)."""
     while True:
         msg = await receive()
         if msg["type"] == "lifespan.startup":

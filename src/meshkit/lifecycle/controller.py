@@ -3,26 +3,85 @@ The lifecycle controller
 ========================
 
 One :class:`Lifecycle` per :class:`~meshkit.Mesh`: what takes time in a worker's
-lifecycle (``docs/lifecycle.md``). Drains wait for leases to end; wakes and sleeps
-are calls to the worker, made by the background
-:class:`~meshkit.lifecycle.runner.Runner`; probes run on its interval. The state
-itself (machines, breakers, leases, the sets placement reads) belongs to the
-:class:`~meshkit.router.Router`: the controller holds none and changes it only
-through the router's methods, so every check-and-change is one hold of the
-router's lock.
+lifecycle (``docs/lifecycle.md``). The state itself (machines, breakers, leases,
+the sets placement reads) belongs to the :class:`~meshkit.router.Router`; the
+controller holds none and changes it only through the router's methods, so every
+check-and-change is one hold of the router's lock.
+
+Drains wait for leases to end, on the caller's thread (or coroutine). Everything
+else is a call to a worker, made by one daemon thread running its own asyncio loop
+and upstream (:func:`~meshkit.upstream.select.async_upstream`):
+
+* health probes: ``GET lifecycle.health_path`` on every tracked worker each
+  ``health_interval_s`` (and at once when a worker is added), plus
+  ``GET /is_sleeping`` for ``mesh.sleep_mode=vllm`` workers. A failed worker is
+  probed like any other, so a restart at the same address rejoins (smg PR #2468).
+  The results of a round are applied together;
+* wakes: one ``POST /wake_up`` per wake the router starts;
+* sleeps: ``POST /sleep?level=N&mode=wait``, after ``idle_sleep_s`` with no lease
+  or when asked (admin).
+
+Being its own thread, it serves every embedding the same way: an ASGI app, a WSGI
+app, the sync and async client transports. It starts lazily (first request, or
+``Mesh.start_lifecycle()``) and stops with ``Mesh.close()``.
+
+Sleeps and wakes of one worker never overlap (one lock per worker): a wake asked
+for while a sleep is in flight is sent when the sleep returns. Probes use fresh
+connections (nothing is pooled) so a worker restarted on the same port is seen at
+once rather than through a dead pooled connection.
+
+Security: the controller sends the worker's own API key (``Authorization:
+Bearer``) and nothing from any client; vLLM's sleep endpoints exist only in its dev
+mode and must not be reachable by clients, which meshkit never forwards them to.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
-from typing import TYPE_CHECKING
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+from meshkit.config import UpstreamConfig
+from meshkit.core.states import WorkerStates
+from meshkit.core.workers import Worker
+from meshkit.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from meshkit.config import LifecycleConfig
-    from meshkit.lifecycle.runner import Runner
     from meshkit.router import Router
+    from meshkit.upstream.base import AsyncUpstream
 
 __all__ = ["Lifecycle"]
+
+log = logging.getLogger("meshkit.lifecycle")
+
+T = TypeVar("T")
+_MAX_BODY = 64 * 1024
+
+
+class _Call(NamedTuple):
+    """A request of the runner's own (an upstream ``Request``)."""
+
+    method: str
+    url: str
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+
+
+def _copy_outcome(task: asyncio.Future[T], cfut: concurrent.futures.Future[T]) -> None:
+    if cfut.done():
+        return
+    if task.cancelled():
+        cfut.cancel()
+    elif task.exception() is not None:
+        cfut.set_exception(task.exception())
+    else:
+        cfut.set_result(task.result())
 
 
 class Lifecycle:
@@ -31,66 +90,30 @@ class Lifecycle:
     def __init__(self, router: Router, config: LifecycleConfig) -> None:
         self.router = router
         self.config = config
-        self._runner: Runner | None = None
-        self._closed = False
-        #: the runner was started (or found unnecessary); read per request
-        self.started = False
         router.on_wake = self._wake
+        #: start() was called (the thread runs, or was not needed); read per request
+        self.started = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._up = threading.Event()
+        self._stopping = False
+        self._stop: asyncio.Event | None = None
+        self._kick: asyncio.Event | None = None
+        self._upstream: AsyncUpstream | None = None
+        self._op_locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
 
-    # -- wakes and sleeps ---------------------------------------------------------------
+    # -- thread control (any thread) ---------------------------------------------------
 
-    def _wake(self, worker_id: str) -> None:
-        """(router lock) The router moved ``worker_id`` to waking: send the one ``/wake_up``."""
-        fut = self.runner().submit_wake(worker_id)
-        fut.add_done_callback(lambda f: self._wake_not_run(worker_id, f))
-
-    def _wake_not_run(self, worker_id: str, fut: concurrent.futures.Future[bool]) -> None:
-        # The runner stopped before performing the wake: do not leave it "waking".
-        if fut.cancelled() or fut.exception() is not None:
-            self.router.wake_done(worker_id, False)
-
-    def sleep(self, worker_id: str, level: int) -> concurrent.futures.Future[bool]:
-        """Put ``worker_id`` to sleep now (``POST /sleep``), unless it holds a lease."""
-        return self.runner().submit_sleep(worker_id, level)
-
-    # -- drain --------------------------------------------------------------------------
-
-    def _drain_deadline(self, worker_id: str, timeout_s: float | None) -> float:
-        self.router.begin_drain(worker_id)
-        wait = self.config.drain_timeout_s if timeout_s is None else timeout_s
-        return self.router.clock() + max(0.0, wait)
-
-    def drain(self, worker_id: str, timeout_s: float | None = None) -> bool:
-        """Stop placements, wait for the worker's leases to end (bounded)."""
-        router = self.router
-        deadline = self._drain_deadline(worker_id, timeout_s)
-        # A placement counts as activity for a grace period before its lease
-        # exists, and that expiry wakes nobody: re-check at that pace.
-        grace = router.states.leases.grace_s
-        ok = router.wait_sync(lambda: router.drained(worker_id), deadline, poll_s=grace)
-        return router.finish_drain(worker_id, ok)
-
-    async def adrain(self, worker_id: str, timeout_s: float | None = None) -> bool:
-        router = self.router
-        deadline = self._drain_deadline(worker_id, timeout_s)
-        grace = router.states.leases.grace_s
-        ok = await router.wait_async(
-            worker_id, lambda: router.drained(worker_id), deadline, poll_s=grace
-        )
-        return router.finish_drain(worker_id, ok)
-
-    # -- the runner ---------------------------------------------------------------------
-
-    def runner(self) -> Runner:
-        if self._runner is None:
-            from meshkit.lifecycle.runner import Runner  # its upstream: imported when needed
-
-            self._runner = Runner(self)
-        return self._runner
+    @property
+    def running(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive() and not self._stopping
 
     def start(self) -> None:
-        """Start the background runner if there is anything for it to do."""
-        if self.started or self._closed:
+        """Start the background thread if there is anything for it to do."""
+        if self.started:
             return
         self.started = True
         cfg = self.config
@@ -99,14 +122,269 @@ class Lifecycle:
             or cfg.idle_sleep_s is not None
             or any(w.sleep_mode for w in self.router.workers)
         ):
-            self.runner().start()
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._stopping:
+                return
+            self._thread = threading.Thread(target=self._run, name="meshkit-lifecycle", daemon=True)
+            self._thread.start()
+        self._up.wait(10.0)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (its calls in flight are cancelled)."""
+        with self._lock:
+            self._stopping = True
+            thread, loop, stop = self._thread, self._loop, self._stop
+        if thread is None:
+            return
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                loop.call_soon_threadsafe(stop.set)
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     def kick(self) -> None:
         """Probe now (a worker was added)."""
-        if self._runner is not None:
-            self._runner.kick()
+        loop, kick = self._loop, self._kick
+        if loop is not None and kick is not None and not self._stopping:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(kick.set)
 
-    def close(self) -> None:
-        self._closed = True
-        if self._runner is not None:
-            self._runner.stop()
+    def submit(self, factory: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Run ``factory()`` on the runner's loop; the coroutine is created there,
+        so one that never runs (the thread stopped) is never left unawaited."""
+        self._start_thread()
+        cfut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        loop = self._loop
+
+        def launch() -> None:
+            if self._stop is None or self._stop.is_set():
+                cfut.cancel()
+                return
+            task = self._spawn(factory())
+            task.add_done_callback(lambda t: _copy_outcome(t, cfut))
+
+        if loop is None or self._stopping:
+            cfut.cancel()
+            return cfut
+        try:
+            loop.call_soon_threadsafe(launch)
+        except RuntimeError:
+            cfut.cancel()
+        return cfut
+
+    def _wake(self, worker_id: str) -> None:
+        """(router lock) The router moved ``worker_id`` to waking: send the one ``/wake_up``."""
+        fut = self.submit(lambda: self._call_wake(worker_id))
+        fut.add_done_callback(lambda f: self._wake_not_run(worker_id, f))
+
+    def _wake_not_run(self, worker_id: str, fut: concurrent.futures.Future[bool]) -> None:
+        # The thread stopped before performing the wake: do not leave it "waking".
+        if fut.cancelled() or fut.exception() is not None:
+            self.router.do(WorkerStates.wake_done, worker_id, False)
+
+    def sleep(self, worker_id: str, level: int) -> concurrent.futures.Future[bool]:
+        """Put ``worker_id`` to sleep now (``POST /sleep``), unless it holds a lease."""
+        return self.submit(lambda: self._sleep(worker_id, level, strict=True))
+
+    # -- drain (on the caller's thread) ---------------------------------------------------
+
+    def _drain_deadline(self, worker_id: str, timeout_s: float | None) -> float:
+        self.router.do(WorkerStates.begin_drain, worker_id)
+        wait = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        return self.router.clock() + max(0.0, wait)
+
+    def _drained(self, worker_id: str) -> bool | None:
+        return self.router.do(WorkerStates.drained, worker_id)
+
+    def _finish_drain(self, worker_id: str, drained: bool) -> bool:
+        if drained:
+            self.router.do(WorkerStates.finish_drain, worker_id)
+        return drained
+
+    def drain(self, worker_id: str, timeout_s: float | None = None) -> bool:
+        """Stop placements, wait for the worker's leases to end (bounded)."""
+        deadline = self._drain_deadline(worker_id, timeout_s)
+        # A placement counts as activity for a grace period before its lease
+        # exists, and that expiry wakes nobody: re-check at that pace.
+        grace = self.router.states.leases.grace_s
+        ok = self.router.wait_sync(lambda: self._drained(worker_id), deadline, poll_s=grace)
+        return self._finish_drain(worker_id, ok)
+
+    async def adrain(self, worker_id: str, timeout_s: float | None = None) -> bool:
+        deadline = self._drain_deadline(worker_id, timeout_s)
+        grace = self.router.states.leases.grace_s
+        ok = await self.router.wait_async(
+            worker_id, lambda: self._drained(worker_id), deadline, poll_s=grace
+        )
+        return self._finish_drain(worker_id, ok)
+
+    # -- the loop thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except Exception:  # pragma: no cover - _main handles its own errors
+            log.exception("the lifecycle thread stopped on an error")
+        finally:
+            self._up.set()
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()
+
+    def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
+        task: asyncio.Task[T] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        self._kick = asyncio.Event()
+        if self._stopping:  # stopped before it started
+            self._up.set()
+            return
+        # Nothing pooled (idle_timeout_s=0): every call on a fresh connection, bounded
+        # by its own timeout rather than these.
+        most = max(self.config.health_timeout_s, self.config.wake_timeout_s)
+        up = UpstreamConfig(most, most, pool_limit=64, idle_timeout_s=0)  # connect, read
+        from meshkit.upstream.select import async_upstream  # with the thread, not at import
+
+        self._upstream = async_upstream(up)
+        try:
+            if self.config.probe:
+                self._spawn(self._probe_loop())
+            if self.config.idle_sleep_s is not None:
+                self._spawn(self._idle_loop())
+            self._up.set()
+            await self._stop.wait()
+        finally:
+            tasks = list(self._tasks)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._upstream.aclose()
+
+    def _op_lock(self, worker_id: str) -> asyncio.Lock:
+        lock = self._op_locks.get(worker_id)
+        if lock is None:
+            lock = self._op_locks[worker_id] = asyncio.Lock()
+        return lock
+
+    async def _call(
+        self, method: str, worker: Worker, path: str, timeout_s: float
+    ) -> tuple[int, bytes] | None:
+        """One call to a worker; None when it could not be reached in time."""
+        from meshkit.upstream.base import UpstreamFailure  # loaded with the thread
+
+        upstream = self._upstream
+        if upstream is None:  # pragma: no cover - only called from tasks of _main
+            return None
+        key = worker.api_key
+        headers = [(b"authorization", b"Bearer " + key.encode("latin-1"))] if key else []
+        try:
+            async with asyncio.timeout(timeout_s):
+                exchange = await upstream.asend(_Call(method, worker.url + path, headers))
+                try:
+                    # A worker is not trusted to be small.
+                    return exchange.status, await exchange.read(_MAX_BODY)
+                finally:
+                    await exchange.aclose()
+        except (InvalidRequest, TimeoutError, ValueError, UpstreamFailure):
+            return None
+
+    # -- probes ---------------------------------------------------------------------------
+
+    async def _probe_loop(self) -> None:
+        assert self._kick is not None
+        interval = max(0.01, self.config.health_interval_s)
+        while True:
+            try:
+                await self._probe_round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # pragma: no cover - a bug must not stop the probes
+                log.exception("lifecycle probe round failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), interval)
+            self._kick.clear()
+
+    async def _probe_round(self) -> None:
+        targets = self.router.do(WorkerStates.probe_targets)
+        if not targets:
+            return
+        results = await asyncio.gather(*(self._probe(w) for w, _ in targets))
+        self.router.do(
+            WorkerStates.probed,
+            [
+                (w, epoch, ok, sleeping)
+                for (w, epoch), (ok, sleeping) in zip(targets, results, strict=True)
+            ],
+        )
+
+    async def _probe(self, worker: Worker) -> tuple[bool, bool | None]:
+        cfg = self.config
+        path = cfg.health_path if cfg.health_path.startswith("/") else "/" + cfg.health_path
+        res = await self._call("GET", worker, path, cfg.health_timeout_s)
+        ok = res is not None and 200 <= res[0] < 300
+        sleeping = None
+        if ok and worker.sleep_mode == "vllm":
+            rep = await self._call("GET", worker, "/is_sleeping", cfg.health_timeout_s)
+            if rep is not None and rep[0] == 200:
+                try:
+                    obj = json.loads(rep[1])
+                except ValueError:
+                    obj = None
+                if isinstance(obj, dict) and isinstance(obj.get("is_sleeping"), bool):
+                    sleeping = obj["is_sleeping"]
+        return ok, sleeping
+
+    # -- wake and sleep -------------------------------------------------------------------
+
+    async def _call_wake(self, worker_id: str) -> bool:
+        ok = False
+        try:
+            async with self._op_lock(worker_id):
+                worker = self.router.do(WorkerStates.wake_target, worker_id)
+                if worker is None:
+                    return False
+                res = await self._call("POST", worker, "/wake_up", self.config.wake_timeout_s)
+                ok = res is not None and 200 <= res[0] < 300
+                if not ok:
+                    log.warning("waking %s failed", worker.url)
+                return ok
+        finally:
+            self.router.do(WorkerStates.wake_done, worker_id, ok)
+
+    async def _sleep(self, worker_id: str, level: int, *, strict: bool) -> bool:
+        async with self._op_lock(worker_id):
+            worker = self.router.do(WorkerStates.begin_sleep, worker_id, strict=strict)
+            if worker is None:
+                return False
+            ok = False
+            try:
+                path = f"/sleep?level={int(level)}&mode=wait"
+                res = await self._call("POST", worker, path, self.config.wake_timeout_s)
+                ok = res is not None and 200 <= res[0] < 300
+                if not ok:
+                    log.warning("putting %s to sleep failed", worker.url)
+                return ok
+            finally:
+                self.router.do(WorkerStates.sleep_done, worker_id, ok)
+
+    async def _idle_loop(self) -> None:
+        idle_s = self.config.idle_sleep_s or 0.0
+        period = min(max(idle_s / 4, 0.01), 1.0)
+        level = self.config.sleep_level
+        while True:
+            await asyncio.sleep(period)
+            try:
+                for wid in self.router.do(WorkerStates.idle_candidates):
+                    self._spawn(self._sleep(wid, level, strict=False))
+            except Exception:  # pragma: no cover - a bug must not stop the loop
+                log.exception("lifecycle idle check failed")

@@ -42,17 +42,8 @@ _TOKENIZE = Api.TOKENIZE
 _WANTED_HEADERS = (b"content-type", b"content-encoding", b"idempotency-key", b"x-mesh-wait")
 
 Job = Callable[[], RequestView | None]
-
-
-class _Heads:
-    """The header values prepare found (raw), for the view."""
-
-    __slots__ = ("idempotency", "session", "wait")
-
-    def __init__(self) -> None:
-        self.session: bytes | None = None
-        self.idempotency: bytes | None = None
-        self.wait: bytes | None = None
+#: the values of the session, Idempotency-Key and x-mesh-wait headers (raw)
+_Heads = tuple[bytes | None, bytes | None, bytes | None]
 
 
 class Preparer:
@@ -186,8 +177,7 @@ class Preparer:
         """One pass over the request headers: the media check (415) now, the
         values the view takes later. A name is lower-cased only when its length
         is that of a wanted name (ASGI's are lower-case already, httpx's not)."""
-        ctype = cenc = None
-        got = _Heads()
+        ctype = cenc = got_session = idempotency = wait = None
         session = self._session_header
         lens = self._header_lens
         for k, v in headers:
@@ -199,12 +189,12 @@ class Preparer:
             elif lk == b"content-encoding":
                 cenc = v
             if lk == session and v:
-                got.session = v
+                got_session = v
                 session = None  # the first one counts
             elif lk == b"idempotency-key" and 0 < len(v) <= _MAX_IDEMPOTENCY_KEY:
-                got.idempotency = v
+                idempotency = v
             elif lk == b"x-mesh-wait":
-                got.wait = v
+                wait = v
         ep = match.endpoint
         # The usual JSON content type needs no parsing.
         if (cenc is not None or (ctype is not None and ctype != b"application/json")) and (
@@ -214,16 +204,17 @@ class Preparer:
                 None if ctype is None else ctype.decode("latin-1"),
                 None if cenc is None else cenc.decode("latin-1"),
             )
-        return got
+        return got_session, idempotency, wait
 
     @staticmethod
     def _finish(view: RequestView, heads: _Heads, query: str) -> RequestView:
         view.query = query
-        if heads.session is not None:
-            view.routing_key = heads.session.decode("latin-1")
-        if heads.idempotency is not None:
+        session, idempotency, wait = heads
+        if session is not None:
+            view.routing_key = session.decode("latin-1")
+        if idempotency is not None:
             # Scoped by path: the same key on two endpoints is two requests.
-            view.idempotency_key = view.match.path + " " + heads.idempotency.decode("latin-1")
-        if heads.wait is not None:
-            view.no_wait = heads.wait.strip().lower() in (b"false", b"0", b"no")
+            view.idempotency_key = view.match.path + " " + idempotency.decode("latin-1")
+        if wait is not None:
+            view.no_wait = wait.strip().lower() in (b"false", b"0", b"no")
         return view

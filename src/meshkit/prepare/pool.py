@@ -85,23 +85,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Final, Generic, Literal, TypeVar, cast
 
 from prometheus_client import CollectorRegistry
 
+from meshkit.config import PrepareConfig
 from meshkit.errors import (
-    ConfigError,
     MeshError,
     PoolUnavailable,
     PrepareQueueFull,
     PrepareTimeout,
-    RequestTooLarge,
 )
 from meshkit.metrics import PrepareMetrics
 
@@ -148,11 +145,7 @@ def current_worker_index() -> int | None:
 
 def default_workers() -> int:
     """Half the CPUs this process may run on, at least one."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // 2)
+    return PrepareConfig().resolved_workers
 
 
 class JobCancelled(Exception):
@@ -163,38 +156,8 @@ class _WorkerKilled(BaseException):
     """Raised inside a worker by the test hook: an unexpected thread exit."""
 
 
-@dataclass(frozen=True)
-class PoolConfig:
-    """Sizing and bounds of a :class:`PreparePool` (``--prepare-*`` options)."""
-
-    workers: int | None = None
-    queue_capacity: int = 256
-    queue_timeout_ms: int = 30_000
-    timeout_ms: int = 60_000
-    shutdown_grace_ms: int = 5_000
-    inline_threshold_bytes: int = 64 * 1024
-    max_tokenize_bytes: int = 4 * 1024 * 1024
-    workers_per_tokenizer: int = 4
-
-    def __post_init__(self) -> None:
-        if self.workers is not None and self.workers < 1:
-            raise ConfigError("prepare.workers", "must be at least 1")
-        for name in ("queue_timeout_ms", "timeout_ms", "workers_per_tokenizer"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"prepare.{name}", "must be at least 1")
-        for name in (
-            "queue_capacity",
-            "shutdown_grace_ms",
-            "inline_threshold_bytes",
-            "max_tokenize_bytes",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"prepare.{name}", "must not be negative")
-
-    @property
-    def resolved_workers(self) -> int:
-        """``workers``, or the default (half the CPUs, at least one)."""
-        return self.workers if self.workers is not None else default_workers()
+#: the pool's sizing and bounds are ``[prepare]``'s (one definition, checked there)
+PoolConfig = PrepareConfig
 
 
 class Job(Generic[T]):
@@ -367,22 +330,6 @@ class PreparePool:
     def live_workers(self) -> int:
         """Worker threads alive."""
         return self._live
-
-    def should_inline(self, size: int) -> bool:
-        """Whether work on ``size`` bytes is cheaper on the caller than a pool hop."""
-        return size < self.config.inline_threshold_bytes
-
-    def check_tokenize_size(self, size: int) -> None:
-        """Refuse a tokenization input over ``max_tokenize_bytes`` before queueing it.
-
-        :raises RequestTooLarge: (413), counted under ``too_large``.
-        """
-        if size > self.config.max_tokenize_bytes:
-            self.metrics.error("too_large")
-            raise RequestTooLarge(
-                f"input of {size} bytes exceeds the tokenization limit of "
-                f"{self.config.max_tokenize_bytes} bytes"
-            )
 
     # -- submission ---------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshkit.frontends.asgi import MeshMiddleware
-from meshkit.lifecycle.admin import AdminApp
+from meshkit.lifecycle.admin import AdminApp, lifespan
 from meshkit.mesh import Mesh
 from meshkit.types import Receive, Scope, Send
 
@@ -72,7 +72,7 @@ class ServeApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return  # websockets: not ours; closing the scope refuses the handshake
@@ -117,17 +117,6 @@ class ServeApp:
         if not self.mesh.config.metrics.enabled:
             return _json(404, {"error": "metrics are disabled"})
         return 200, METRICS_CONTENT_TYPE, self.mesh.metrics.render()
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            # MeshMiddleware closes its upstream pool when it sees this message pass.
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 def build_gateway(mesh: Mesh) -> MeshMiddleware:

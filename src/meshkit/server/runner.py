@@ -190,31 +190,40 @@ async def _run_granian(
         await gateway.aclose()
 
 
+def _h1_server(gateway: MeshMiddleware, settings: ServeSettings) -> H1Server:
+    return H1Server(
+        gateway,
+        keep_alive_s=settings.keep_alive_s,
+        max_connections=settings.max_connections,
+        access_log=settings.access_log,
+    )
+
+
 async def _run_builtin(
     gateway: MeshMiddleware,
     sock: socket.socket,
     settings: ServeSettings,
     ready: Callable[[], None],
     early: list[int],
+    *,
+    server: H1Server | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    server = H1Server(
-        gateway,
-        keep_alive_s=settings.keep_alive_s,
-        max_connections=settings.max_connections,
-        access_log=settings.access_log,
-    )
-    app = _serve_app(gateway)
+    """The built-in server until SIGTERM/SIGINT (in the main thread) or ``stop``."""
+    server = server or _h1_server(gateway, settings)
+    app = gateway.app if isinstance(gateway.app, ServeApp) else None
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stopped = stop or asyncio.Event()
     signals = 0
 
     def on_signal() -> None:
         nonlocal signals
         signals += 1
-        app.draining = True
+        if app is not None:
+            app.draining = True
         if signals > 1:  # a second signal: no more grace
             raise SystemExit(1)
-        stop.set()
+        stopped.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
@@ -224,7 +233,9 @@ async def _run_builtin(
         if early:
             on_signal()
         ready()
-        await stop.wait()
+        await stopped.wait()
+        if app is not None:
+            app.draining = True
         await server.shutdown(settings.grace_s)
     finally:
         await gateway.aclose()
@@ -352,27 +363,22 @@ class GatewayThread:
             self._ready.set()  # never leave start() waiting on a failed server
 
     async def _serve(self) -> None:
-        try:
-            if self.uvicorn is not None:
+        if self.uvicorn is not None:
+            try:
                 await self.uvicorn.serve(sockets=[self._sock])
-                return
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            self.h1 = H1Server(
-                self.gateway,
-                keep_alive_s=self.settings.keep_alive_s,
-                max_connections=self.settings.max_connections,
-                access_log=self.settings.access_log,
-            )
-            await self.h1.start(self._sock)
-            self._started = True
-            self._ready.set()
-            await self._stop.wait()
-            if isinstance(self.gateway.app, ServeApp):
-                self.gateway.app.draining = True
-            await self.h1.shutdown(self.settings.grace_s)
-        finally:
-            await self.gateway.aclose()
+            finally:
+                await self.gateway.aclose()
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self.h1 = _h1_server(self.gateway, self.settings)
+        await _run_builtin(
+            self.gateway, self._sock, self.settings, self._up, [], server=self.h1, stop=self._stop
+        )
+
+    def _up(self) -> None:
+        self._started = True
+        self._ready.set()
 
     def call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
         """``fn()`` run on the built-in server's loop (where its state lives)."""

@@ -3,29 +3,21 @@ Driving a flow
 ==============
 
 The core's flows (:mod:`meshkit.core.forward`) yield attempts and receive their
-results; what to do with each attempt (send it, read an error body, close the
+results. What to do with each attempt (send it, read an error body, close the
 response, run a prefill leg beside it, wait out a hold) is written once, as the
-step generator :func:`flow_steps`. It yields I/O *operations* and receives their
-outcomes, httpx's ``auth_flow`` pattern one level up; :func:`run_sync` and
-:func:`run_async` are the only loops that perform them, one with blocking calls,
-one awaiting. A front end's own steps (the client transports') yield the same
+step generator :func:`flow_steps`: it yields I/O *operations* and receives their
+outcomes (httpx's ``auth_flow`` pattern, one level up). :func:`run_sync` and
+:func:`run_async` are the only loops that perform them, one blocking, one
+awaiting; a front end's own steps (the client transports') yield the same
 operations and embed a flow with ``yield from flow_steps(flow)``.
 
-An operation that raises is thrown into the steps at the ``yield``, so they
-handle failures where they asked; a cancellation (the client left) lands the same
-way, and the steps close what they opened and *abandon* the leases the flow held:
-released without a verdict, so a client's disconnect never counts against a
-worker's breaker.
-
-A response stays open until the flow either moves on (the steps close it) or
-returns its attempt (the caller relays it). When the attempt asked for its body
-(``read_body``), the steps read it (bounded) and hand it to the flow; the caller
-then relays those captured bytes.
-
-A :class:`~meshkit.core.forward.Hold` (the only workers are waking) is waited out
-holding no lease: the async loop awaits a future the router resolves from the
-thread that changes the state, so a client that disconnects cancels the wait at
-once; the sync loop waits on a condition.
+An operation that raises is thrown into the steps at its ``yield``; a cancellation
+(the client left) lands the same way, and the steps close what they opened and
+*abandon* the leases the flow held (released without a verdict: a client's
+disconnect never counts against a worker's breaker). A response stays open until
+the flow moves on (the steps close it) or returns its attempt (the caller relays
+it); a body the attempt asked for (``read_body``) is read, bounded, into the flow.
+A :class:`~meshkit.core.forward.Hold` is waited out holding no lease.
 """
 
 from __future__ import annotations
@@ -58,9 +50,11 @@ __all__ = [
     "Steps",
     "SyncExchange",
     "UpstreamFailure",
+    "aread_body",
     "drive_async",
     "drive_sync",
     "flow_steps",
+    "read_body",
     "run_async",
     "run_sync",
 ]
@@ -222,7 +216,9 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
 # -- the two loops ----------------------------------------------------------------------
 
 
-def _body_sync(chunks: Iterable[bytes], limit: int) -> bytes:
+def read_body(chunks: Iterable[bytes], limit: int) -> bytes:
+    """A request body read piece by piece, refused (413) as soon as it is over
+    ``limit`` (never buffered whole first)."""
     parts: list[bytes] = []
     total = 0
     for chunk in chunks:
@@ -233,7 +229,8 @@ def _body_sync(chunks: Iterable[bytes], limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _body_async(chunks: AsyncIterable[bytes], limit: int) -> bytes:
+async def aread_body(chunks: AsyncIterable[bytes], limit: int) -> bytes:
+    """:func:`read_body` for an async body."""
     parts: list[bytes] = []
     total = 0
     async for chunk in chunks:
@@ -269,7 +266,7 @@ def run_sync(
             elif op == PREPARE:
                 result = arg[0].prepare(*arg[1:])
             elif op == BODY:
-                result = _body_sync(*arg)
+                result = read_body(*arg)
             elif op == WAIT:
                 result = arg.waiter.wait_sync(arg.deadline_s)
             elif op == SLEEP:
@@ -306,7 +303,7 @@ async def run_async(steps: Steps[T], send: Callable[[Attempt], Awaitable[AsyncEx
             elif op == PREPARE:
                 result = await arg[0].prepare_async(*arg[1:])
             elif op == BODY:
-                result = await _body_async(*arg)
+                result = await aread_body(*arg)
             elif op == WAIT:
                 result = await arg.waiter.wait_async(arg.deadline_s)
             elif op == SLEEP:

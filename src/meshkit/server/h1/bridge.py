@@ -18,9 +18,10 @@ from urllib.parse import unquote
 if TYPE_CHECKING:
     from meshkit.server.h1.conn import H1Conn, Request
 
-__all__ = ["run_asgi"]
+__all__ = ["INTERNAL", "run_asgi"]
 
-_INTERNAL = b'{"error":{"message":"internal error","type":"server_error","code":"internal_error"}}'
+#: the answer to a request whose app failed before its response began
+INTERNAL = b'{"error":{"message":"internal error","type":"server_error","code":"internal_error"}}'
 
 
 async def run_asgi(app: Any, conn: H1Conn, req: Request) -> None:
@@ -76,6 +77,6 @@ async def run_asgi(app: Any, conn: H1Conn, req: Request) -> None:
     await app(scope, receive, send)
     if not started:
         conn.keep_alive = False
-        await conn.whole(500, [(b"content-type", b"application/json")], _INTERNAL)
+        await conn.whole(500, [(b"content-type", b"application/json")], INTERNAL)
     elif not ended:
         conn.keep_alive = False  # a body cut short: only closing can say so

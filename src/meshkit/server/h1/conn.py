@@ -43,6 +43,7 @@ from meshkit.errors import (
 )
 from meshkit.frontends.routed import Headers, Routed, error_reply
 from meshkit.http1 import LAST_CHUNK, Framing, chunk, date_header, response_head
+from meshkit.server.h1.bridge import INTERNAL
 
 if TYPE_CHECKING:
     from meshkit.server.h1.server import H1Server
@@ -56,7 +57,6 @@ access_log = logging.getLogger("meshkit.access")
 MAX_PIPELINED = 16
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_INTERNAL = b'{"error":{"message":"internal error","type":"server_error","code":"internal_error"}}'
 
 
 @dataclass(slots=True)
@@ -395,23 +395,8 @@ class H1Conn(asyncio.Protocol):
             elif req.match is None:
                 await self.server.bridge(self, req)
             else:
-                # Inlined (not a coroutine of its own): one frame less to create
-                # and to resume through on every wake-up of the request.
                 routed = self.routed = Routed(self.mesh, self.server.upstream, req.match, self)
-                try:
-                    await routed.route(
-                        req.method, req.body, req.headers, req.query.decode("latin-1")
-                    )
-                except asyncio.CancelledError:
-                    if not routed.client_left:
-                        raise
-                    task = asyncio.current_task()
-                    if task is not None:
-                        task.uncancel()
-                except MeshError as exc:
-                    await routed.fail(exc)
-                finally:
-                    await routed.settle()
+                await routed.run(req.method, req.body, req.headers, req.query.decode("latin-1"))
         except asyncio.CancelledError:
             self.keep_alive = False  # shutdown: no pipelined request starts after this one
             if not self.closed:
@@ -422,7 +407,7 @@ class H1Conn(asyncio.Protocol):
             if (self.status == 0 or self.pending) and not self.closed:
                 # Nothing of the answer was written yet (a head may wait in pending).
                 self.pending = b""
-                await self.whole(500, [(b"content-type", b"application/json")], _INTERNAL)
+                await self.whole(500, [(b"content-type", b"application/json")], INTERNAL)
         finally:
             self._finish(req)
 

@@ -2,7 +2,7 @@
 Self-benchmark: CPU cost of the mock worker per request
 =======================================================
 
-``python -m meshkit.mock.bench [--seconds 5] [--concurrency 16] [--body-bytes 1024]``
+``python benchmarks/mock_bench.py [--seconds 5] [--concurrency 16] [--body-bytes 1024]``
 
 Starts ``python -m meshkit.mock`` in a child process (pinned with ``taskset -c 1``
 when ``taskset`` exists), drives it from this process (pinned to core 0) with an
@@ -86,7 +86,7 @@ def measure(
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", "1", *cmd]
         os.sched_setaffinity(0, {0})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)  # noqa: S603
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -115,7 +115,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m meshkit.mock.bench")
+    p = argparse.ArgumentParser(prog="python benchmarks/mock_bench.py")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--body-bytes", type=int, default=1024)
