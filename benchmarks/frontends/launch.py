@@ -5,7 +5,8 @@ How each frontend is installed, started and probed
 ``run.py`` asks :func:`command` for the command line of a frontend (pinned with
 ``taskset`` when a CPU list is given) and the environment it needs. The Rust routers
 are installed by :func:`ensure_router` into their own virtual environments under
-``benchmarks/.venvs/`` and started with the flags of PERFORMANCE.md.
+``benchmarks/.venvs/`` and started with retries, the circuit breaker and health
+checks off, round robin, as in :func:`command`.
 """
 
 from __future__ import annotations

@@ -259,7 +259,9 @@ class Router:
             states = self.states
             if states.released(lease.entry, verdict, now):
                 self.fleet.release(lease.candidate, lease.entry.weight, now - lease.started)
-            if states.changed:
+            # Only a waiter needs to hear of it now: the set is bounded by the fleet,
+            # and the next change that finds a waiter clears it.
+            if states.changed and (self._sync_waiting or self._async_waiters):
                 self._changed()
 
     def targets(self, view: RequestView) -> list[Candidate]:

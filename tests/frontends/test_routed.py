@@ -70,10 +70,7 @@ def route_through(reply: Reply) -> tuple[list[tuple[Any, ...]], int]:
             try:
                 down = Recorder(mesh)
                 routed = Routed(mesh, upstream, mesh.resolve("POST", "/v1/chat/completions"), down)
-                try:
-                    await routed.route("POST", json.dumps(CHAT).encode(), [], "")
-                finally:
-                    await routed.settle()
+                await routed.run("POST", json.dumps(CHAT).encode(), [], "")
                 await asyncio.sleep(0)  # the callbacks end() scheduled
                 return [tuple(c) for c in down.calls], mesh.total_load()
             finally:
