@@ -12,7 +12,7 @@ the previous response is complete (closed loop). It is a raw uvloop protocol:
 the request bytes (head + body) are built once per body variant, responses are
 parsed by ``httptools`` (C) and their bodies discarded, so the generator costs a
 few tens of µs of CPU per request (reported as ``loadgen_cpu_us_per_req``; a
-pooled aiohttp client costs ~200 µs, PERFORMANCE.md) and is not the bottleneck.
+pooled aiohttp client costs ~200 µs) and is not the bottleneck.
 
 Prompts (``"prompts"`` in a command, ``--prompts`` on the command line):
 ``repeated`` cycles 8 bodies per size (:func:`_common.bodies`); ``distinct`` gives

@@ -37,7 +37,7 @@ from meshkit.errors import (
 
 P = pytest.param
 
-# DESIGN.md "Errors" (plus the few the errors module adds: 431, topology, pool)
+# docs/errors.md's table (status, code, type per error class)
 TABLE = [
     P(InvalidRequest, 400, "invalid_request", "invalid_request_error", id="400"),
     P(UnknownEndpoint, 404, "unknown_endpoint", "not_found_error", id="404"),

@@ -6,7 +6,7 @@ import importlib
 
 import meshkit
 
-# DESIGN.md "Public API" (tests outside the repo use these)
+# the entry points of README.md and docs/quickstart.md (tests outside the repo use these)
 DESIGN_NAMES = {
     "Mesh",
     "Worker",
@@ -15,7 +15,7 @@ DESIGN_NAMES = {
     "MeshTransport",
     "AsyncMeshTransport",
 }
-# the documented public names: DESIGN.md's plus config, errors and the policy protocol
+# the documented public names: those plus config, errors and the policy protocol
 PUBLIC = [
     "AsyncMeshTransport",
     "BasePolicy",

@@ -34,7 +34,7 @@ NONE = StreamFormat.NONE
 STARTED = 0.5
 
 # --------------------------------------------------------------------------------------
-# Fixture streams (PROTOCOLS.md sections 1-4)
+# Fixture streams: the event grammars of each API's streaming reference
 # --------------------------------------------------------------------------------------
 
 _CC = b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1767225600,"model":"m",'

@@ -467,7 +467,7 @@ def test_a_pooled_connection_the_worker_closed_is_retried_not_a_502(
     """The only worker drops a reused connection without answering (its keep-alive
     ended as meshkit sent the next request): the request is sent once more on
     another connection and succeeds, and the worker is not blamed
-    (PROTOCOLS.md §7)."""
+    (docs/reliability.md, the resend-once rule)."""
     from rawworker import StaleKeepAliveWorker
 
     stale = StaleKeepAliveWorker()
