@@ -99,3 +99,35 @@ def test_the_async_transport_reads_and_relays_alike(
     assert answer["usage"]["completion_tokens"] == 400
     assert mesh.total_load() == 0
     assert _requests(mesh) == 1
+
+
+def test_a_read_cancelled_mid_body_gives_the_lease_back(mesh_factory: Callable[..., Mesh]) -> None:
+    """The client gives up while the whole body is being read: the books close as
+    the client leaving, and the worker's load goes back."""
+    import threading
+
+    from reliability.rawworker import RawWorker
+
+    hold = threading.Event()
+    stalled = RawWorker(lambda: [b'{"choices": ['], hold=hold)
+    try:
+        mesh = _mesh(mesh_factory, stalled.url, 1 << 20)
+
+        async def go() -> None:
+            async with httpx2.AsyncClient(
+                transport=AsyncMeshTransport(mesh), base_url="http://mesh"
+            ) as client:
+                task = asyncio.ensure_future(client.post(PATH, json={"model": "m", "prompt": "x"}))
+                while not stalled.flushed.is_set():
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.05)  # let the head arrive: the read is what is cancelled
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+        asyncio.run(go())
+        assert mesh.total_load() == 0
+        assert mesh.metrics.registry.get_sample_value("mesh_router_client_disconnects_total") == 1.0
+    finally:
+        hold.set()
+        stalled.close()

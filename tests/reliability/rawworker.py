@@ -12,8 +12,19 @@ from typing import Any
 class RawWorker:
     """``RawWorker(lambda: [b"data: ...\\n\\n", ...])``; ``url``; stop with ``close()``."""
 
-    def __init__(self, chunks: Callable[[], Iterable[bytes]], name: str = "raw") -> None:
+    def __init__(
+        self,
+        chunks: Callable[[], Iterable[bytes]],
+        name: str = "raw",
+        hold: threading.Event | None = None,
+    ) -> None:
+        """:param hold: when given, the body stays open after the chunks until it is
+        set (an engine that reported an error and did not close); ``ended`` counts
+        the bodies that were finished."""
         self.paths: list[str] = []
+        self.ended = 0
+        #: set once the chunks are written (the body still open when ``hold`` is given)
+        self.flushed = threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -33,8 +44,13 @@ class RawWorker:
                 self.end_headers()
                 for chunk in chunks():
                     self.wfile.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                outer.flushed.set()
+                if hold is not None:
+                    hold.wait(60)
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
+                outer.ended += 1
 
             def do_GET(self) -> None:  # health probes
                 self.send_response(200)

@@ -255,6 +255,9 @@ class _Common:
         except UpstreamFailure:
             relay.fail()
             raise _cut_short(lib)() from None
+        except BaseException:
+            relay.close()  # cancelled mid-read: the client left; the lease goes back
+            raise
         finally:
             yield (CLOSE, exchange)
         data = relay.whole(data)
