@@ -140,7 +140,8 @@ def test_openai_shape(cls: type[MeshError], status: int, code: str, anthropic_ty
 @pytest.mark.parametrize(("cls", "status", "code", "anthropic_type"), TABLE)
 def test_anthropic_shape(cls: type[MeshError], status: int, code: str, anthropic_type: str) -> None:
     body = json.loads(make(cls).body("anthropic"))
-    assert body == {"type": "error", "error": {"type": anthropic_type, "message": "it went wrong"}}
+    error = {"type": anthropic_type, "message": "it went wrong", "code": code}
+    assert body == {"type": "error", "error": error}
     assert anthropic_type in ANTHROPIC_TYPES
 
 
@@ -224,13 +225,17 @@ def test_nan_retry_hint_renders_bounded_headers() -> None:
     assert 1 <= int(headers[b"retry-after"]) <= 60
 
 
-@pytest.mark.parametrize(
-    "cls",
-    [P(c, id=c.code) for c in (InvalidRequest, UpstreamError, UpstreamTimeout, UnsupportedApi)],
-)
-def test_non_503_has_no_retry_hint_by_default(cls: type[MeshError]) -> None:
-    names = [k for k, _ in cls("x").headers()]
-    assert names == [b"content-type"]
+@pytest.mark.parametrize(("cls", "status", "code", "anthropic_type"), TABLE)
+def test_should_retry_says_what_the_sdks_may_retry(
+    cls: type[MeshError], status: int, code: str, anthropic_type: str
+) -> None:
+    """Permanent refusals (4xx, 501) say ``x-should-retry: false`` with no hint; the
+    ones a later attempt may pass (502-504) say ``true``, 503 and 504 with a hint."""
+    headers = dict(cls("x").headers())
+    retry = status >= 500 and status != 501
+    assert headers[b"x-should-retry"] == (b"true" if retry else b"false")
+    assert (b"retry-after" in headers) == (status in (503, 504))
+    assert (b"retry-after-ms" in headers) == (status in (503, 504))
 
 
 def test_method_not_allowed_allow_header() -> None:

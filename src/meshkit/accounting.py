@@ -39,6 +39,7 @@ class Accounting:
         "_router",
         "attempt_lease",
         "status",
+        "stopped",
         "view",
     )
 
@@ -58,6 +59,9 @@ class Accounting:
         # then, not at the end, so a follow-up can use it while this one streams.
         self._rid_pending = view.stream and view.api is _RESPONSES
         self._failed = False
+        #: the stream reported its own failure (an error event): the books closed
+        #: there, and the relay ends the client's stream without waiting for more
+        self.stopped = False
 
     @property
     def done(self) -> bool:
@@ -72,6 +76,11 @@ class Accounting:
                 self._rid_pending = False
                 origin = self.attempt_lease.candidate.origin
                 self._router.remember_response(acct.response_id, origin)
+            if acct.error is not None and not self._done:
+                # An engine that reported an error may keep the stream open; the
+                # lease (and the worker's load) must not wait for it to close.
+                self.stopped = True
+                self._close(completed=True)
 
     def end(self) -> None:
         """The body ended normally."""
@@ -102,9 +111,15 @@ class Accounting:
         usage = acct.usage
         ttft = acct.ttft
         duration = now - lease.started
+        if not completed:
+            outcome = "cancelled"
+        elif acct.error is not None and self.status < 400:
+            outcome = "error"  # a 200 whose stream (or body) reported a failure
+        else:
+            outcome = str(self.status)
         m.series.finished(
             api,
-            str(self.status) if completed else "cancelled",
+            outcome,
             duration,
             ttft,
             None
@@ -117,6 +132,8 @@ class Accounting:
             m.stream_errors.labels(api).inc()
         if acct.overflow:
             m.stream_overflows.labels(api).inc()
+        elif usage is None and ok and self.view.stream:
+            m.streams_without_usage.labels(api).inc()
         rid = acct.response_id
         # Nothing to remember and nobody listening: no Completion, no lock.
         if not (rid and ok) and not router.listens:

@@ -89,6 +89,8 @@ class MeshError(Exception):
     code: ClassVar[str] = "internal_error"
     openai_type: ClassVar[str] = "server_error"
     anthropic_type: ClassVar[str] = "api_error"
+    #: the retry hint when the raiser gives none (None: no Retry-After)
+    default_retry_after_s: ClassVar[float | None] = None
 
     def __init__(
         self,
@@ -100,6 +102,8 @@ class MeshError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+        if retry_after_s is None:
+            retry_after_s = self.default_retry_after_s
         if retry_after_s is not None:
             if retry_after_s != retry_after_s:  # NaN: keep the header renderable
                 retry_after_s = 1.0
@@ -109,9 +113,21 @@ class MeshError(Exception):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.status}, {self.code!r}, {self.message!r})"
 
+    @property
+    def retryable(self) -> bool:
+        """Whether the same request may succeed later: every 5xx but 501 (what meshkit
+        cannot do now it will not do on a retry either)."""
+        return self.status >= 500 and self.status != 501
+
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """Response headers that go with the error body (retry hints)."""
-        out = [(b"content-type", b"application/json")]
+        """Response headers that go with the error body: the media type and the retry
+        signals. Both SDKs obey ``x-should-retry`` before their own status rules
+        (openai-python and anthropic-sdk-python ``_base_client._should_retry``), so a
+        permanent refusal is not sent three times."""
+        out = [
+            (b"content-type", b"application/json"),
+            (b"x-should-retry", b"true" if self.retryable else b"false"),
+        ]
         if self.retry_after_s is not None:
             # Retry-After takes whole seconds (>= 1); retry-after-ms is read first by
             # both SDKs and carries the precise hint.
@@ -122,9 +138,10 @@ class MeshError(Exception):
     def body(self, shape: ErrorShape = "openai") -> bytes:
         """The JSON error body in the called API's own shape."""
         if shape == "anthropic":
-            return msgspec.json.encode(
-                {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
-            )
+            # Anthropic's error object has no code of its own; meshkit's rides along so
+            # a client can tell `overloaded` from `worker_waking` in either shape.
+            error = {"type": self.anthropic_type, "message": self.message, "code": self.code}
+            return msgspec.json.encode({"type": "error", "error": error})
         return msgspec.json.encode(
             {
                 "error": {
@@ -230,9 +247,7 @@ class Unavailable(MeshError):
     code = "unavailable"
     openai_type = "server_error"
     anthropic_type = "overloaded_error"
-
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
-        super().__init__(message, retry_after_s=retry_after_s)
+    default_retry_after_s = 1.0
 
 
 class PrepareQueueFull(Unavailable):
@@ -269,6 +284,7 @@ class PrepareTimeout(MeshError):
     code = "prepare_timeout"
     openai_type = "server_error"
     anthropic_type = "timeout_error"
+    default_retry_after_s = 1.0
 
 
 class UpstreamTimeout(MeshError):
@@ -276,3 +292,4 @@ class UpstreamTimeout(MeshError):
     code = "upstream_timeout"
     openai_type = "server_error"
     anthropic_type = "timeout_error"
+    default_retry_after_s = 1.0

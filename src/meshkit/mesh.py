@@ -363,15 +363,18 @@ class Mesh:
         ``pool`` is ``"ok"``, ``"failed"`` (a prepare thread died: restart the
         process) or ``"closed"`` (shut down). A sleeping or waking worker counts
         as healthy: a fully idle-slept fleet must stay "ready", or a load balancer
-        would never send the request that wakes it.
+        would never send the request that wakes it. ``verified_workers`` are the
+        healthy ones a probe has answered (all of them when probing is off): a
+        worker not yet probed is routable, but not a reason to say "ready".
         """
-        workers, healthy, in_flight = self.router.health()
+        workers, healthy, verified, in_flight = self.router.health()
         pool = self.pool
         state = "ok" if pool.healthy else ("failed" if pool.failure is not None else "closed")
         return {
             "pool": state,
             "workers": workers,
             "healthy_workers": healthy,
+            "verified_workers": verified,
             "in_flight": in_flight,
         }
 

@@ -191,6 +191,12 @@ class RouterMetrics:
             buckets=_PD_LATENCY,
             registry=r,
         )
+        self.streams_without_usage = Counter(
+            "mesh_router_streams_without_usage",
+            "Completed streams that reported no token usage (their tokens are not counted)",
+            ["api"],
+            registry=r,
+        )
         self.stream_overflows = Counter(
             "mesh_router_stream_overflows",
             "Worker streams with an SSE event over bounds.max_sse_line_bytes "

@@ -391,6 +391,12 @@ class Router:
                 self._changed()
             return removed
 
+    def learn_models(self, worker_id: str, models: frozenset[str] | None) -> None:
+        """What an unlabelled worker's ``GET /v1/models`` listed (the probes call this)."""
+        with self._lock:
+            if self.fleet.learn(worker_id, models):
+                self._changed()
+
     def set_healthy(self, worker_id: str, healthy: bool) -> None:
         with self._lock:
             self.states.set_manual(worker_id, healthy)
@@ -442,12 +448,14 @@ class Router:
         with self._lock:
             return sum(self.fleet.load.values())
 
-    def health(self) -> tuple[int, int, int]:
-        """``(workers, healthy or asleep, in flight)``."""
+    def health(self) -> tuple[int, int, int, int]:
+        """``(workers, healthy or asleep, of those verified by a probe, in flight)``."""
         with self._lock:
             workers = self.fleet.workers
-            serving = sum(1 for w in workers if self.states.serving(w))
-            return len(workers), serving, self.fleet.in_flight
+            states = self.states
+            serving = [w for w in workers if states.serving(w)]
+            verified = sum(1 for w in serving if w.id not in states.unverified)
+            return len(workers), len(serving), verified, self.fleet.in_flight
 
     def lifecycle_rows(self) -> tuple[list[tuple[str, Any, Any, bool]], dict[str, int]]:
         """What the lifecycle metrics read at scrape time: one row per worker

@@ -118,10 +118,15 @@ def test_worker_key_is_required_and_client_key_never_forwarded(
 ) -> None:
     mock = mock_factory(name="k", api_key="wk")
     mesh = mesh_factory(workers=[Worker(mock.url, api_key="wk")])
-    client = run_mode(mesh).openai(api_key="client-secret", max_retries=0)
+    # api-key: what Azure OpenAI clients send instead of Authorization
+    client = run_mode(mesh).openai(
+        api_key="client-secret", default_headers={"api-key": "azure-secret"}, max_retries=0
+    )
     client.chat.completions.create(model="m", messages=MSG)  # type: ignore[arg-type]
     assert mock.worker.stats.last_header("authorization") == "Bearer wk"
+    assert mock.worker.stats.last_header("api-key") is None
     assert "client-secret" not in repr(mock.worker.stats.last_headers)
+    assert "azure-secret" not in repr(mock.worker.stats.last_headers)
 
     unkeyed = mesh_factory(workers=[Worker(mock.url)])
     client2 = run_mode(unkeyed).openai(api_key="wrong", max_retries=0)

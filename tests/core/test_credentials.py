@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshkit.core.credentials import HOP_BY_HOP, request_headers, response_headers
+from meshkit.core.credentials import HOP_BY_HOP, request_headers, response_headers, served_headers
 from meshkit.core.endpoints import Api
 
 P = pytest.param
@@ -57,6 +57,7 @@ def test_messages_gets_the_key_in_both_headers() -> None:
         P([(b"authorization", b"Bearer c")], Api.CHAT, id="lower"),
         P([(b"aUtHoRiZaTiOn", b"Bearer c"), (b"X-API-KEY", b"c")], Api.MESSAGES, id="mixed"),
         P([(b"x-api-key", b"c"), (b"x-api-key", b"c2")], Api.RESPONSES, id="repeated"),
+        P([(b"Api-Key", b"c")], Api.CHAT, id="azure"),
     ],
 )
 def test_credential_header_names_are_case_insensitive(client: H, api: Api) -> None:
@@ -178,3 +179,10 @@ def test_connection_values_on_the_short_path_and_the_long_one(value: bytes) -> N
     assert b"connection" not in kept and b"keep-alive" not in kept
     assert (b"x-hop" in kept) == (b"x-hop" not in value)
     assert b"content-type" in kept
+
+
+def test_a_served_response_drops_the_workers_date_a_relayed_one_keeps_it() -> None:
+    """The server that writes the response adds its own date (one per response)."""
+    upstream = [(b"Date", b"Tue, 01 Dec 2026 00:00:00 GMT"), (b"x-a", b"1")]
+    assert names(served_headers(upstream)) == [b"x-a"]
+    assert names(response_headers(upstream)) == [b"date", b"x-a"]

@@ -87,6 +87,14 @@ RESOLVES = [
     P("POST", "/tokenize", A.TOKENIZE, OP.TOKENIZE, S.NONE, "openai", None, id="tokenize.bare"),
     P("POST", "/v1/detokenize", A.TOKENIZE, OP.DETOKENIZE, S.NONE, "openai", None, id="detok"),
     P("POST", "/detokenize", A.TOKENIZE, OP.DETOKENIZE, S.NONE, "openai", None, id="detok.bare"),
+    P("POST", "/v1/embeddings", A.EMBEDDINGS, OP.CREATE, S.NONE, "openai", None, id="embed"),
+    P("POST", "/v1/rerank", A.RERANK, OP.CREATE, S.NONE, "openai", None, id="rerank"),
+    P("POST", "/rerank", A.RERANK, OP.CREATE, S.NONE, "openai", None, id="rerank.bare"),
+    P("POST", "/v2/rerank", A.RERANK, OP.CREATE, S.NONE, "openai", None, id="rerank.v2"),
+    P("POST", "/v1/score", A.SCORE, OP.CREATE, S.NONE, "openai", None, id="score"),
+    P("POST", "/score", A.SCORE, OP.CREATE, S.NONE, "openai", None, id="score.bare"),
+    P("POST", "/pooling", A.POOLING, OP.CREATE, S.NONE, "openai", None, id="pooling"),
+    P("POST", "/classify", A.CLASSIFY, OP.CREATE, S.NONE, "openai", None, id="classify"),
     P("GET", "/v1/models", A.MODELS, OP.LIST, S.NONE, "openai", None, id="models"),
 ]
 
@@ -206,7 +214,7 @@ def test_unknown_path_under_inference_prefix_is_404(path: str) -> None:
     [
         P("/", id="root"),
         P("/health", id="health"),
-        P("/v1/embeddings", id="embeddings"),
+        P("/v1/files", id="files"),
         P("/v1/chatx", id="chatx-not-under-chat"),
         P("/v1/completionsx", id="completionsx"),
         P("/v1/messagesx", id="messagesx"),

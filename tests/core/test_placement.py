@@ -538,3 +538,27 @@ def test_overloaded_retry_hint(hold_s: float, slots: int, hint: float) -> None:
     err = overloaded(fleet, slots, "why")
     assert err.retry_after_s == pytest.approx(hint)
     assert "why" in err.message
+
+
+def test_labels_restrict_and_learned_lists_steer() -> None:
+    """A label's models are the only ones a worker gets; an unlabelled worker's own
+    list steers a model to the workers that list it, and when none does, every
+    unlabelled worker may take it (the engine decides). Fleet order is kept."""
+    lab = Worker("http://lab:1", labels={"mesh.model": "a, x"})
+    la, lb, unknown = Worker("http://la:1"), Worker("http://lb:1"), Worker("http://u:1")
+    fleet = Fleet([la, lab, lb, unknown])
+    assert fleet.learn(la.id, frozenset({"a"}))
+    assert fleet.learn(lb.id, frozenset({"b"}))
+    assert not fleet.learn(lab.id, frozenset({"zzz"}))  # a label wins over a list
+
+    def serving(model: str) -> list[Worker]:
+        return configured_for(fleet, view(CHAT, {"model": model, "messages": []}))
+
+    assert serving("a") == [la, lab]
+    assert serving("b") == [lb]
+    assert serving("x") == [la, lab, lb, unknown]  # labelled for it; nobody lists it
+    assert serving("nobody-lists-it") == [la, lb, unknown]
+    assert fleet.models_of(lab) == frozenset({"a", "x"})
+    assert fleet.models_of(unknown) is None
+    assert fleet.learn(la.id, None)  # the list went away: any model again
+    assert serving("a") == [la, lab, lb, unknown]

@@ -17,6 +17,7 @@ class FakeBooks:
         self.fed: list[bytes] = []
         self.closed: list[str] = []
         self.terminal = terminal
+        self.stopped = False
 
     @property
     def done(self) -> bool:
@@ -80,7 +81,7 @@ def test_a_stream_the_worker_cut_ends_with_one_error_event(
     tail = relay.fail()
     assert tail.startswith(start) and tail.endswith(b"\n\n")
     assert MID_STREAM_MESSAGE.encode() in tail
-    assert MID_STREAM_CODE.encode() in tail or path == "/v1/messages"
+    assert MID_STREAM_CODE.encode() in tail
     assert not relay.cut
     assert books.closed == ["worker_failed"]
     relay.close()
@@ -119,3 +120,15 @@ def test_whole_writes_at_once_and_end_closes() -> None:
     assert books.closed == []
     assert relay.end() == b""
     assert books.closed == ["end"]
+
+
+def test_a_chunk_that_stopped_the_books_is_written_and_finishes_the_relay() -> None:
+    """The stream's own error event: written, then the front end ends the body."""
+    books = FakeBooks()
+    relay = Relay(books, view("/v1/messages", MESSAGES))
+    assert relay.chunk(b"event: ping\ndata: {}\n\n") == b"event: ping\ndata: {}\n\n"
+    assert not relay.finished
+    books.stopped = True
+    assert relay.chunk(b"event: error\ndata: {}\n\n") == b"event: error\ndata: {}\n\n"
+    assert relay.finished
+    assert relay.end() == b""

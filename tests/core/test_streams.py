@@ -452,6 +452,15 @@ GENERATE_BATCH_BODY = (
     b'"cached_tokens":0}},{"text":"B","output_ids":[33],"meta_info":{"prompt_tokens":5,'
     b'"completion_tokens":4,"cached_tokens":2}}]'
 )
+EMBEDDINGS_BODY = (
+    b'{"id":"embd-1","object":"list","created":1,"model":"m","data":[{"index":0,'
+    b'"object":"embedding","embedding":[0.1,0.2]}],"usage":{"prompt_tokens":6,'
+    b'"total_tokens":6,"completion_tokens":0}}'
+)
+RERANK_OLD_BODY = (
+    b'{"id":"rerank-1","model":"m","usage":{"total_tokens":9},"results":[{"index":0,'
+    b'"document":{"text":"x"},"relevance_score":0.5}]}'
+)
 OPENAI_ERROR_BODY = (
     b'{"error":{"message":"Incorrect API key provided","type":"invalid_request_error",'
     b'"param":null,"code":"invalid_api_key"}}'
@@ -553,6 +562,9 @@ CASES = [
     Case("body-generate", GENERATE, GENERATE_BODY, "finish", Usage(7, 2, 5), streaming=False),
     Case("body-generate-batch", GENERATE, GENERATE_BATCH_BODY, "finish", Usage(8, 5, 2),
          streaming=False),
+    # vLLM's pooling answers: usage with prompt_tokens, or (older rerank) total_tokens only
+    Case("body-embeddings", NONE, EMBEDDINGS_BODY, None, Usage(6, 0), streaming=False),
+    Case("body-rerank-total-only", NONE, RERANK_OLD_BODY, None, Usage(9, 0), streaming=False),
     Case("body-openai-error", OPENAI, OPENAI_ERROR_BODY, None, error="invalid_api_key",
          streaming=False),
     Case("body-anthropic-error", ANTHROPIC, ANTHROPIC_ERROR_BODY, None, error="rate_limit_error",

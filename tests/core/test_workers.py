@@ -28,7 +28,8 @@ APIS = [
     P("completion", {Api.COMPLETIONS}, id="alias-completion"),
     P("message", {Api.MESSAGES}, id="alias-message"),
     P(
-        "chat,completions,messages,responses,generate,tokenize,models",
+        "chat,completions,messages,responses,generate,tokenize,models,"
+        "embeddings,rerank,score,pooling,classify",
         set(Api),
         id="every-api",
     ),
@@ -53,7 +54,7 @@ def test_mesh_apis(raw: str | None, apis: set[Api] | None) -> None:
 
 @pytest.mark.parametrize(
     "raw",
-    [P("chat,embeddings", id="embeddings"), P("chatt", id="typo"), P("all", id="all-word")],
+    [P("chat,embedding", id="embedding"), P("chatt", id="typo"), P("all", id="all-word")],
 )
 def test_unknown_api_is_config_error(raw: str) -> None:
     with pytest.raises(ConfigError) as ei:

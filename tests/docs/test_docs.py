@@ -122,3 +122,12 @@ def test_configuration_reference_names_every_key() -> None:
             if section == "" and f.name in _SECTIONS:
                 continue
             assert f"`{f.name}`" in text, f"docs/configuration.md lacks [{section}] {f.name}"
+
+
+def test_every_endpoint_is_listed_in_endpoints_md() -> None:
+    from meshkit.core.endpoints import ENDPOINTS
+
+    text = (ROOT / "docs" / "endpoints.md").read_text(encoding="utf-8")
+    for e in ENDPOINTS:
+        row = f"| `{'|'.join(sorted(e.methods))} {e.template}` | `{e.api.value}` |"
+        assert row in text, row

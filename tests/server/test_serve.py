@@ -52,6 +52,8 @@ def test_serve_with_worker_flags(mock_factory: Any, spawn: Any) -> None:
         "0",
     )
     base = gw.url
+    # ready once a probe has answered (it runs as the gateway starts)
+    assert wait_until(lambda: httpx2.get(base + "/readiness", trust_env=False).status_code == 200)
     for path in ("/health", "/liveness", "/readiness"):
         r = httpx2.get(base + path, trust_env=False)
         assert r.status_code == 200, (path, r.text)
@@ -128,6 +130,48 @@ def test_probes_without_workers(spawn: Any) -> None:
     assert get("/liveness").status_code == 200
     assert get("/metrics").status_code == 200
     assert get("/nothing-here").status_code == 404
+
+
+def test_workers_are_probed_before_the_gateway_says_ready(mock_factory: Any, spawn: Any) -> None:
+    """A worker that does not answer its health probe never makes the gateway ready,
+    and is not where the first request goes; a healthy one makes it ready."""
+    dead = mock_factory(name="dead")
+    dead_url = dead.url
+    dead.kill()
+    live = mock_factory(name="live")
+    gw = spawn("serve", "--port", "0", "--worker", dead_url, "--policy", "round_robin")
+    get = lambda path: httpx2.get(gw.url + path, trust_env=False)  # noqa: E731
+
+    def probed() -> bool:
+        workers = get("/workers").json()["workers"]
+        return bool(workers) and workers[0]["state"] != "unverified"
+
+    assert wait_until(probed)
+    assert get("/readiness").status_code == 503
+    assert get("/health").json()["verified_workers"] == 0
+
+    both = spawn(
+        "serve", "--port", "0", "--worker", dead_url, "--worker", live.url,
+        "--policy", "round_robin",
+    )  # fmt: skip
+    assert wait_until(
+        lambda: httpx2.get(both.url + "/readiness", trust_env=False).status_code == 200
+    )
+    with sdk(both.url) as client:
+        for _ in range(3):
+            raw = client.chat.completions.with_raw_response.create(model="m", messages=MSG)  # type: ignore[arg-type]
+            assert raw.headers["x-mock-worker"] == "live"
+
+
+def test_unknown_paths_are_openai_shaped_404s(spawn: Any) -> None:
+    gw = spawn("serve", "--port", "0")
+    r = httpx2.get(gw.url + "/nothing-here", trust_env=False)
+    assert r.status_code == 404
+    assert r.headers["x-should-retry"] == "false"
+    assert r.json()["error"]["code"] == "unknown_endpoint"
+    r = httpx2.post(gw.url + "/readiness", trust_env=False)
+    assert (r.status_code, r.json()["error"]["code"]) == (405, "method_not_allowed")
+    assert r.headers["allow"] == "GET, HEAD"
 
 
 def test_mock_worker_subcommand(spawn: Any) -> None:

@@ -50,7 +50,7 @@ def statuses(app: ServeApp) -> tuple[int, int, int]:
 
 
 def test_all_good(make: Any) -> None:
-    app = make(URL)
+    app = make(URL, lifecycle={"probe": False})  # nothing to verify: assumed ready
     assert statuses(app) == (200, 200, 200)
     body = json.loads(call(app, "/health")[2])
     assert body == {
@@ -58,8 +58,17 @@ def test_all_good(make: Any) -> None:
         "pool": "ok",
         "workers": 1,
         "healthy_workers": 1,
+        "verified_workers": 1,
         "in_flight": 0,
     }
+
+
+def test_a_worker_no_probe_has_answered_yet_is_not_ready(make: Any) -> None:
+    """Routable (healthy), but readiness waits for a probe to verify it."""
+    app = make(URL)
+    assert statuses(app) == (200, 200, 503)
+    body = json.loads(call(app, "/health")[2])
+    assert (body["healthy_workers"], body["verified_workers"]) == (1, 0)
 
 
 def test_no_worker_configured(make: Any) -> None:
@@ -67,7 +76,7 @@ def test_no_worker_configured(make: Any) -> None:
 
 
 def test_no_healthy_worker_is_not_ready_but_alive(make: Any) -> None:
-    app = make(URL)
+    app = make(URL, lifecycle={"probe": False})
     app.mesh.set_healthy(app.mesh.workers[0], False)
     assert statuses(app) == (200, 200, 503)
 
@@ -85,7 +94,7 @@ def test_a_closed_pool_is_unhealthy_but_alive(make: Any) -> None:
 
 
 def test_draining_is_not_ready(make: Any) -> None:
-    app = make(URL)
+    app = make(URL, lifecycle={"probe": False})
     app.draining = True
     assert statuses(app) == (200, 200, 503)
 

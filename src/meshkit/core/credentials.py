@@ -7,17 +7,20 @@ and ``host``/``content-length`` (rebuilt by the client library), plus the worker
 credentials.
 
 Credential isolation: when the chosen worker has an API key, the client's
-``authorization`` and ``x-api-key`` are dropped and the worker key is sent as
-``Authorization: Bearer``; for ``/v1/messages`` (Anthropic clients authenticate
-with ``x-api-key``) in both headers. Without a worker key, the client's
-credentials pass through unchanged: the worker is the one that checks them.
+``authorization``, ``x-api-key`` and ``api-key`` (Azure OpenAI clients) are
+dropped and the worker key is sent as ``Authorization: Bearer``; for
+``/v1/messages`` (Anthropic clients authenticate with ``x-api-key``) in both
+headers. Without a worker key, the client's credentials pass through unchanged:
+the worker is the one that checks them.
 
 Security: the worker key is only ever placed in outgoing request headers; it is
 never copied into a response, an error, a log line or a metric label.
 
 Response headers relayed to the client drop hop-by-hop headers, keep repeated
 headers (``set-cookie``) and keep ``content-encoding`` (the body is relayed as
-received, still encoded).
+received, still encoded). Where a server writes the response (the middleware, the
+gateway) the worker's ``date`` goes too: every server adds its own, and a response
+has one (:func:`served_headers`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Iterable
 from meshkit.core.endpoints import Api
 from meshkit.types import Headers
 
-__all__ = ["HOP_BY_HOP", "request_headers", "response_headers"]
+__all__ = ["HOP_BY_HOP", "request_headers", "response_headers", "served_headers"]
 
 
 HOP_BY_HOP = frozenset(
@@ -43,9 +46,10 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
+_DROP_SERVED = HOP_BY_HOP | {b"date"}
 # The rank header is meshkit's to set (DP-rank append), never the client's.
 _DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-data-parallel-rank"}
-_CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
+_CREDENTIALS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 _DROP_KEYED = _DROP_REQUEST | _CREDENTIALS
 
 
@@ -109,3 +113,8 @@ def request_headers(
 def response_headers(upstream: Iterable[tuple[bytes, bytes]]) -> Headers:
     """Headers to relay to the client (repeated ones kept, content-encoding kept)."""
     return _kept(upstream, HOP_BY_HOP)
+
+
+def served_headers(upstream: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """:func:`response_headers` for a response a server writes (it adds its own date)."""
+    return _kept(upstream, _DROP_SERVED)

@@ -50,6 +50,12 @@ class Api(enum.StrEnum):
     GENERATE = "generate"
     TOKENIZE = "tokenize"
     MODELS = "models"
+    # pooling models (vLLM): placed like inference, never streamed
+    EMBEDDINGS = "embeddings"
+    RERANK = "rerank"
+    SCORE = "score"
+    POOLING = "pooling"
+    CLASSIFY = "classify"
 
 
 class Op(enum.StrEnum):
@@ -162,6 +168,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     _ep("tokenize.unversioned", Api.TOKENIZE, Op.TOKENIZE, "POST", "/tokenize"),
     _ep("detokenize", Api.TOKENIZE, Op.DETOKENIZE, "POST", "/v1/detokenize"),
     _ep("detokenize.unversioned", Api.TOKENIZE, Op.DETOKENIZE, "POST", "/detokenize"),
+    _ep("embeddings", Api.EMBEDDINGS, Op.CREATE, "POST", "/v1/embeddings"),
+    _ep("rerank", Api.RERANK, Op.CREATE, "POST", "/v1/rerank"),
+    _ep("rerank.unversioned", Api.RERANK, Op.CREATE, "POST", "/rerank"),
+    _ep("rerank.v2", Api.RERANK, Op.CREATE, "POST", "/v2/rerank"),
+    _ep("score", Api.SCORE, Op.CREATE, "POST", "/v1/score"),
+    _ep("score.unversioned", Api.SCORE, Op.CREATE, "POST", "/score"),
+    _ep("pooling", Api.POOLING, Op.CREATE, "POST", "/pooling"),
+    _ep("classify", Api.CLASSIFY, Op.CREATE, "POST", "/classify"),
     _ep("models", Api.MODELS, Op.LIST, "GET", "/v1/models"),
     _ep("models.retrieve", Api.MODELS, Op.RETRIEVE, "GET", "/v1/models/{model}"),
 )
@@ -178,6 +192,14 @@ _PREFIXES: tuple[tuple[str, ErrorShape], ...] = (
     ("/v1/detokenize", "openai"),
     ("/detokenize", "openai"),
     ("/v1/models", "openai"),
+    ("/v1/embeddings", "openai"),
+    ("/v1/rerank", "openai"),
+    ("/rerank", "openai"),
+    ("/v2/rerank", "openai"),
+    ("/v1/score", "openai"),
+    ("/score", "openai"),
+    ("/pooling", "openai"),
+    ("/classify", "openai"),
 )
 
 _MODELS = "/v1/models"

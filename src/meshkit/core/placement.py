@@ -71,6 +71,9 @@ def configured_for(fleet: Fleet, view: RequestView, role: str = "regular") -> li
     return [w for w, _ in _serving(fleet, view.api, view.model, role)]
 
 
+# how a worker serves a request's model: by label or any model, by its own list,
+# or maybe (unlabelled, and its list does not name it or is not known yet)
+_SERVES, _LISTS, _MAY = 0, 1, 2
 #: entries of Fleet.derived kept per fleet version (clients choose model names)
 _MAX_DERIVED = 256
 _Serving = tuple[tuple[Worker, tuple[Candidate, ...]], ...]
@@ -81,16 +84,27 @@ def _serving(fleet: Fleet, api: Api, model: str | None, role: str) -> _Serving:
     key = (api, model, role)
     got: _Serving | None = fleet.derived.get(key)
     if got is None:
-        out = []
+        # Labels restrict; a worker's own list only steers: the unlabelled workers
+        # that list the model get it, and when none does, every unlabelled one does
+        # (llama.cpp and SGLang serve any name; vLLM answers its own 404). Fleet
+        # order is kept: policies index into it.
+        tagged: list[tuple[tuple[Worker, tuple[Candidate, ...]], int]] = []
         for w in fleet.workers:
             if w.role != role and api is not Api.MODELS:  # every role lists its models
                 continue
             if not w.serves(api):
                 continue
-            if model and w.model and w.model != model and api is not Api.MODELS:
-                continue
-            out.append((w, fleet.candidates_of(w)))
-        got = tuple(out)
+            if not model or api is Api.MODELS:
+                tag = _SERVES
+            elif w.models is not None:
+                if model not in w.models:
+                    continue
+                tag = _SERVES
+            else:
+                tag = _LISTS if model in fleet.learned.get(w.id, ()) else _MAY
+            tagged.append(((w, fleet.candidates_of(w)), tag))
+        skip = _MAY if any(tag == _LISTS for _, tag in tagged) else -1
+        got = tuple(entry for entry, tag in tagged if tag != skip)
         if len(fleet.derived) >= _MAX_DERIVED:
             fleet.derived.clear()
         fleet.derived[key] = got
@@ -202,7 +216,7 @@ def overloaded(fleet: Fleet, slots: int, why: str) -> Overloaded:
 
 
 def _labelled(fleet: Fleet) -> bool:
-    return any(w.model for w in fleet.workers)
+    return any(w.models for w in fleet.workers)
 
 
 def place(

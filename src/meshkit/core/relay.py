@@ -51,7 +51,7 @@ def stream_error_event(fmt: StreamFormat, code: str, message: str) -> bytes:
     on ``event: error``, the Responses helpers on an ``error`` event."""
     if fmt is StreamFormat.ANTHROPIC:
         data = msgspec.json.encode(
-            {"type": "error", "error": {"type": "api_error", "message": message}}
+            {"type": "error", "error": {"type": "api_error", "message": message, "code": code}}
         )
         return b"event: error\ndata: " + data + b"\n\n"
     if fmt is StreamFormat.RESPONSES:
@@ -81,6 +81,11 @@ class Books(Protocol):
 
     def abort(self, *, client_left: bool = True) -> None: ...
 
+    @property
+    def stopped(self) -> bool:
+        """The stream reported its own failure: the books are closed, relay no more."""
+        ...
+
 
 class Relay:
     """The steps of relaying one body (see the module docstring)."""
@@ -101,9 +106,14 @@ class Relay:
         self.cut = False
 
     def chunk(self, data: bytes) -> bytes:
-        """A chunk of the worker's body: accounted; returns what to write now."""
-        self._books.feed(data)
+        """A chunk of the worker's body: accounted; returns what to write now. After
+        a chunk that carried the stream's error event :attr:`finished` is set: the
+        front end writes this chunk, then ends the body as if the worker had."""
+        books = self._books
+        books.feed(data)
         if not self._hold:
+            if books.stopped:
+                self.finished = True
             return data
         out, self._held = self._held, data
         return out

@@ -521,6 +521,8 @@ class WorkerStates:
             "index": index,
             "url": worker.url,
             "labels": dict(worker.labels),
+            # None: any model (unlabelled, and its list not learned yet)
+            "models": None if (ms := fleet.models_of(worker)) is None else sorted(ms),
             "sleep_mode": worker.sleep_mode,
             "tracked": tracked,
             "state": m.state.value if m is not None else None,

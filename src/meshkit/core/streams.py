@@ -197,6 +197,9 @@ def _usage_from(u: object) -> Usage | None:
         cached = read or (_int(details.get("cached_tokens")) if isinstance(details, dict) else 0)
         total = _int(u.get("input_tokens")) + _int(u.get("cache_creation_input_tokens")) + read
         return Usage(total, _int(u.get("output_tokens")), cached)
+    if "total_tokens" in u:
+        # a pooling answer (older vLLM rerank): all of it is input
+        return Usage(_int(u.get("total_tokens")), 0, 0)
     return None
 
 

@@ -9,7 +9,9 @@ labels::
                            generate, tokenize, models (absent = all)
     mesh.responses_state   "shared" when Responses state is shared across workers
     mesh.role              regular | prefill | decode
-    mesh.model             the model name it serves (absent = any)
+    mesh.model             the model names it serves, a comma list (absent: what
+                           its ``GET /v1/models`` lists, learned by the probes;
+                           any model until then)
     mesh.dp_size           data-parallel ranks: each rank becomes its own candidate
     mesh.bootstrap_port    prefill workers' KV bootstrap port (default 8998)
     mesh.sleep_mode        "vllm" when the worker implements vLLM sleep mode
@@ -65,6 +67,7 @@ class Worker:
         "id",
         "labels",
         "model",
+        "models",
         "origin",
         "port",
         "responses_state_shared",
@@ -108,6 +111,9 @@ class Worker:
         if self.role not in _ROLES:
             raise ConfigError("workers.labels.mesh.role", f"unknown role {self.role!r}")
         self.model = self.labels.get("mesh.model") or None
+        names = {m.strip() for m in (self.model or "").split(",")} - {""}
+        #: the models the label names (None: not labelled; the fleet may learn them)
+        self.models: frozenset[str] | None = frozenset(names) or None
         self.responses_state_shared = self.labels.get("mesh.responses_state") == "shared"
         self.dp_size = _parse_int(self.labels, "mesh.dp_size", 1, 1, 1024)
         self.bootstrap_port = _parse_int(self.labels, "mesh.bootstrap_port", 8998, 1, 65535)
@@ -218,6 +224,8 @@ class Fleet:
         #: what callers derive from the workers alone (placement's eligibility
         #: lists), cleared when they change; workers are not mutated once added
         self.derived: dict[object, Any] = {}
+        #: the models unlabelled workers listed when probed (bounded per worker)
+        self.learned: dict[str, frozenset[str]] = {}
         for w in workers:
             self.add(w)
 
@@ -256,8 +264,31 @@ class Fleet:
         if self.worker_load.get(worker_id, 0) == 0:
             self.worker_load.pop(worker_id, None)
         self.unhealthy.discard(worker_id)
+        self.learned.pop(worker_id, None)
         self._rebuild()
         return worker
+
+    def models_of(self, worker: Worker) -> frozenset[str] | None:
+        """The models ``worker`` serves: its label's, else what it listed, else
+        None (any model)."""
+        return worker.models or self.learned.get(worker.id)
+
+    def learn(self, worker_id: str, models: frozenset[str] | None) -> bool:
+        """What an unlabelled worker listed at ``GET /v1/models``; True when it changed
+        (placement's derived lists are rebuilt then)."""
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.models is not None:
+            return False
+        if not models:
+            if self.learned.pop(worker_id, None) is None:
+                return False
+        elif self.learned.get(worker_id) == models:
+            return False
+        else:
+            self.learned[worker_id] = models
+        self.version += 1
+        self.derived.clear()
+        return True
 
     def candidates_of(self, worker: Worker) -> tuple[Candidate, ...]:
         return self._by_worker.get(worker.id, ())

@@ -30,6 +30,7 @@ class _NoBooks:
     """The books of a body meshkit only passes through: none to keep."""
 
     done = False
+    stopped = False
 
     def feed(self, chunk: bytes) -> None:
         return None
@@ -62,6 +63,8 @@ class SyncRelayStream:
                 out = relay.chunk(chunk)
                 if out:
                     yield out
+                if relay.finished:
+                    break
         except UpstreamFailure:
             out = relay.fail()
         else:
@@ -93,6 +96,8 @@ class AsyncRelayStream:
                 out = relay.chunk(chunk)
                 if out:
                     yield out
+                if relay.finished:
+                    break
         except UpstreamFailure:
             out = relay.fail()
         else:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 from typing import Any, Protocol
 
-from meshkit.core.credentials import response_headers
+from meshkit.core.credentials import served_headers
 from meshkit.core.endpoints import Match
 from meshkit.core.relay import Relay
 from meshkit.errors import ErrorShape, MeshError
@@ -117,7 +117,7 @@ class Routed:
                 mesh.account(view, final.attempt.lease, exchange.status), view
             )
             self.started = True
-            await down.start(exchange.status, response_headers(exchange.headers))
+            await down.start(exchange.status, served_headers(exchange.headers))
             data = exchange.whole()
             if data is not None:
                 # The common small answer, all here with its head: one write, no
@@ -134,6 +134,8 @@ class Routed:
                     out = relay.chunk(chunk)
                     if out:
                         await down.body(out)
+                    if relay.finished:  # the stream's own error event ended it
+                        break
             except UpstreamFailure:
                 # After the first byte an upstream failure cannot become an HTTP error:
                 # one error event, or (no event framing) a body the server cuts short.

@@ -32,7 +32,7 @@ from urllib.parse import quote, urlsplit
 from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
 from werkzeug.wsgi import get_input_stream
 
-from meshkit.core.credentials import response_headers
+from meshkit.core.credentials import served_headers
 from meshkit.core.endpoints import shape_for_path
 from meshkit.core.relay import Relay
 from meshkit.core.requests import check_head
@@ -163,7 +163,7 @@ class MeshWSGIMiddleware:
         lease = final.attempt.lease
         acct = mesh.account(view, lease, exchange.status)
         start_response(
-            _status_line(exchange.status), _str_headers(response_headers(exchange.headers))
+            _status_line(exchange.status), _str_headers(served_headers(exchange.headers))
         )
         return SyncRelayStream(exchange, Relay(acct, view))
 

@@ -62,6 +62,8 @@ log = logging.getLogger("meshkit.lifecycle")
 
 T = TypeVar("T")
 _MAX_BODY = 64 * 1024
+#: model ids kept from one worker's ``GET /v1/models``
+_MAX_MODELS = 1024
 
 
 class _Call(NamedTuple):
@@ -342,7 +344,27 @@ class Lifecycle:
                     obj = None
                 if isinstance(obj, dict) and isinstance(obj.get("is_sleeping"), bool):
                     sleeping = obj["is_sleeping"]
+        if ok and worker.models is None and sleeping is not True:
+            await self._learn_models(worker)
         return ok, sleeping
+
+    async def _learn_models(self, worker: Worker) -> None:
+        """An unlabelled worker's models, from its own list (vLLM lists its LoRA
+        adapters there too): requests for a model are then placed among the
+        workers that serve it. A worker that does not answer keeps what it had."""
+        res = await self._call("GET", worker, "/v1/models", self.config.health_timeout_s)
+        if res is None or res[0] != 200:
+            return
+        try:
+            data = json.loads(res[1]).get("data")
+        except (ValueError, AttributeError):
+            return
+        if not isinstance(data, list):
+            return
+        ids = [m.get("id") for m in data[:_MAX_MODELS] if isinstance(m, dict)]
+        self.router.learn_models(
+            worker.id, frozenset(i for i in ids if isinstance(i, str) and 0 < len(i) <= 512)
+        )
 
     # -- wake and sleep -------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from meshkit.mock.cache import PrefixCache
 from meshkit.mock.config import MockConfig, MockStats
 from meshkit.mock.errors import anthropic_error, openai_error
 from meshkit.mock.pd import check_pd, logprobs_for, vllm_prefill_params
+from meshkit.mock.pooling_api import PoolingHandlers
 from meshkit.mock.responses_api import ResponseStore
 from meshkit.mock.responses_handlers import ResponsesHandlers
 from meshkit.mock.tokens import Token, Vocab, prompt_size, prompt_tokens
@@ -103,6 +104,7 @@ class MockApp:
         r("/v1/messages/count_tokens", "messages", True, POST=self._count_tokens)
         r("/v1/responses", "responses", False, POST=self._responses.create)
         r("/generate", "generate", False, POST=self._generate)
+        PoolingHandlers(self).register()
         AdminHandlers(self).register()
 
     def handle(self, req: Request) -> Reply:

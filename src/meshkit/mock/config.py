@@ -27,6 +27,7 @@ __all__ = ["API_NAMES", "MockConfig", "MockStats"]
 #: The API families a worker can serve (``MockConfig.apis``).
 API_NAMES = frozenset(
     {"chat", "completions", "messages", "responses", "generate", "tokenize", "models"}
+    | {"embeddings", "rerank", "score", "pooling", "classify"}
 )
 
 

@@ -9,8 +9,9 @@ pure ASGI app that answers only what a gateway needs besides inference:
 ``/health``       200 ``{"status": "ok", ...}``; 503 when the prepare pool is
                   unhealthy or no worker is configured
 ``/liveness``     200 unless the prepare pool failed (restarting is the fix)
-``/readiness``    200 only when the pool is up, a worker is healthy and the
-                  gateway is not draining
+``/readiness``    200 only when the pool is up, a probe has found a worker
+                  healthy (probing starts with the gateway) and the gateway is
+                  not draining
 ``/metrics``      Prometheus text of ``mesh.metrics.registry`` (404 when
                   ``[metrics] enabled = false``)
 ``/workers``      admin (:class:`~meshkit.lifecycle.admin.AdminApp`): list, add,
@@ -18,8 +19,9 @@ pure ASGI app that answers only what a gateway needs besides inference:
                   ``Authorization: Bearer <admin_key>`` when configured
 ================  ============================================================
 
-Everything else is a JSON 404: inference paths never reach this app, the
-middleware routes them first.
+Everything else is a 404 ``unknown_endpoint`` in the error shape of the API the
+path belongs to (a 405 ``method_not_allowed`` for a write to a read-only route):
+inference paths never reach this app, the middleware routes them first.
 
 Security: bodies are never read, and no response carries a credential, a
 prompt or an exception text.
@@ -31,6 +33,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from meshkit.core.endpoints import shape_for_path
+from meshkit.errors import MeshError, MethodNotAllowed, UnknownEndpoint
 from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.lifecycle.admin import AdminApp, lifespan
 from meshkit.mesh import Mesh
@@ -81,13 +85,16 @@ class ServeApp:
             await self._admin(scope, receive, send)
             return
         route = self._routes.get(path)
-        if route is None:
-            status, ctype, body = _json(404, {"error": "not found"})
-        elif scope["method"] not in ("GET", "HEAD"):
-            status, ctype, body = _json(405, {"error": "method not allowed"})
-        else:
+        try:
+            if route is None:
+                raise UnknownEndpoint(f"unknown endpoint: {scope['method']} {path[:200]}")
+            if scope["method"] not in ("GET", "HEAD"):
+                raise MethodNotAllowed(f"{path} is read-only", allowed=("GET", "HEAD"))
             status, ctype, body = route(scope)
-        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+            headers = [(b"content-type", ctype)]
+        except MeshError as exc:
+            status, headers, body = exc.status, exc.headers(), exc.body(shape_for_path(path))
+        headers.append((b"content-length", str(len(body)).encode()))
         # Probes poll these routes: a cached answer would hide a state change.
         headers.append((b"cache-control", b"no-store"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -110,12 +117,12 @@ class ServeApp:
         h = self.mesh.health()
         if self.draining:
             return _json(503, {"status": "draining"})
-        ready = h["pool"] == "ok" and h["healthy_workers"] > 0
+        ready = h["pool"] == "ok" and h["verified_workers"] > 0
         return _json(200 if ready else 503, {"status": "ready" if ready else "not ready"})
 
     def _metrics(self, scope: Scope) -> Reply:
         if not self.mesh.config.metrics.enabled:
-            return _json(404, {"error": "metrics are disabled"})
+            raise UnknownEndpoint("metrics are disabled ([metrics] enabled = false)")
         return 200, METRICS_CONTENT_TYPE, self.mesh.metrics.render()
 
 

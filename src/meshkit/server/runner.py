@@ -279,6 +279,7 @@ def serve(
     sock = listen(settings.host, settings.port)
     url = url_of(sock)
     gateway = build_gateway(mesh)
+    mesh.start_lifecycle()  # probe now: /readiness waits for a verified worker
     run: Runner = {"granian": _run_granian, "uvicorn": _run_uvicorn}.get(
         settings.server, _run_builtin
     )
@@ -396,6 +397,7 @@ class GatewayThread:
         return self.uvicorn.started if self.uvicorn is not None else self._started
 
     def start(self, timeout: float = 30.0) -> str:
+        self.gateway.mesh.start_lifecycle()  # as ``serve`` does
         self._thread.start()
         self._ready.wait(timeout)
         if not self.started:

@@ -29,7 +29,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from meshkit.core.credentials import response_headers
+from meshkit.core.credentials import served_headers
 from meshkit.core.forward import (
     Attempt,
     AttemptResult,
@@ -105,7 +105,7 @@ def _result(exchange: Any, body: bytes | None) -> tuple[AttemptResult, LocalResp
     status = exchange.status
     if body is None:
         return AttemptResult(status=status), None
-    headers = tuple((k, v) for k, v in response_headers(exchange.headers) if k != b"content-length")
+    headers = tuple((k, v) for k, v in served_headers(exchange.headers) if k != b"content-length")
     captured = LocalResponse(status, headers, body)
     return AttemptResult(status=status, headers=headers, body=body), captured
 

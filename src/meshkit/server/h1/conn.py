@@ -453,6 +453,7 @@ class H1Conn(asyncio.Protocol):
         req = self.req
         assert req is not None
         self.status = status
+        headers.append((b"date", date_header()))
         self.pending, self.framing, self.keep_alive, self.remaining = response_head(
             status,
             headers,

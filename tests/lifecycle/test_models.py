@@ -1,0 +1,73 @@
+"""Which worker serves which model: a label's comma list, or what the worker lists."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from harness import wait_until
+from lifecycle.conftest import FAST
+from meshkit import Mesh, Worker
+
+
+def chat(model: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def worker_of(mode: Any, model: str) -> tuple[int, str | None]:
+    r = mode.request("POST", "/v1/chat/completions", json=chat(model))
+    return r.status, r.headers.get("x-mock-worker")
+
+
+def test_a_label_names_several_models(mock_factory: Any, mesh_factory: Any, run_mode: Any) -> None:
+    ab, c = mock_factory(name="ab"), mock_factory(name="c")
+    mesh = mesh_factory(
+        workers=[
+            Worker(ab.url, labels={"mesh.model": "a, b"}),
+            Worker(c.url, labels={"mesh.model": "c"}),
+        ],
+        lifecycle={"probe": False},
+    )
+    mode = run_mode(mesh)
+    for _ in range(3):
+        assert worker_of(mode, "a") == (200, "ab")
+        assert worker_of(mode, "b") == (200, "ab")
+        assert worker_of(mode, "c") == (200, "c")
+    assert worker_of(mode, "z")[0] == 501
+
+
+def models_learned(mesh: Mesh) -> bool:
+    return all(mesh.fleet.models_of(w) for w in mesh.workers)
+
+
+def test_unlabelled_workers_learn_their_models_from_their_list(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    alpha = mock_factory(name="alpha", model="alpha")
+    beta = mock_factory(name="beta", model="beta")
+    mesh = mesh_factory(workers=[alpha.url, beta.url], lifecycle=FAST)
+    mode = run_mode(mesh)
+    mesh.start_lifecycle()
+    assert wait_until(lambda: models_learned(mesh))
+    described = {d["url"]: d["models"] for d in mesh.router.describe()}
+    assert described == {alpha.url: ["alpha"], beta.url: ["beta"]}
+    for _ in range(4):
+        assert worker_of(mode, "beta") == (200, "beta")
+        assert worker_of(mode, "alpha") == (200, "alpha")
+    # Listed nowhere: the engines decide (a labelled fleet would refuse with 501).
+    assert worker_of(mode, "gamma") in ((200, "alpha"), (200, "beta"))
+    listed = mode.request("GET", "/v1/models")
+    assert {m["id"] for m in listed.json()["data"]} == {"alpha", "beta"}
+
+
+@pytest.mark.parametrize("mode_name", ["asgi"])
+def test_a_label_wins_over_the_list(mock_factory: Any, mesh_factory: Any, run_mode: Any) -> None:
+    mock = mock_factory(name="m", model="listed")
+    mesh = mesh_factory(
+        workers=[Worker(mock.url, labels={"mesh.model": "labelled"})], lifecycle=FAST
+    )
+    mesh.start_lifecycle()
+    assert wait_until(lambda: mesh.health()["verified_workers"] == 1)
+    assert mesh.fleet.models_of(mesh.workers[0]) == frozenset({"labelled"})
+    assert worker_of(run_mode(mesh), "labelled") == (200, "m")
