@@ -97,21 +97,19 @@ class PoolingHandlers:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
         }
 
-    def _embeddings(self, body: dict[str, Any], model: str) -> dict[str, Any]:
+    def _vectors(
+        self, body: dict[str, Any], model: str, prefix: str, kind: str, field: str
+    ) -> dict[str, Any]:
         texts = _texts(body.get("input"))
-        out = self._head("embd-", model, prompt_size(texts))
-        out["data"] = [
-            {"index": i, "object": "embedding", "embedding": _unit(t)} for i, t in enumerate(texts)
-        ]
+        out = self._head(prefix, model, prompt_size(texts))
+        out["data"] = [{"index": i, "object": kind, field: _unit(t)} for i, t in enumerate(texts)]
         return out
 
+    def _embeddings(self, body: dict[str, Any], model: str) -> dict[str, Any]:
+        return self._vectors(body, model, "embd-", "embedding", "embedding")
+
     def _pooling(self, body: dict[str, Any], model: str) -> dict[str, Any]:
-        texts = _texts(body.get("input"))
-        out = self._head("pool-", model, prompt_size(texts))
-        out["data"] = [
-            {"index": i, "object": "pooling", "data": _unit(t)} for i, t in enumerate(texts)
-        ]
-        return out
+        return self._vectors(body, model, "pool-", "pooling", "data")
 
     def _classify(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         texts = _texts(body.get("input"))
