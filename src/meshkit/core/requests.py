@@ -11,9 +11,10 @@ meshkit reads are typed, and only loosely. ``max_tokens`` is not required,
 ``temperature`` is not capped, ``top_k: -1`` is fine, every role is accepted.
 Unusable JSON or a field meshkit reads having the wrong type is a 400.
 
-The *routing text* is the prompt in prompt order: system / instructions / tools
-first, then messages / input, so two requests sharing a system prompt and tools
-share a text prefix (alphabetical order would break prefix matching).
+The *routing text* is the prompt in prompt order: the system prompt (or
+instructions), then the tools, then messages / input — the order chat templates
+render them in — so two requests sharing a system prompt and tools share a text
+prefix (alphabetical order would break prefix matching).
 It is only built when the policy needs it.
 
 Responses state: ``previous_response_id``, ``conversation`` (a string or
@@ -347,11 +348,22 @@ def _chat(view: RequestView, p: _Chat, want_text: bool) -> None:
     view.include_usage = view.stream and _usage_flag(p.stream_options)
     view.routing_key = p.prompt_cache_key or p.safety_identifier or p.user
     parts: list[str] = []
+    messages = p.messages
+    # The leading system (or developer) messages, then the tools: the order chat
+    # templates render them in, so the text prefix follows the engine's cache.
+    lead = 0
+    while lead < len(messages) and _is_system(messages[lead]):
+        _message_text(messages[lead], parts)
+        lead += 1
     if p.tools:
         parts.append(_dumps(p.tools))
-    for m in p.messages:
+    for m in messages[lead:] if lead else messages:
         _message_text(m, parts)
     _set_text(view, parts, want_text)
+
+
+def _is_system(m: Json) -> bool:
+    return isinstance(m, dict) and m.get("role") in ("system", "developer")
 
 
 def _completion(view: RequestView, p: _Completion, want_text: bool) -> None:
