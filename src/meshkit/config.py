@@ -175,6 +175,8 @@ class LifecycleConfig:
     idempotency_max: int = 10_000
     # Refuse untracked workers (label mesh.tracking other than "complete").
     require_tracking: bool = False
+    # How often an unlabelled worker's GET /v1/models is read again (0: never read).
+    models_interval_s: float = 60.0
 
 
 @dataclass(frozen=True)

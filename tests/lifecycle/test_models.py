@@ -71,3 +71,22 @@ def test_a_label_wins_over_the_list(mock_factory: Any, mesh_factory: Any, run_mo
     assert wait_until(lambda: mesh.health()["verified_workers"] == 1)
     assert mesh.fleet.models_of(mesh.workers[0]) == frozenset({"labelled"})
     assert worker_of(run_mode(mesh), "labelled") == (200, "m")
+
+
+def test_the_list_is_read_once_per_interval_and_never_at_zero(
+    mock_factory: Any, mesh_factory: Any
+) -> None:
+    """``lifecycle.models_interval_s`` bounds how often probes read ``/v1/models``."""
+    every = mock_factory(name="every", model="listed")
+    never = mock_factory(name="never", model="listed")
+    slow = mesh_factory(workers=[every.url], lifecycle={**FAST, "models_interval_s": 3600})
+    off = mesh_factory(workers=[never.url], lifecycle={**FAST, "models_interval_s": 0})
+    for mesh in (slow, off):
+        mesh.start_lifecycle()
+    probes = lambda mock: mock.worker.stats.requests_total.get("/health", 0)  # noqa: E731
+    # many probe rounds later ...
+    assert wait_until(lambda: probes(every) >= 5 and probes(never) >= 5)
+    assert every.worker.stats.requests_total.get("/v1/models", 0) == 1
+    assert never.worker.stats.requests_total.get("/v1/models", 0) == 0
+    assert slow.fleet.models_of(slow.workers[0]) == frozenset({"listed"})
+    assert off.fleet.models_of(off.workers[0]) is None

@@ -64,6 +64,8 @@ T = TypeVar("T")
 _MAX_BODY = 64 * 1024
 #: model ids kept from one worker's ``GET /v1/models``
 _MAX_MODELS = 1024
+#: workers whose last model-list read is remembered
+_MAX_TRACKED = 4096
 
 
 class _Call(NamedTuple):
@@ -105,6 +107,8 @@ class Lifecycle:
         self._upstream: AsyncUpstream | None = None
         self._op_locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: when each worker's model list was last read (loop time)
+        self._models_at: dict[str, float] = {}
 
     # -- thread control (any thread) ---------------------------------------------------
 
@@ -344,9 +348,24 @@ class Lifecycle:
                     obj = None
                 if isinstance(obj, dict) and isinstance(obj.get("is_sleeping"), bool):
                     sleeping = obj["is_sleeping"]
-        if ok and worker.models is None and sleeping is not True:
+        if ok and worker.models is None and sleeping is not True and self._models_due(worker):
             await self._learn_models(worker)
         return ok, sleeping
+
+    def _models_due(self, worker: Worker) -> bool:
+        """At the first good probe, then every ``models_interval_s``: lists change
+        when an adapter loads, not every probe, and each read costs the engine."""
+        every = self.config.models_interval_s
+        if every <= 0:
+            return False
+        now = asyncio.get_running_loop().time()
+        last = self._models_at.get(worker.id)
+        if last is not None and now - last < every:
+            return False
+        if len(self._models_at) >= _MAX_TRACKED and last is None:
+            self._models_at.clear()  # workers come and go: bounded, re-read once
+        self._models_at[worker.id] = now
+        return True
 
     async def _learn_models(self, worker: Worker) -> None:
         """An unlabelled worker's models, from its own list (vLLM lists its LoRA
