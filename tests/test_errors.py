@@ -32,6 +32,7 @@ from meshkit.errors import (
     UnsupportedMediaType,
     UpstreamError,
     UpstreamTimeout,
+    UpstreamTlsError,
     WorkerWaking,
 )
 
@@ -68,6 +69,7 @@ TABLE = [
         id="501-stateful",
     ),
     P(UpstreamError, 502, "upstream_error", "api_error", id="502"),
+    P(UpstreamTlsError, 502, "upstream_tls_error", "api_error", id="502-tls"),
     P(PrepareQueueFull, 503, "prepare_queue_full", "overloaded_error", id="503-queue"),
     P(NoAvailableWorkers, 503, "no_available_workers", "overloaded_error", id="503-workers"),
     P(WorkerWaking, 503, "worker_waking", "overloaded_error", id="503-waking"),

@@ -218,6 +218,10 @@ class WorkerConfig:
     api_key: str | None = field(default=None, repr=False)
     api_key_env: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    tls_verify: bool = True
+    tls_ca_file: str | None = None
+    tls_client_cert: str | None = None
+    tls_client_key: str | None = None
 
     def build(self) -> Worker:
         key = self.api_key
@@ -228,7 +232,15 @@ class WorkerConfig:
                     "workers.api_key_env", f"environment variable {self.api_key_env} is not set"
                 )
         labels = {str(k): str(v) for k, v in self.labels.items()}
-        return Worker(self.url, api_key=key, labels=labels)
+        return Worker(
+            self.url,
+            api_key=key,
+            labels=labels,
+            tls_verify=self.tls_verify,
+            tls_ca_file=self.tls_ca_file,
+            tls_client_cert=self.tls_client_cert,
+            tls_client_key=self.tls_client_key,
+        )
 
 
 _SECTIONS: dict[str, type[Any]] = {

@@ -19,6 +19,7 @@ sees an OpenAI error and an Anthropic SDK an Anthropic one::
      ├── UnsupportedApiTopology         501 unsupported_api_topology
      ├── StatefulRoutingUnsupported     501 stateful_routing_unsupported
      ├── UpstreamError                  502 upstream_error
+     │    └── UpstreamTlsError          502 upstream_tls_error
      ├── Unavailable (Retry-After)
      │    ├── PrepareQueueFull          503 prepare_queue_full
      │    ├── NoAvailableWorkers        503 no_available_workers
@@ -61,6 +62,7 @@ __all__ = [
     "UnsupportedMediaType",
     "UpstreamError",
     "UpstreamTimeout",
+    "UpstreamTlsError",
     "WorkerWaking",
 ]
 
@@ -238,6 +240,13 @@ class UpstreamError(MeshError):
     code = "upstream_error"
     openai_type = "server_error"
     anthropic_type = "api_error"
+
+
+class UpstreamTlsError(UpstreamError):
+    """The worker's TLS handshake failed: its certificate did not verify, or it
+    refused ours (``tls_verify``, ``tls_ca_file``, ``tls_client_cert``)."""
+
+    code = "upstream_tls_error"
 
 
 class Unavailable(MeshError):

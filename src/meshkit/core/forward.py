@@ -58,13 +58,14 @@ from meshkit.core.credentials import request_headers
 from meshkit.core.endpoints import Api
 from meshkit.core.payload import RankBase, rank_base, with_rank
 from meshkit.core.requests import LocalResponse, RequestView
-from meshkit.core.workers import Candidate
+from meshkit.core.workers import Candidate, Tls
 from meshkit.errors import (
     MeshError,
     NoAvailableWorkers,
     Overloaded,
     UpstreamError,
     UpstreamTimeout,
+    UpstreamTlsError,
     WorkerWaking,
 )
 
@@ -97,6 +98,7 @@ class Failure(enum.Enum):
     TIMEOUT = "timeout"  # no response head in time: the worker may be working on it
     PROTOCOL = "protocol"  # garbage instead of an HTTP response
     POOL = "pool"  # no pooled connection became free in time: nothing was sent
+    TLS = "tls"  # the TLS handshake failed: nothing was sent; safe to move
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +232,11 @@ class Attempt:
     history: list[tuple[str, AttemptResult]] = field(default_factory=list)
     #: "never", "errors" (non-2xx) or "always": read the body into the result
     read_body: str = "never"
+
+    @property
+    def tls(self) -> Tls | None:
+        """The worker's TLS settings (None: the defaults)."""
+        return self.candidate.worker.tls
 
 
 @dataclass(slots=True)
@@ -395,7 +402,12 @@ def forward_flow(
         if result.failure is Failure.TIMEOUT:
             # The worker may be running it: do not duplicate the work elsewhere.
             raise UpstreamTimeout("the worker did not answer in time")
-        last_error = UpstreamError("the worker could not be reached")
+        if result.failure is Failure.TLS:
+            last_error = UpstreamTlsError(
+                "the TLS handshake with the worker failed (check its tls_* settings)"
+            )
+        else:
+            last_error = UpstreamError("the worker could not be reached")
         if last:
             raise last_error
     raise UpstreamError("no attempt left")  # pragma: no cover - the loop returns or raises

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 from meshkit.core.endpoints import Api
 from meshkit.errors import ConfigError
 
-__all__ = ["Candidate", "Fleet", "Worker"]
+__all__ = ["Candidate", "Fleet", "Tls", "Worker"]
 
 _ROLES = frozenset({"regular", "prefill", "decode"})
 #: weight of the newest sample in :attr:`Fleet.hold_s`
@@ -55,6 +55,11 @@ class Worker:
     :param api_key: the worker's own credential; when set, clients' credentials are
         dropped and this one is sent instead. Never shown in a repr or an error.
     :param labels: routing labels (see the module docstring).
+    :param tls_verify: check an ``https://`` worker's certificate (default on).
+    :param tls_ca_file: a PEM bundle of the CAs to check it against (default: the
+        system's).
+    :param tls_client_cert: a PEM client certificate for mutual TLS (with
+        ``tls_client_key`` unless the file holds the key too).
     """
 
     __slots__ = (
@@ -74,6 +79,7 @@ class Worker:
         "role",
         "scheme",
         "sleep_mode",
+        "tls",
         "url",
     )
 
@@ -82,6 +88,11 @@ class Worker:
         url: str,
         api_key: str | None = None,
         labels: Mapping[str, str] | None = None,
+        *,
+        tls_verify: bool = True,
+        tls_ca_file: str | None = None,
+        tls_client_cert: str | None = None,
+        tls_client_key: str | None = None,
     ) -> None:
         parts = urlsplit(url.strip())
         # Checked first, and the URL is not echoed: user info may hold a password.
@@ -118,6 +129,13 @@ class Worker:
         self.dp_size = _parse_int(self.labels, "mesh.dp_size", 1, 1, 1024)
         self.bootstrap_port = _parse_int(self.labels, "mesh.bootstrap_port", 8998, 1, 65535)
         self.sleep_mode = self.labels.get("mesh.sleep_mode") or None
+        if tls_client_key and not tls_client_cert:
+            raise ConfigError("workers.tls_client_key", "a client key needs tls_client_cert")
+        tls = Tls(
+            bool(tls_verify), tls_ca_file or None, tls_client_cert or None, tls_client_key or None
+        )
+        #: None: the defaults (verify against the system's CAs, no client certificate)
+        self.tls: Tls | None = None if tls == _DEFAULT_TLS else tls
 
     @property
     def api_key(self) -> str | None:
@@ -168,6 +186,20 @@ def _parse_int(labels: Mapping[str, str], key: str, default: int, lo: int, hi: i
     if not lo <= value <= hi:
         raise ConfigError(f"workers.labels.{key}", f"must be in [{lo}, {hi}], got {value}")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class Tls:
+    """How to talk TLS to one ``https://`` worker (file paths; read by the client
+    that connects, never here)."""
+
+    verify: bool = True
+    ca_file: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+
+
+_DEFAULT_TLS = Tls()
 
 
 @dataclass(frozen=True, slots=True)

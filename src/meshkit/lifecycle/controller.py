@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.states import WorkerStates
-from meshkit.core.workers import Worker
+from meshkit.core.workers import Tls, Worker
 from meshkit.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ class _Call(NamedTuple):
     url: str
     headers: list[tuple[bytes, bytes]]
     body: bytes = b""
+    tls: Tls | None = None
 
 
 def _copy_outcome(task: asyncio.Future[T], cfut: concurrent.futures.Future[T]) -> None:
@@ -295,7 +296,8 @@ class Lifecycle:
         headers = [(b"authorization", b"Bearer " + key.encode("latin-1"))] if key else []
         try:
             async with asyncio.timeout(timeout_s):
-                exchange = await upstream.asend(_Call(method, worker.url + path, headers))
+                call = _Call(method, worker.url + path, headers, tls=worker.tls)
+                exchange = await upstream.asend(call)
                 try:
                     # A worker is not trusted to be small.
                     return exchange.status, await exchange.read(_MAX_BODY)

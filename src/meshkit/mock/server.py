@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import ssl as ssl_module
 from collections import deque
 from typing import cast
 
@@ -295,11 +296,18 @@ class MockWorker:
     """
 
     def __init__(
-        self, config: MockConfig | None = None, *, host: str = "127.0.0.1", port: int = 0
+        self,
+        config: MockConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ssl: ssl_module.SSLContext | None = None,
     ) -> None:
+        """:param ssl: a server context: the worker speaks ``https://``."""
         self.config = config if config is not None else MockConfig()
         self.host = host
         self.port = port
+        self.ssl = ssl
         self.stats = MockStats()
         self.app = MockApp(self.config, self.stats)
         self._server: asyncio.AbstractServer | None = None
@@ -307,9 +315,9 @@ class MockWorker:
 
     @property
     def url(self) -> str:
-        """``http://host:port`` (the bound port once started)."""
+        """``http(s)://host:port`` (the bound port once started)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.ssl else 'http'}://{host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -323,7 +331,12 @@ class MockWorker:
         for attempt in range(100):
             try:
                 self._server = await loop.create_server(
-                    lambda: _Conn(self), self.host, self.port, reuse_address=True, backlog=1024
+                    lambda: _Conn(self),
+                    self.host,
+                    self.port,
+                    reuse_address=True,
+                    backlog=1024,
+                    ssl=self.ssl,
                 )
                 break
             except OSError as exc:

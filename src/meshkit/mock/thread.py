@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
+from ssl import SSLContext
 from typing import Any, TypeVar
 
 from meshkit.mock.config import MockConfig
@@ -30,8 +31,10 @@ _TIMEOUT = 30.0
 class MockWorkerThread:
     """Runs a :class:`MockWorker` on its own event loop in a daemon thread."""
 
-    def __init__(self, config: MockConfig | None = None, *, port: int = 0) -> None:
-        self.worker = MockWorker(config, port=port)
+    def __init__(
+        self, config: MockConfig | None = None, *, port: int = 0, ssl: SSLContext | None = None
+    ) -> None:
+        self.worker = MockWorker(config, port=port, ssl=ssl)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 

@@ -35,6 +35,7 @@ picks one, so what follows is written here once and every client behaves alike:
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from types import ModuleType, TracebackType
 from typing import Protocol, TypeVar
@@ -291,11 +292,26 @@ def error_of(cause: BaseException | int) -> Exception:
 def _kind(cause: BaseException | int) -> Failure | str:
     if isinstance(cause, int):
         return _KINDS[cause]
+    if _tls_failure(cause):
+        return Failure.TLS
     for cls in type(cause).__mro__:
         kind = _KINDS.get(cls.__name__)
         if kind is not None:
             return kind
     return Failure.CONNECT
+
+
+def _tls_failure(exc: BaseException) -> bool:
+    """httpcore wraps a failed handshake in its ``ConnectError``; the ``ssl`` error
+    is in the chain (an ``SSLCertVerificationError``, or the peer's alert)."""
+    seen = 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 8:
+        if isinstance(cur, ssl.SSLError):
+            return True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return False
 
 
 def _error(kind: Failure | str) -> Exception:

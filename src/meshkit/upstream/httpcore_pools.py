@@ -7,7 +7,10 @@ every request under an event loop that is not asyncio's (httpcore runs on trio).
 Each client library gets the httpcore it is built on (httpx: ``httpcore``,
 httpx2: ``httpcore2``; ``httpcore`` by default), imported by the first request.
 ``pool_limit`` is httpcore's ``max_connections``; it has no per-origin bound, so
-``pool_limit_per_worker`` bounds the idle connections it keeps.
+``pool_limit_per_worker`` bounds the idle connections it keeps. A worker with TLS
+settings of its own (``tls_ca_file``, ``tls_verify``, a client certificate) gets pools
+of its setting's SSL context (one pair per distinct setting, made on first use); a
+failed handshake is ``Failure.TLS``, the 502 ``upstream_tls_error``.
 
 A request becomes the ``httpcore.Request`` directly (its URL and ``host`` parsed
 once per URL), not an ``httpx.Request`` and back, with the ``[upstream]``
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import ssl
 import threading
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
@@ -29,6 +33,7 @@ from typing import Any
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Failure
+from meshkit.core.workers import Tls
 from meshkit.http1 import Headers, split_url
 from meshkit.upstream.base import (
     AsyncUpstream,
@@ -135,21 +140,46 @@ class HttpcoreUpstream(SyncUpstream, AsyncUpstream):
         self._pool: Any = None
         self._apool: Any = None
         self._errors: Errors = ()
+        #: (sync, async) pools of the workers with TLS settings of their own: one
+        #: pair per distinct setting (httpcore takes one SSL context per pool)
+        self._tls_pools: dict[Tls, tuple[Any, Any]] = {}
+
+    def _limits(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "max_connections": c.pool_limit or None,
+            "max_keepalive_connections": c.pool_limit_per_worker or None,
+            "keepalive_expiry": c.idle_timeout_s,
+        }
 
     def _load(self) -> None:
         with self._lock:  # threads sharing a new client would each build pools
             if self._pool is not None:
                 return
             core = self.core = importlib.import_module(self._name)
-            c = self.config
-            limits = {
-                "max_connections": c.pool_limit or None,
-                "max_keepalive_connections": c.pool_limit_per_worker or None,
-                "keepalive_expiry": c.idle_timeout_s,
-            }
+            limits = self._limits()
             self._errors = errors_of(core)
             self._apool = core.AsyncConnectionPool(**limits)
             self._pool = core.ConnectionPool(**limits)
+
+    def _pools_for(self, tls: Tls) -> tuple[Any, Any]:
+        pools = self._tls_pools.get(tls)
+        if pools is not None:
+            return pools
+        with self._lock:
+            pools = self._tls_pools.get(tls)
+            if pools is None:
+                try:
+                    ctx = ssl_context(tls)
+                except (OSError, ValueError) as exc:  # a missing or unreadable file
+                    raise UpstreamFailure(Failure.TLS) from exc
+                core, limits = self.core, self._limits()
+                pools = (
+                    core.ConnectionPool(ssl_context=ctx, **limits),
+                    core.AsyncConnectionPool(ssl_context=ctx, **limits),
+                )
+                self._tls_pools[tls] = pools
+        return pools
 
     # -- requests -------------------------------------------------------------------
 
@@ -200,9 +230,11 @@ class HttpcoreUpstream(SyncUpstream, AsyncUpstream):
 
     def send(self, request: Request) -> SyncStreamExchange:
         req = self._prepared(request)
+        tls = getattr(request, "tls", None)
+        pool = self._pool if tls is None else self._pools_for(tls)[0]
         for fresh in (False, True):
             try:
-                resp = self._pool.handle_request(req)
+                resp = pool.handle_request(req)
             except self._errors as exc:
                 error = failure(exc, fresh=fresh)
                 if error is None:
@@ -213,9 +245,11 @@ class HttpcoreUpstream(SyncUpstream, AsyncUpstream):
 
     async def asend(self, request: Request) -> AsyncStreamExchange:
         req = self._prepared(request)
+        tls = getattr(request, "tls", None)
+        pool = self._apool if tls is None else self._pools_for(tls)[1]
         for fresh in (False, True):
             try:
-                resp = await self._apool.handle_async_request(req)
+                resp = await pool.handle_async_request(req)
             except self._errors as exc:
                 error = failure(exc, fresh=fresh)
                 if error is None:
@@ -227,7 +261,22 @@ class HttpcoreUpstream(SyncUpstream, AsyncUpstream):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+        for pool, _ in self._tls_pools.values():
+            pool.close()
 
     async def aclose(self) -> None:
         if self._apool is not None:
             await self._apool.aclose()
+        for _, apool in self._tls_pools.values():
+            await apool.aclose()
+
+
+def ssl_context(tls: Tls) -> ssl.SSLContext:
+    """The client context of a worker's TLS settings."""
+    ctx = ssl.create_default_context(cafile=tls.ca_file)
+    if not tls.verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if tls.client_cert:
+        ctx.load_cert_chain(tls.client_cert, tls.client_key)
+    return ctx
