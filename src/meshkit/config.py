@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshkit.core.discovery import DNS_SCHEME, DnsWorkers
 from meshkit.core.workers import Worker
 from meshkit.errors import ConfigError
 
 __all__ = [
     "BoundsConfig",
+    "DiscoveryConfig",
     "LifecycleConfig",
     "MeshConfig",
     "MetricsConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "ServerConfig",
     "UpstreamConfig",
     "WorkerConfig",
+    "load_workers_file",
 ]
 
 
@@ -194,6 +197,28 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """``dns://`` worker entries and the ``workers_file`` (``[discovery]``).
+
+    Names are looked up again every ``lifecycle.health_interval_s``.
+    """
+
+    # Workers one dns:// entry may become (a lookup returning more keeps the first).
+    max_addresses: int = 256
+    resolve_timeout_s: float = 5.0
+    # How often the workers file's modification time is checked.
+    watch_interval_s: float = 1.0
+    max_file_bytes: int = 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_addresses < 1:
+            raise ConfigError("discovery.max_addresses", "must be at least 1")
+        for name in ("resolve_timeout_s", "watch_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"discovery.{name}", "must be > 0")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The standalone gateway, ``meshkit serve`` (``[server]``); its flags take precedence."""
 
@@ -223,15 +248,23 @@ class WorkerConfig:
     tls_client_cert: str | None = None
     tls_client_key: str | None = None
 
-    def build(self) -> Worker:
-        key = self.api_key
-        if self.api_key_env:
-            key = os.environ.get(self.api_key_env)
-            if key is None:
-                raise ConfigError(
-                    "workers.api_key_env", f"environment variable {self.api_key_env} is not set"
-                )
+    def _key(self) -> str | None:
+        if not self.api_key_env:
+            return self.api_key
+        key = os.environ.get(self.api_key_env)
+        if key is None:
+            raise ConfigError(
+                "workers.api_key_env", f"environment variable {self.api_key_env} is not set"
+            )
+        return key
+
+    def build(self) -> Worker | DnsWorkers:
+        key = self._key()
         labels = {str(k): str(v) for k, v in self.labels.items()}
+        if self.url.strip().lower().startswith(DNS_SCHEME + "://"):
+            if self.tls_ca_file or self.tls_client_cert or self.tls_client_key:
+                raise ConfigError("workers.url", "dns:// entries are plain http: no TLS options")
+            return DnsWorkers.parse(self.url, api_key=key, labels=labels)
         return Worker(
             self.url,
             api_key=key,
@@ -252,7 +285,11 @@ _SECTIONS: dict[str, type[Any]] = {
     "metrics": MetricsConfig,
     "pd": PdConfig,
     "server": ServerConfig,
+    "discovery": DiscoveryConfig,
 }
+
+#: the keys a reload (SIGHUP, ``Mesh.reconfigure``) applies; the rest need a restart
+RELOADABLE = frozenset({"workers", "dns_workers", "workers_file", "policy", "policies"})
 
 
 @dataclass(frozen=True)
@@ -260,6 +297,10 @@ class MeshConfig:
     """The whole configuration; the same keys are ``Mesh(...)`` keyword arguments."""
 
     workers: tuple[Worker, ...] = ()
+    #: the ``dns://name:port`` entries of ``workers``
+    dns_workers: tuple[DnsWorkers, ...] = ()
+    #: a file of more worker entries, watched (relative: to the config file's folder)
+    workers_file: str | None = None
     policy: Any = "round_robin"
     policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     tokenizer: str | None = None
@@ -273,6 +314,7 @@ class MeshConfig:
     metrics: MetricsConfig = MetricsConfig()
     pd: PdConfig = PdConfig()
     server: ServerConfig = ServerConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
     @classmethod
     def build(cls, source: str | None = None, **kwargs: Any) -> MeshConfig:
@@ -286,8 +328,14 @@ class MeshConfig:
             if key in _SECTIONS:
                 values[key] = _section(_SECTIONS[key], key, raw, source)
             elif key == "workers":
-                values[key] = tuple(_worker(w, i, source) for i, w in enumerate(raw or ()))
-            elif key in ("tokenizer", "admin_key"):
+                values["workers"], dns = _workers(raw, source)
+                values["dns_workers"] = tuple(values.get("dns_workers", ())) + dns
+            elif key == "dns_workers":
+                static, dns = _workers(raw, source)
+                if static:
+                    raise ConfigError(key, "takes dns:// entries only", source=source)
+                values[key] = tuple(values.get(key, ())) + dns
+            elif key in ("tokenizer", "admin_key", "workers_file"):
                 if raw is not None and not isinstance(raw, str):
                     raise ConfigError(key, "must be a string", source=source)
                 values[key] = raw
@@ -308,7 +356,11 @@ class MeshConfig:
             raise ConfigError("MESHKIT_CONFIG", f"no such file: {p}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("toml", str(exc), source=str(p)) from None
-        return cls.build(source=str(p), **data)
+        config = cls.build(source=str(p), **data)
+        if config.workers_file and not Path(config.workers_file).is_absolute():
+            where = str(p.parent / config.workers_file)
+            config = dataclasses.replace(config, workers_file=where)
+        return config
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> MeshConfig:
@@ -317,13 +369,13 @@ class MeshConfig:
         config = cls.from_file(path) if path else cls()
         urls = env.get("MESHKIT_WORKERS")
         if urls:
-            extra = tuple(
-                _worker(parse_worker_arg(u), i, "MESHKIT_WORKERS")
-                # commas separate workers only before a scheme: label values such as
-                # mesh.apis=chat,completions contain commas too
-                for i, u in enumerate(x for x in re.split(r",(?=\s*https?://)", urls) if x.strip())
+            # commas separate workers only before a scheme: label values such as
+            # mesh.apis=chat,completions contain commas too
+            items = [x for x in re.split(r",(?=\s*(?:https?|dns)://)", urls) if x.strip()]
+            workers, dns = _workers([parse_worker_arg(u) for u in items], "MESHKIT_WORKERS")
+            config = dataclasses.replace(
+                config, workers=config.workers + workers, dns_workers=config.dns_workers + dns
             )
-            config = dataclasses.replace(config, workers=config.workers + extra)
         policy = env.get("MESHKIT_POLICY")
         if policy:
             config = dataclasses.replace(config, policy=policy)
@@ -346,8 +398,59 @@ def parse_worker_arg(arg: str) -> dict[str, Any]:
     return {"url": url, "labels": labels}
 
 
-def _worker(raw: Any, index: int, source: str | None) -> Worker:
-    if isinstance(raw, Worker):
+def _workers(raw: Any, source: str | None) -> tuple[tuple[Worker, ...], tuple[DnsWorkers, ...]]:
+    if raw is None:
+        raw = ()
+    if isinstance(raw, str | Mapping) or not isinstance(raw, typing.Iterable):
+        raise ConfigError("workers", "must be a list of worker entries", source=source)
+    workers: list[Worker] = []
+    dns: list[DnsWorkers] = []
+    for i, w in enumerate(raw):
+        built = _worker(w, i, source)
+        (dns if isinstance(built, DnsWorkers) else workers).append(built)  # type: ignore[arg-type]
+    return tuple(workers), tuple(dns)
+
+
+def load_workers_file(
+    path: str | os.PathLike[str], max_bytes: int
+) -> tuple[tuple[Worker, ...], tuple[DnsWorkers, ...]]:
+    """The entries of a ``workers_file``: TOML ``[[workers]]`` tables, or JSON
+    (``.json``: ``{"workers": [...]}`` or the list itself), the same keys as the
+    config file's worker entries.
+
+    :raises ConfigError: naming the file and the entry at fault.
+    """
+    p = Path(path)
+    source = str(p)
+    try:
+        with p.open("rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise ConfigError("workers_file", f"cannot read {p}: {exc.strerror}") from None
+    if len(raw) > max_bytes:
+        raise ConfigError(
+            "discovery.max_file_bytes", f"{p} is over {max_bytes} bytes", source=source
+        )
+    try:
+        text = raw.decode("utf-8")
+        if p.suffix.lower() == ".json":
+            import json
+
+            data: Any = json.loads(text)
+        else:
+            data = tomllib.loads(text)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError("workers_file", f"cannot parse: {exc}", source=source) from None
+    if isinstance(data, Mapping):
+        unknown = set(data) - {"workers"}
+        if unknown:
+            raise ConfigError(sorted(unknown)[0], "unknown key (only workers)", source=source)
+        data = data.get("workers", ())
+    return _workers(data, source)
+
+
+def _worker(raw: Any, index: int, source: str | None) -> Worker | DnsWorkers:
+    if isinstance(raw, Worker | DnsWorkers):
         return raw
     if isinstance(raw, str):
         raw = {"url": raw}

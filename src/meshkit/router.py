@@ -36,7 +36,7 @@ from meshkit.core.policies.affinity import ResponsesAffinity
 from meshkit.core.policies.base import BasePolicy, Completion, PlacementContext, Policy
 from meshkit.core.policies.registry import create_policy
 from meshkit.core.requests import RequestView
-from meshkit.core.states import WorkerStates
+from meshkit.core.states import WorkerStates, is_tracked
 from meshkit.core.workers import Candidate, Fleet, Worker
 from meshkit.errors import ConfigError, NoAvailableWorkers, WorkerWaking
 
@@ -379,6 +379,36 @@ class Router:
             self.fleet.add(worker)
             self.states.track(worker, self.clock())
             self._changed()
+
+    def replace(self, worker: Worker) -> bool:
+        """New labels, key or TLS options for a worker already in the fleet (same
+        id); its state, leases and load carry over."""
+        with self._lock:
+            old = self.fleet.get(worker.id)
+            if old is None or not self.fleet.replace(worker):
+                return False
+            if is_tracked(old) != is_tracked(worker):
+                self.states.track(worker, self.clock())  # another machine: start it afresh
+            self.states.refresh(worker.id)
+            self._changed()
+            return True
+
+    def set_policy(
+        self,
+        policy: Policy | None,
+        *,
+        prefill: Policy | None = None,
+        decode: Policy | None = None,
+    ) -> None:
+        """Place with these policies from now on (a reload; None keeps the running
+        one); responses in flight end on the new ones too."""
+        with self._lock:
+            if policy is not None:
+                self.policy = policy
+            if prefill is not None:
+                self.prefill_policy = prefill
+            if decode is not None:
+                self.decode_policy = decode
 
     def remove(self, worker_id: str) -> Worker | None:
         """Remove a worker (its running requests still end normally)."""

@@ -137,6 +137,11 @@ class WorkerStates:
         self.leases.touch(worker.id, now)
         self._refresh(worker.id)
 
+    def refresh(self, worker_id: str) -> None:
+        """The worker's labels changed (same id): placement's sets are recomputed."""
+        self._refresh(worker_id)
+        self.changed.add(worker_id)
+
     def forget(self, worker_id: str) -> None:
         """The worker was removed from the fleet."""
         self.machines.pop(worker_id, None)

@@ -283,6 +283,32 @@ class Fleet:
         self.worker_load.setdefault(worker.id, 0)
         self._rebuild()
 
+    def replace(self, worker: Worker) -> bool:
+        """Swap in ``worker`` for the one with its id (new labels, key or TLS):
+        loads, health and learned models are kept, so leases in flight release
+        into the same counts. False when no such worker is in the fleet."""
+        old = self._workers.get(worker.id)
+        if old is None:
+            return False
+        self._workers[worker.id] = worker
+        if worker.dp_size > 1:
+            cands = tuple(Candidate(worker, r) for r in range(worker.dp_size))
+        else:
+            cands = (Candidate(worker),)
+        keep = {c.key for c in cands}
+        for c in self._by_worker.get(worker.id, ()):
+            if c.key not in keep and self.load.get(c.key, 0) == 0:
+                self.load.pop(c.key, None)
+                self.weight.pop(c.key, None)
+        self._by_worker[worker.id] = cands
+        for c in cands:
+            self.load.setdefault(c.key, 0)
+            self.weight.setdefault(c.key, 0)
+        if worker.models is not None:
+            self.learned.pop(worker.id, None)
+        self._rebuild()
+        return True
+
     def remove(self, worker_id: str) -> Worker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is None:

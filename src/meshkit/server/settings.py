@@ -27,7 +27,6 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from meshkit.config import MeshConfig, parse_worker_arg
 from meshkit.errors import ConfigError
@@ -58,15 +57,14 @@ def _file_keys(path: str) -> set[str]:
     return set(tomllib.loads(Path(path).read_text(encoding="utf-8")))
 
 
-def _flag_workers(args: Sequence[str]) -> tuple[Any, ...]:
+def _flag_workers(args: Sequence[str]) -> MeshConfig:
     parsed = []
     for arg in args:
         try:
             parsed.append(parse_worker_arg(arg))
         except ConfigError as exc:
             raise ConfigError(exc.key, str(exc).split(": ", 1)[-1], source="--worker") from None
-    workers: tuple[Any, ...] = MeshConfig.build(source="--worker", workers=parsed).workers
-    return workers
+    return MeshConfig.build(source="--worker", workers=parsed)
 
 
 def resolve_settings(
@@ -97,11 +95,13 @@ def resolve_settings(
     else:
         base, keys = MeshConfig(), set()
 
+    fleet: MeshConfig | None = None
     if workers:
-        base = dataclasses.replace(base, workers=_flag_workers(workers))
+        fleet = _flag_workers(workers)
     elif "workers" not in keys and env.get("MESHKIT_WORKERS"):
-        fleet = MeshConfig.from_env({"MESHKIT_WORKERS": env["MESHKIT_WORKERS"]}).workers
-        base = dataclasses.replace(base, workers=fleet)
+        fleet = MeshConfig.from_env({"MESHKIT_WORKERS": env["MESHKIT_WORKERS"]})
+    if fleet is not None:
+        base = dataclasses.replace(base, workers=fleet.workers, dns_workers=fleet.dns_workers)
 
     if policy:
         base = dataclasses.replace(base, policy=policy)
