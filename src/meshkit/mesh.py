@@ -40,10 +40,12 @@ from meshkit.core.requests import LocalResponse, RequestView
 from meshkit.core.workers import Fleet, Worker
 from meshkit.errors import MeshError
 from meshkit.lifecycle.controller import Lifecycle
+from meshkit.lifecycle.discovery import Discovery
 from meshkit.metrics import LifecycleCollector, RouterMetrics
 from meshkit.prepare.pipeline import Preparer
 from meshkit.prepare.pool import PreparePool
 from meshkit.prepare.tokenizers import TokenizerRegistry
+from meshkit.reload import Reload
 from meshkit.router import Router
 from meshkit.types import Headers
 
@@ -112,6 +114,11 @@ class Mesh:
         #: the fleet, the policy, worker states and leases, behind one lock
         self.router = Router(config, clock=clock, metrics=self.metrics)
         self.metrics.series.load = self.router.loads
+        #: probes, wakes, sleeps, drains; its runner thread starts with the first
+        #: request (or start_lifecycle()) and stops with close()
+        self.lifecycle = Lifecycle(self.router, config.lifecycle)
+        # Before the pool starts: a workers file that does not load fails here.
+        self.lifecycle.discovery = Discovery(self.router, self.lifecycle, config)
         pc = config.prepare
         self.pool = PreparePool(pc, registry=self.metrics.registry)
         self.tokenizers = TokenizerRegistry(
@@ -128,9 +135,6 @@ class Mesh:
             backoff_base_s=config.upstream.backoff_base_s,
             backoff_max_s=config.upstream.backoff_max_s,
         )
-        #: probes, wakes, sleeps, drains; its runner thread starts with the first
-        #: request (or start_lifecycle()) and stops with close()
-        self.lifecycle = Lifecycle(router, config.lifecycle)
         self.metrics.registry.register(LifecycleCollector(router))
         self._legs: ThreadPoolExecutor | None = None
         self._legs_lock = threading.Lock()
@@ -342,6 +346,19 @@ class Mesh:
         self.router.ask_wake(wid)
         deadline = self.clock() + self._wait_s(timeout_s)
         return await self.router.readiness(wid).wait_async(deadline)
+
+    def reconfigure(self, config: MeshConfig, *, timeout_s: float = 30.0) -> Reload:
+        """Apply a new configuration's workers, ``dns://`` entries, workers file,
+        policy and policy options without a restart (``meshkit serve`` does this on
+        SIGHUP): workers that left are drained, then removed, in the background.
+
+        :returns: what changed, and the keys that differ but need a restart.
+        :raises ConfigError: nothing was changed (a policy or workers file that
+            does not load).
+        """
+        from meshkit.reload import reconfigure
+
+        return reconfigure(self, config, timeout_s=timeout_s)
 
     def start_lifecycle(self) -> None:
         """Start probing now rather than at the first request."""

@@ -205,6 +205,19 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.reloads = Counter(
+            "mesh_router_reloads",
+            "Configuration reloads (SIGHUP), by outcome: ok, or error (the running one stayed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.discovery_failures = Counter(
+            "mesh_router_discovery_failures",
+            "dns:// lookups and workers-file reads that failed (the last good answer stayed)",
+            ["source"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

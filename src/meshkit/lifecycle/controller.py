@@ -53,6 +53,7 @@ from meshkit.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from meshkit.config import LifecycleConfig
+    from meshkit.lifecycle.discovery import Discovery
     from meshkit.router import Router
     from meshkit.upstream.base import AsyncUpstream
 
@@ -110,6 +111,8 @@ class Lifecycle:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: when each worker's model list was last read (loop time)
         self._models_at: dict[str, float] = {}
+        #: dns:// entries and the workers file (set by the Mesh; runs on this thread)
+        self.discovery: Discovery | None = None
 
     # -- thread control (any thread) ---------------------------------------------------
 
@@ -128,6 +131,7 @@ class Lifecycle:
             cfg.probe
             or cfg.idle_sleep_s is not None
             or any(w.sleep_mode for w in self.router.workers)
+            or (self.discovery is not None and self.discovery.needed)
         ):
             self._start_thread()
 
@@ -170,7 +174,7 @@ class Lifecycle:
             if self._stop is None or self._stop.is_set():
                 cfut.cancel()
                 return
-            task = self._spawn(factory())
+            task = self.spawn(factory())
             task.add_done_callback(lambda t: _copy_outcome(t, cfut))
 
         if loop is None or self._stopping:
@@ -244,7 +248,8 @@ class Lifecycle:
             finally:
                 loop.close()
 
-    def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
+    def spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
+        """(the loop) Run ``coro`` as a task the thread cancels when it stops."""
         task: asyncio.Task[T] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -264,10 +269,12 @@ class Lifecycle:
 
         self._upstream = async_upstream(up)
         try:
+            if self.discovery is not None:
+                self.spawn(self.discovery.run())
             if self.config.probe:
-                self._spawn(self._probe_loop())
+                self.spawn(self._probe_loop())
             if self.config.idle_sleep_s is not None:
-                self._spawn(self._idle_loop())
+                self.spawn(self._idle_loop())
             self._up.set()
             await self._stop.wait()
         finally:
@@ -428,6 +435,6 @@ class Lifecycle:
             await asyncio.sleep(period)
             try:
                 for wid in self.router.do(WorkerStates.idle_candidates):
-                    self._spawn(self._sleep(wid, level, strict=False))
+                    self.spawn(self._sleep(wid, level, strict=False))
             except Exception:  # pragma: no cover - a bug must not stop the loop
                 log.exception("lifecycle idle check failed")

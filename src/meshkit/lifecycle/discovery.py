@@ -1,0 +1,224 @@
+"""
+Discovery: dns:// entries, the workers file, reloads
+====================================================
+
+The I/O half of :mod:`meshkit.core.discovery`, on the lifecycle thread's loop:
+
+* every ``lifecycle.health_interval_s``, each ``dns://name:port`` entry's name is
+  looked up again (the system resolver, bounded by ``discovery.resolve_timeout_s``);
+* every ``discovery.watch_interval_s``, the ``workers_file`` is checked (its
+  modification time, size and inode: a Kubernetes ConfigMap update swaps a
+  symlink) and read again when it changed;
+* :meth:`Discovery.reconfigure` takes a new configuration's sources (a reload).
+
+After each, the fleet is taken to what the sources say: new workers are added
+(unverified until probed, and probed at once), changed ones swapped in place,
+and workers that left are drained (``lifecycle.drain_timeout_s``), then removed.
+
+A failed lookup or a file that does not load changes nothing: the last good
+answer stays, one log line says why (once, until the source recovers), and
+``mesh_router_discovery_failures_total`` counts it. A lookup that returns no
+address is a failure too (the resolver raises): so one bad answer never drains
+a whole Service's workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING
+
+from meshkit.config import MeshConfig, load_workers_file
+from meshkit.core.discovery import FleetPlan, FleetSources, plan
+from meshkit.core.lifecycle import LifecycleError
+from meshkit.core.workers import Worker
+from meshkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from meshkit.lifecycle.controller import Lifecycle
+    from meshkit.router import Router
+
+__all__ = ["Discovery"]
+
+log = logging.getLogger("meshkit.discovery")
+
+_Stamp = tuple[int, int, int]
+
+
+def _stamp(path: str) -> _Stamp | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+class Discovery:
+    """The sources of one Mesh's fleet, kept applied (see the module docstring).
+
+    Built with the mesh: the static workers are already in the router's fleet;
+    the workers file is read here, so a missing or bad one fails at start.
+    """
+
+    def __init__(self, router: Router, lifecycle: Lifecycle, config: MeshConfig) -> None:
+        self.router = router
+        self.lifecycle = lifecycle
+        self.cfg = config.discovery
+        self.interval_s = max(0.01, config.lifecycle.health_interval_s)
+        self.sources = FleetSources(self.cfg.max_addresses)
+        self.sources.configure(config.workers, config.dns_workers)
+        #: ids the sources put in the fleet (the only ones they remove)
+        self.managed: set[str] = {w.id for w in config.workers}
+        self.leaving: set[str] = set()
+        self.file = config.workers_file
+        self._stamp: _Stamp | None = None
+        if self.file:
+            self._stamp = _stamp(self.file)
+            self.sources.set_file(*load_workers_file(self.file, self.cfg.max_file_bytes))
+        self._failing: dict[str, str] = {}
+        self._next_lookup = 0.0
+        self._poke: asyncio.Event | None = None
+        self.apply()
+
+    @property
+    def needed(self) -> bool:
+        """Whether there is anything to look up or watch."""
+        return bool(self.file or self.sources.names())
+
+    # -- on the lifecycle loop ------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Watch and look up until cancelled (the lifecycle thread stops)."""
+        self._poke = asyncio.Event()
+        while True:
+            try:
+                await self.round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # pragma: no cover - a bug must not stop discovery
+                log.exception("discovery round failed")
+            timeout = self.cfg.watch_interval_s if self.needed else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), timeout)
+            self._poke.clear()
+
+    async def round(self) -> None:
+        changed = self._check_file()
+        now = asyncio.get_running_loop().time()
+        if self.sources.names() and now >= self._next_lookup:
+            self._next_lookup = now + self.interval_s
+            await self._look_up(self.sources.names())
+            changed = True
+        if changed:
+            self.apply()
+
+    async def reconfigure(self, config: MeshConfig) -> FleetPlan:
+        """Take ``config``'s sources; a new name is looked up before the plan, so
+        its workers are not taken for gone.
+
+        :raises ConfigError: the workers file does not load (nothing changed).
+        """
+        file_entries = None
+        if config.workers_file:
+            file_entries = load_workers_file(config.workers_file, self.cfg.max_file_bytes)
+        self.sources.configure(config.workers, config.dns_workers)
+        self.file = config.workers_file
+        if file_entries is not None:
+            assert self.file is not None
+            self._stamp = _stamp(self.file)
+            self.sources.set_file(*file_entries)
+            self._failing.pop("file", None)
+        else:
+            self._stamp = None
+            self.sources.set_file((), ())
+        if self.sources.unresolved():
+            await self._look_up(self.sources.unresolved())
+        if self._poke is not None:
+            self._poke.set()  # the watch interval may have changed from none to some
+        return self.apply()
+
+    def _check_file(self) -> bool:
+        if not self.file:
+            return False
+        stamp = _stamp(self.file)
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            entries = load_workers_file(self.file, self.cfg.max_file_bytes)
+        except ConfigError as exc:
+            self._fail("file", "file", f"{exc}; keeping its last workers")
+            return False
+        self._recover("file", f"workers file {self.file} read again")
+        self.sources.set_file(*entries)
+        return True
+
+    async def _look_up(self, names: tuple[str, ...]) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def one(name: str) -> None:
+            try:
+                async with asyncio.timeout(self.cfg.resolve_timeout_s):
+                    infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            except (OSError, TimeoutError) as exc:
+                reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
+                message = f"dns://{name}: lookup failed ({reason}); keeping its last workers"
+                self._fail("dns:" + name, "dns", message)
+                return
+            addresses = [str(info[4][0]) for info in infos]
+            self._recover("dns:" + name, f"dns://{name} resolves again")
+            self.sources.set_addresses(name, addresses)
+
+        await asyncio.gather(*(one(n) for n in names))
+
+    def _fail(self, key: str, kind: str, message: str) -> None:
+        self.router.metrics.discovery_failures.labels(kind).inc()
+        if self._failing.get(key) != message:
+            self._failing[key] = message
+            log.warning("%s", message)
+
+    def _recover(self, key: str, message: str) -> None:
+        if self._failing.pop(key, None) is not None:
+            log.info("%s", message)
+
+    # -- applying (the loop thread, or the constructor before it starts) ------------------
+
+    def apply(self) -> FleetPlan:
+        """Take the fleet to what the sources say now."""
+        router = self.router
+        fleet = {w.id: w for w in router.workers}
+        change = plan(fleet, self.managed, self.sources.desired(), leaving=self.leaving)
+        if not change:
+            return change
+        for w in change.add:
+            try:
+                router.add(w)
+            except ConfigError:  # added meanwhile (admin API): it is not ours
+                continue
+            self.managed.add(w.id)
+        for w in change.update:
+            router.replace(w)
+        for wid in change.remove:
+            self.leaving.add(wid)
+            self.lifecycle.spawn(self._retire(wid))
+        if change.add:
+            self.lifecycle.kick()
+        log.info("fleet: %s", change.summary())
+        return change
+
+    async def _retire(self, worker_id: str) -> None:
+        """Drain, then remove: its streams in flight end normally either way."""
+        worker: Worker | None = self.router.get(worker_id)
+        try:
+            with contextlib.suppress(LifecycleError):  # removed meanwhile
+                await self.lifecycle.adrain(worker_id)
+            self.router.remove(worker_id)
+        finally:
+            self.leaving.discard(worker_id)
+            self.managed.discard(worker_id)
+        if worker is not None:
+            log.info("worker %s removed", worker.url)
+        self.apply()  # one that came back while it drained is added now
