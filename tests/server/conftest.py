@@ -49,7 +49,11 @@ class Proc:
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self.stdout: list[str] = []
+        #: stderr so far (read while it runs: logs are checked before it exits)
+        self.stderr: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
+        self._err = threading.Thread(target=self._pump_err, daemon=True)
+        self._err.start()
         self.url = self._wait_for_url()
 
     def _pump(self) -> None:
@@ -57,6 +61,11 @@ class Proc:
         for line in self.popen.stdout:
             self._lines.put(line)
         self._lines.put(None)
+
+    def _pump_err(self) -> None:
+        assert self.popen.stderr is not None
+        for line in self.popen.stderr:
+            self.stderr.append(line)
 
     def _wait_for_url(self, timeout: float = 30) -> str:
         while True:
@@ -71,7 +80,9 @@ class Proc:
             if m:
                 return m.group(1)
         self.popen.kill()
-        _, err = self.popen.communicate(timeout=10)
+        self.popen.wait(timeout=10)
+        self._err.join(10)
+        err = "".join(self.stderr)
         raise AssertionError(f"no 'listening on' line; rc={self.popen.returncode}; stderr:\n{err}")
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
@@ -79,13 +90,14 @@ class Proc:
 
     def wait(self, timeout: float = 30) -> tuple[int, str]:
         """Exit code and stderr."""
-        _, err = self.popen.communicate(timeout=timeout)
-        return self.popen.returncode, err
+        rc = self.popen.wait(timeout=timeout)
+        self._err.join(10)
+        return rc, "".join(self.stderr)
 
     def stop(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()
-            self.popen.communicate(timeout=10)
+            self.popen.wait(timeout=10)
 
 
 @pytest.fixture
@@ -99,8 +111,9 @@ def spawn() -> Iterator[Callable[..., Proc]]:
     """``spawn("serve", "--worker", url, env={...})``: a running meshkit subprocess."""
     procs: list[Proc] = []
 
-    def start(*args: str, env: dict[str, Any] | None = None) -> Proc:
-        p = Proc([*MESHKIT, *args], clean_env(**(env or {})))
+    def start(*args: str, env: dict[str, Any] | None = None, prefix: tuple[str, ...] = ()) -> Proc:
+        # prefix: a command that execs meshkit (same pid), e.g. into namespaces
+        p = Proc([*prefix, *MESHKIT, *args], clean_env(**(env or {})))
         procs.append(p)
         return p
 

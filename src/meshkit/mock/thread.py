@@ -32,9 +32,14 @@ class MockWorkerThread:
     """Runs a :class:`MockWorker` on its own event loop in a daemon thread."""
 
     def __init__(
-        self, config: MockConfig | None = None, *, port: int = 0, ssl: SSLContext | None = None
+        self,
+        config: MockConfig | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ssl: SSLContext | None = None,
     ) -> None:
-        self.worker = MockWorker(config, port=port, ssl=ssl)
+        self.worker = MockWorker(config, host=host, port=port, ssl=ssl)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 

@@ -17,7 +17,8 @@ error, reported as one line on stderr::
     meshkit: error: config key 'workers.url' (--worker): not an http(s) URL: 'ftp://x'
 
 Settings come from flags, then the file, then the environment
-(:mod:`meshkit.server.settings`).
+(:mod:`meshkit.server.settings`). SIGHUP reads them again and applies the workers
+and the policy (:mod:`meshkit.server.hangup`).
 
 Security: no body, prompt or credential is logged; the access log is off
 unless ``--access-log`` (or ``[server] access_log = true``) turns it on.
@@ -31,9 +32,10 @@ import sys
 from collections.abc import Sequence
 
 from meshkit import __version__
+from meshkit.config import MeshConfig
 from meshkit.errors import ConfigError
 from meshkit.mesh import Mesh
-from meshkit.server.settings import LOG_LEVELS, SERVERS, resolve_settings
+from meshkit.server.settings import LOG_LEVELS, SERVERS, ServeSettings, resolve_settings
 
 __all__ = ["build_parser", "main"]
 
@@ -102,19 +104,23 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=numeric, format="%(levelname)s:     %(name)s: %(message)s")
 
 
+def _settings(ns: argparse.Namespace) -> tuple[MeshConfig, ServeSettings]:
+    return resolve_settings(
+        config=ns.config,
+        workers=ns.worker,
+        policy=ns.policy,
+        host=ns.host,
+        port=ns.port,
+        grace_s=ns.grace,
+        log_level=ns.log_level,
+        access_log=ns.access_log,
+        server=ns.server,
+    )
+
+
 def _serve(ns: argparse.Namespace) -> int:
     try:
-        config, settings = resolve_settings(
-            config=ns.config,
-            workers=ns.worker,
-            policy=ns.policy,
-            host=ns.host,
-            port=ns.port,
-            grace_s=ns.grace,
-            log_level=ns.log_level,
-            access_log=ns.access_log,
-            server=ns.server,
-        )
+        config, settings = _settings(ns)
         mesh = Mesh(config=config)  # the policy (a plugin, maybe) is checked here
     except ConfigError as exc:
         return _fail(str(exc))
@@ -127,7 +133,7 @@ def _serve(ns: argparse.Namespace) -> int:
         mesh.close()
         return _fail("--server granian: granian is not installed (pip install 'meshkit[granian]')")
     _setup_logging(settings.log_level)
-    if not mesh.workers:
+    if not (mesh.workers or config.dns_workers or config.workers_file):
         log.warning("no worker is configured: /health answers 503 and every request 501")
 
     def announce(url: str) -> None:
@@ -136,7 +142,8 @@ def _serve(ns: argparse.Namespace) -> int:
         log.info("workers: %s; policy: %s; server: %s", names, mesh.policy.name, settings.server)
 
     try:
-        runner.serve(mesh, settings, on_ready=announce)
+        # SIGHUP: the same flags, file and environment, read again.
+        runner.serve(mesh, settings, on_ready=announce, reload=lambda: _settings(ns)[0])
     except OSError as exc:
         where = f"{settings.host}:{settings.port}"
         print(f"meshkit: error: cannot listen on {where}: {exc}", file=sys.stderr)

@@ -17,7 +17,8 @@ Graceful shutdown, on SIGTERM or SIGINT:
    releases their leases;
 3. the middleware's upstream pool closes, then the mesh (its prepare pool).
 
-A second SIGINT forces the exit at once.
+A second SIGINT forces the exit at once. SIGHUP reloads the configuration
+(:mod:`meshkit.server.hangup`).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from typing import Any
 
 import uvicorn
 
+from meshkit.config import MeshConfig
 from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.mesh import Mesh
 from meshkit.server.app import ServeApp, build_gateway
 from meshkit.server.h1.server import H1Server
+from meshkit.server.hangup import reload_on_hangup
 from meshkit.server.settings import ServeSettings
 
 __all__ = ["GatewayThread", "listen", "new_event_loop", "serve", "url_of"]
@@ -269,11 +272,17 @@ def _quiet_signals() -> Iterator[list[int]]:
 
 
 def serve(
-    mesh: Mesh, settings: ServeSettings, *, on_ready: Callable[[str], None] | None = None
+    mesh: Mesh,
+    settings: ServeSettings,
+    *,
+    on_ready: Callable[[str], None] | None = None,
+    reload: Callable[[], MeshConfig] | None = None,
 ) -> None:
     """Serve ``mesh`` in the foreground until SIGTERM/SIGINT, then close it.
 
     :param on_ready: called with the gateway's URL once it accepts requests.
+    :param reload: builds the configuration again; SIGHUP applies what it returns
+        (:mod:`meshkit.server.hangup`).
     :raises OSError: when the address cannot be bound.
     """
     sock = listen(settings.host, settings.port)
@@ -289,7 +298,11 @@ def serve(
             on_ready(url)
 
     try:
-        with _quiet_signals() as early, asyncio.Runner(loop_factory=new_event_loop) as runner:
+        with (
+            reload_on_hangup(mesh, reload),
+            _quiet_signals() as early,
+            asyncio.Runner(loop_factory=new_event_loop) as runner,
+        ):
             runner.run(run(gateway, sock, settings, ready, early))
     finally:
         sock.close()
