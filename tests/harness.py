@@ -1,9 +1,11 @@
-"""The four ways meshkit is embedded, behind one test interface.
+"""The ways meshkit is embedded, behind one test interface.
 
 Each :class:`Mode` takes a Mesh and gives a plain HTTP client (``request`` /
 ``stream``) and SDK clients that reach the mesh the way a user would: through a
-real uvicorn server (ASGI), a real werkzeug server (WSGI), or an httpx2 client
-with the sync or async transport.
+real uvicorn server (ASGI), a real werkzeug server (WSGI), the gateway's own
+server, an httpx2 client with the sync or async transport, or a real Envoy whose
+ext_proc filter asks meshkit's picker (``extproc``: one Envoy for the session,
+in FULL_DUPLEX_STREAMED mode, the Gateway API Inference Extension's).
 """
 
 from __future__ import annotations
@@ -28,9 +30,24 @@ from werkzeug.serving import make_server
 from meshkit import AsyncMeshTransport, Mesh, MeshMiddleware, MeshTransport, MeshWSGIMiddleware
 from meshkit.server.runner import GatewayThread
 
-MODES = ("asgi", "wsgi", "transport", "async_transport", "gateway")
+
+def _extproc_available() -> bool:
+    try:
+        import grpc  # noqa: F401
+
+        from meshkit.testing.envoy import envoy_binary
+    except ImportError:
+        return False
+    return envoy_binary() is not None
+
+
+EXTPROC = _extproc_available()
+MODES: tuple[str, ...] = ("asgi", "wsgi", "transport", "async_transport", "gateway")
 #: modes a client reaches over a real socket (a raw client can reset it)
-SERVER_MODES = ("asgi", "wsgi", "gateway")
+SERVER_MODES: tuple[str, ...] = ("asgi", "wsgi", "gateway")
+if EXTPROC:
+    MODES += ("extproc",)
+    SERVER_MODES += ("extproc",)
 
 
 @dataclass
@@ -315,7 +332,48 @@ class AsyncTransportMode(Mode):
         self._cm.__exit__(None, None, None)
 
 
+class _SharedEnvoy:
+    """One Envoy for the whole session, its ext_proc cluster on a fixed port that
+    each :class:`ExtProcMode` serves in turn (Envoy reconnects to the new one)."""
+
+    envoy: Any = None
+    port = 0
+
+    @classmethod
+    def get(cls) -> Any:
+        if cls.envoy is None:
+            import atexit
+
+            from meshkit.testing.envoy import EnvoyProcess
+
+            cls.port = free_port()
+            cls.envoy = EnvoyProcess(cls.port, message_timeout_s=60.0)
+            cls.envoy.__enter__()
+            atexit.register(cls.envoy.stop)
+        return cls.envoy
+
+
+class ExtProcMode(_ServerMode):
+    """A real Envoy in front, meshkit's picker behind its ext_proc filter."""
+
+    name = "extproc"
+
+    def __init__(self, mesh: Mesh) -> None:
+        from meshkit.frontends.extproc.thread import ExtProcThread
+
+        envoy = _SharedEnvoy.get()
+        self.picker = ExtProcThread(mesh, port=_SharedEnvoy.port, grace_s=1.0)
+        self.picker.start()
+        self.base_url = envoy.url
+        super().__init__(mesh)
+
+    def close(self) -> None:
+        self.client.close()
+        self.picker.stop()
+
+
 MODE_CLASSES: dict[str, type[Mode]] = {
+    "extproc": ExtProcMode,
     "asgi": AsgiMode,
     "wsgi": WsgiMode,
     "transport": TransportMode,

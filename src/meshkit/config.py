@@ -33,6 +33,7 @@ from meshkit.errors import ConfigError
 __all__ = [
     "BoundsConfig",
     "DiscoveryConfig",
+    "ExtProcConfig",
     "LifecycleConfig",
     "MeshConfig",
     "MetricsConfig",
@@ -238,6 +239,32 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class ExtProcConfig:
+    """``meshkit extproc``, the Envoy endpoint picker (``[extproc]``); its flags take
+    precedence."""
+
+    host: str = "127.0.0.1"
+    # 9002 and 9090: the ports the Gateway API Inference Extension's pickers use.
+    port: int = 9002
+    # The gateway's own routes (/metrics, /health, /readiness, /workers); 0 = none.
+    metrics_port: int = 9090
+    # gRPC streams (requests in flight through Envoy) at once; more are refused.
+    max_streams: int = 4096
+    grace_s: float = 30.0
+    # Worker host names are looked up for Envoy (it needs IP literals) and kept this long.
+    resolve_ttl_s: float = 30.0
+    resolve_max: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_streams", "resolve_max"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"extproc.{name}", "must be at least 1")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"extproc.{name}", "must be in [0, 65535]")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     url: str
     api_key: str | None = field(default=None, repr=False)
@@ -286,6 +313,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "pd": PdConfig,
     "server": ServerConfig,
     "discovery": DiscoveryConfig,
+    "extproc": ExtProcConfig,
 }
 
 #: the keys a reload (SIGHUP, ``Mesh.reconfigure``) applies; the rest need a restart
@@ -315,6 +343,7 @@ class MeshConfig:
     pd: PdConfig = PdConfig()
     server: ServerConfig = ServerConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    extproc: ExtProcConfig = ExtProcConfig()
 
     @classmethod
     def build(cls, source: str | None = None, **kwargs: Any) -> MeshConfig:

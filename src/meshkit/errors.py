@@ -59,6 +59,7 @@ __all__ = [
     "UnknownEndpoint",
     "UnsupportedApi",
     "UnsupportedApiTopology",
+    "UnsupportedInExtProc",
     "UnsupportedMediaType",
     "UpstreamError",
     "UpstreamTimeout",
@@ -226,6 +227,14 @@ class UnsupportedApi(MeshError):
 
 class UnsupportedApiTopology(UnsupportedApi):
     code = "unsupported_api_topology"
+
+
+class UnsupportedInExtProc(UnsupportedApi):
+    """What a picker cannot do: the proxy sends the request to one worker, so
+    operations that need meshkit to call workers itself (Responses resources,
+    prefill/decode legs) are refused."""
+
+    code = "unsupported_in_ext_proc"
 
 
 class StatefulRoutingUnsupported(MeshError):

@@ -20,6 +20,7 @@ The admin verbs (add, remove, drain, sleep, wake a worker) are here too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -195,8 +196,19 @@ class Mesh:
         """Parse and prepare a request without blocking the event loop."""
         return await self.preparer.prepare_async(match, body, headers, query)
 
-    def forward(self, view: RequestView, headers: Headers, method: str = "POST") -> ForwardFlow:
-        """The flow for a prepared request: forward with retries, fan out, or answer locally."""
+    def forward(
+        self,
+        view: RequestView,
+        headers: Headers,
+        method: str = "POST",
+        *,
+        attempts: int | None = None,
+    ) -> ForwardFlow:
+        """The flow for a prepared request: forward with retries, fan out, or answer locally.
+
+        :param attempts: at most this many workers (default ``upstream.max_attempts``);
+            1 for a front end that cannot move a request once it is sent (ext-proc).
+        """
         if not self.lifecycle.started:
             self.lifecycle.start()  # probes and wakes run on their own thread
         if view.local is not None:
@@ -211,7 +223,12 @@ class Mesh:
             return pd_flow(
                 router, view, headers, method=method, protocol=router.pd_protocol, rng=router.rng
             )
-        return forward_flow(router, view, headers, method=method, retry=self.retry, rng=router.rng)
+        retry = (
+            self.retry
+            if attempts is None
+            else dataclasses.replace(self.retry, max_attempts=max(1, attempts))
+        )
+        return forward_flow(router, view, headers, method=method, retry=retry, rng=router.rng)
 
     def pass_through(
         self, method: str, path: str, query: str, headers: Headers, body: bytes

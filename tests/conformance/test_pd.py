@@ -12,6 +12,10 @@ from meshkit import Worker
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "disaggregate me"}]}
 
+pytestmark = pytest.mark.not_in_extproc(
+    "prefill/decode needs two legs; ext-proc answers 501 unsupported_in_ext_proc (tests/extproc)"
+)
+
 
 def _pd(mock_factory: Any, protocol: str, **kw: Any) -> tuple[Any, Any]:
     prefill = mock_factory(name="p", pd_role="prefill", pd_protocol=protocol, api_key="pk", **kw)

@@ -229,6 +229,9 @@ def test_disconnect_mid_stream_releases_the_load(
     assert wait_until(lambda: mock.worker.stats.disconnects == 1)
 
 
+@pytest.mark.not_in_extproc(
+    "Envoy sends a request to the one endpoint picked; it cannot move to another worker"
+)
 def test_a_killed_worker_is_routed_around(
     mock_factory: Any, mesh_factory: Any, run_mode: Any
 ) -> None:
@@ -243,6 +246,9 @@ def test_a_killed_worker_is_routed_around(
     assert wait_until(lambda: mesh.total_load() == 0)
 
 
+@pytest.mark.not_in_extproc(
+    "Envoy sends a request to the one endpoint picked; it cannot move to another worker"
+)
 def test_retryable_status_moves_to_another_worker(
     mock_factory: Any, mesh_factory: Any, run_mode: Any
 ) -> None:
@@ -269,6 +275,7 @@ def test_last_worker_error_is_relayed_as_is(
     assert wait_until(lambda: mesh.total_load() == 0)
 
 
+@pytest.mark.not_in_extproc("there is no wrapped app: other paths go to a worker (tests/extproc)")
 def test_non_inference_paths_pass_through(
     mock_factory: Any, mesh_factory: Any, run_mode: Any, mode_name: str
 ) -> None:
@@ -297,6 +304,7 @@ def test_models_is_the_union_of_the_workers(
     assert wait_until(lambda: mesh.total_load() == 0)
 
 
+@pytest.mark.not_in_extproc("resource operations are 501 unsupported_in_ext_proc (tests/extproc)")
 def test_responses_resource_operations(mock_factory: Any, mesh_factory: Any, run_mode: Any) -> None:
     mocks = _fleet(mock_factory, 3)
     mesh = mesh_factory(workers=[Worker(m.url) for m in mocks])

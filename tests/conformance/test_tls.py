@@ -21,6 +21,10 @@ from meshkit.mock import MockConfig, MockWorkerThread
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
+pytestmark = pytest.mark.not_in_extproc(
+    "TLS to workers is the Envoy cluster's transport socket, not meshkit's"
+)
+
 
 @pytest.fixture(scope="module")
 def ca() -> trustme.CA:

@@ -432,6 +432,9 @@ def _read_until(it: Iterator[bytes], needle: bytes) -> bytes:
     return seen
 
 
+@pytest.mark.not_in_extproc(
+    "Envoy sends a request to the one endpoint picked; it cannot move to another worker"
+)
 def test_engine_killed_mid_run_is_routed_around(
     mode: Mode, mesh: Mesh, engines: EngineFleet
 ) -> None:

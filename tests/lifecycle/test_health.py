@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
+
 from harness import TransportMode, wait_until
 from lifecycle.conftest import CHAT, FAST, PATH, state_of
 from meshkit import Worker
@@ -46,6 +48,9 @@ class Load:
         self._thread.join(10)
 
 
+@pytest.mark.not_in_extproc(
+    "Envoy sends a request to the one endpoint picked; it cannot move to another worker"
+)
 def test_a_killed_worker_trips_its_breaker_and_rejoins_after_restart(
     mock_factory: Any, mesh_factory: Any, run_mode: Any
 ) -> None:

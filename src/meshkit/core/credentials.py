@@ -30,7 +30,13 @@ from collections.abc import Iterable
 from meshkit.core.endpoints import Api
 from meshkit.types import Headers
 
-__all__ = ["HOP_BY_HOP", "request_headers", "response_headers", "served_headers"]
+__all__ = [
+    "HOP_BY_HOP",
+    "header_changes",
+    "request_headers",
+    "response_headers",
+    "served_headers",
+]
 
 
 HOP_BY_HOP = frozenset(
@@ -100,6 +106,12 @@ def request_headers(
 ) -> Headers:
     """Headers to send to the worker. Names are lower-cased."""
     out = _kept(client, _DROP_KEYED if api_key else _DROP_REQUEST)
+    out += _added(api_key, api, rank)
+    return out
+
+
+def _added(api_key: str | None, api: Api, rank: int | None) -> Headers:
+    out: Headers = []
     if api_key:
         key = api_key.encode("latin-1")
         out.append((b"authorization", b"Bearer " + key))
@@ -108,6 +120,25 @@ def request_headers(
     if rank is not None:
         out.append((b"x-data-parallel-rank", str(rank).encode()))
     return out
+
+
+def header_changes(
+    client: Iterable[tuple[bytes, bytes]],
+    *,
+    api_key: str | None,
+    api: Api,
+    rank: int | None = None,
+) -> tuple[Headers, list[bytes]]:
+    """:func:`request_headers` as edits of the client's headers, for a proxy that
+    sends them on itself (Envoy, in ext-proc mode): the headers to set (each
+    replacing any of its name) and the names to remove. Framing and hop-by-hop
+    headers are the proxy's business and left alone."""
+    add = _added(api_key, api, rank)
+    setting = {k for k, _ in add}
+    drop = (_CREDENTIALS if api_key else frozenset()) | {b"x-data-parallel-rank"}
+    present = {k.lower() for k, _ in client}
+    remove = sorted(n for n in drop & present if n not in setting)
+    return add, remove
 
 
 def response_headers(upstream: Iterable[tuple[bytes, bytes]]) -> Headers:

@@ -27,12 +27,13 @@ unless ``--access-log`` (or ``[server] access_log = true``) turns it on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
 
 from meshkit import __version__
-from meshkit.config import MeshConfig
+from meshkit.config import ExtProcConfig, MeshConfig
 from meshkit.errors import ConfigError
 from meshkit.mesh import Mesh
 from meshkit.server.settings import LOG_LEVELS, SERVERS, ServeSettings, resolve_settings
@@ -78,6 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HTTP server (default: [server] http, else builtin; granian needs meshkit[granian])",
     )
+
+    x = sub.add_parser(
+        "extproc",
+        help="run the Envoy ext-proc endpoint picker (meshkit[extproc])",
+        description="Serve Envoy's ExternalProcessor: pick a worker per request "
+        "(Gateway API Inference Extension endpoint picker). See docs/extproc.md.",
+    )
+    x.add_argument("--config", metavar="PATH", help="TOML file (default: $MESHKIT_CONFIG)")
+    x.add_argument("--worker", metavar="URL", action="append", default=[], help="as for serve")
+    x.add_argument("--policy", help="placement policy")
+    x.add_argument("--host", help="gRPC listen address (default: [extproc] host, 127.0.0.1)")
+    x.add_argument("--port", type=int, help="gRPC port, 0 = any free port (default 9002)")
+    x.add_argument(
+        "--metrics-port", type=int, help="/metrics, /health, /workers (default 9090; 0 = none)"
+    )
+    x.add_argument("--grace", type=float, metavar="SECONDS", help="(default 30)")
+    x.add_argument("--log-level", choices=LOG_LEVELS, help="(default info)")
 
     sub.add_parser(
         "mock-worker",
@@ -151,6 +169,45 @@ def _serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _extproc_settings(ns: argparse.Namespace) -> tuple[MeshConfig, ExtProcConfig, str]:
+    config, settings = resolve_settings(
+        config=ns.config, workers=ns.worker, policy=ns.policy, log_level=ns.log_level
+    )
+    x = config.extproc
+    values = {
+        "host": ns.host,
+        "port": ns.port,
+        "metrics_port": ns.metrics_port,
+        "grace_s": ns.grace,
+    }
+    x = dataclasses.replace(x, **{k: v for k, v in values.items() if v is not None})
+    return config, x, settings.log_level
+
+
+def _extproc(ns: argparse.Namespace) -> int:
+    try:
+        config, x, level = _extproc_settings(ns)
+        mesh = Mesh(config=config)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    try:
+        from meshkit.frontends.extproc.run import run_extproc
+    except ImportError as exc:
+        mesh.close()
+        return _fail(f"meshkit extproc needs grpcio: pip install 'meshkit[extproc]' ({exc})")
+    _setup_logging(level)
+
+    def announce(where: str) -> None:
+        print(f"meshkit extproc listening on {where}", flush=True)
+
+    try:
+        run_extproc(mesh, x, on_ready=announce, reload=lambda: _extproc_settings(ns)[0])
+    except OSError as exc:
+        print(f"meshkit: error: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``meshkit`` console script; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -162,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(args)
     if ns.command == "serve":
         return _serve(ns)
+    if ns.command == "extproc":
+        return _extproc(ns)
     from meshkit.demo.run import run_demo
 
     return run_demo(real=ns.real)
