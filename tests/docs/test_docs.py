@@ -131,3 +131,15 @@ def test_every_endpoint_is_listed_in_endpoints_md() -> None:
     for e in ENDPOINTS:
         row = f"| `{'|'.join(sorted(e.methods))} {e.template}` | `{e.api.value}` |"
         assert row in text, row
+
+
+def test_extproc_doc_shows_the_bootstrap_the_tests_use() -> None:
+    pytest.importorskip("meshkit.testing.envoy")
+    from meshkit.testing.envoy import bootstrap
+
+    text = (ROOT / "docs" / "extproc.md").read_text(encoding="utf-8")
+    blocks = [c for n, lang, c in BLOCKS if n.startswith("docs/extproc.md#") and lang == "json"]
+    assert blocks, "docs/extproc.md lost its bootstrap"
+    assert "receiving_namespaces" in text
+    shown = json.loads(blocks[0])
+    assert shown == bootstrap(listen_port=8080, extproc_port=9002, admin_port=9901)

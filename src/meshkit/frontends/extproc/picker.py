@@ -309,6 +309,10 @@ class Picker:
             return
         flow.close()  # pragma: no cover - one attempt never yields a second
 
+    def refuse(self, exc: MeshError) -> Answer:
+        """``exc`` as the client's answer, in the API's shape (counted)."""
+        return self._refuse(exc)
+
     def _refuse(self, exc: MeshError) -> Answer:
         self.mesh.reject(exc)
         return Answer(exc.status, exc.headers(), exc.body(self._shape))

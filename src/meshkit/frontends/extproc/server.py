@@ -35,6 +35,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from meshkit.errors import MeshError
 from meshkit.frontends.extproc import wire
 from meshkit.frontends.extproc.picker import Answer, Picker, Route
 from meshkit.frontends.extproc.resolve import EndpointResolver
@@ -47,6 +48,10 @@ __all__ = ["SERVICE", "ExtProcServer", "Processor"]
 log = logging.getLogger("meshkit.extproc")
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_BODY_MODE = (
+    "meshkit extproc needs the ext_proc filter's request_body_mode to be "
+    "FULL_DUPLEX_STREAMED or BUFFERED"
+)
 _REQ, _RESP = "request", "response"
 
 
@@ -76,6 +81,10 @@ class _Stream:
                 return self._immediate(answer)
             if head.end_of_stream:
                 return await self._route(body_ends=False)
+            if self.request_mode not in (wire.FULL_DUPLEX, wire.BUFFERED):
+                # STREAMED would send the body on before the route exists; NONE never
+                # shows it. The operator's Envoy config is wrong: say so, in the API's shape.
+                return self._immediate(picker.refuse(MeshError(_BODY_MODE)))
             if self.request_mode == wire.FULL_DUPLEX:
                 return []  # held until the body's end: the route goes on this answer
             return [wire.headers_reply(_REQ)]
