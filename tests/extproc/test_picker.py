@@ -213,7 +213,8 @@ def test_a_client_that_leaves_mid_stream_releases_everything(
             httpx2.Client(trust_env=False) as c,
             c.stream("POST", url + PATH, json={**CHAT, "stream": True}) as r,
         ):
-            next(r.iter_raw())
+            chunks = r.iter_raw()
+            next(chunks)
             assert mesh.total_load() == 1
         # only the gRPC stream closing tells the picker: the lease goes at once
         assert wait_until(lambda: mesh.total_load() == 0)
@@ -252,8 +253,54 @@ def test_streams_are_bounded(
     mesh = mesh_factory(workers=[w.url], lifecycle={"probe": False})
     with through_envoy(mesh, max_streams=1) as url, httpx2.Client(trust_env=False) as c:
         with c.stream("POST", url + PATH, json={**CHAT, "stream": True}) as held:
-            next(held.iter_raw())  # the one stream the picker may hold
+            chunks = held.iter_raw()  # kept: a dropped iterator closes the response
+            next(chunks)  # the one stream the picker may hold
             refused = c.post(url + PATH, json=CHAT)
             # grpc refuses the second stream (RESOURCE_EXHAUSTED); Envoy answers it
             assert refused.status_code >= 500
-        assert c.post(url + PATH, json=CHAT).status_code == 200  # the slot came back
+        # the slot comes back once Envoy has closed the first stream
+        assert wait_until(lambda: c.post(url + PATH, json=CHAT).status_code == 200)
+
+
+def test_the_subset_hint_restricts_the_candidates(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
+) -> None:
+    workers = [mock_factory(name=f"w{i}") for i in range(3)]
+    mesh = mesh_factory(workers=[w.url for w in workers], lifecycle={"probe": False})
+    allowed = [w.url.removeprefix("http://") for w in workers[1:]]
+    with (
+        ExtProcThread(mesh) as port,
+        EnvoyProcess(port, subset_hint=allowed) as envoy,
+        httpx2.Client(trust_env=False) as c,
+    ):
+        seen = [c.post(envoy.url + PATH, json=CHAT).headers["x-mock-worker"] for _ in range(6)]
+    assert sorted(set(seen)) == ["w1", "w2"]  # w0 is out of the hint
+    # an empty hint, or one naming no worker of this fleet: 503, as the GIE defines
+    for hint in ([], ["10.9.9.9:1"]):
+        with (
+            ExtProcThread(mesh) as port,
+            EnvoyProcess(port, subset_hint=hint) as envoy,
+        ):
+            r = httpx2.post(envoy.url + PATH, json=CHAT, trust_env=False)
+        assert r.status_code == 503, hint
+        assert r.json()["error"]["code"] == "no_available_workers"
+    assert mesh.total_load() == 0
+
+
+def test_shed_load_is_429_with_the_retry_hint(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
+) -> None:
+    w = mock_factory(name="slow", per_token_ms=100.0, output_tokens=30)
+    mesh = mesh_factory(
+        workers=[w.url], lifecycle={"probe": False}, upstream={"max_in_flight_per_worker": 1}
+    )
+    with through_envoy(mesh) as url, httpx2.Client(trust_env=False) as c:
+        with c.stream("POST", url + PATH, json={**CHAT, "stream": True}) as held:
+            chunks = held.iter_raw()  # kept: a dropped iterator closes the response
+            next(chunks)  # the worker's one slot is taken
+            shed = c.post(url + PATH, json=CHAT)
+        assert shed.status_code == 429
+        assert shed.json()["error"]["code"] == "overloaded"
+        assert shed.headers["x-should-retry"] == "true" and "retry-after" in shed.headers
+        assert c.post(url + PATH, json=CHAT).status_code == 200
+    assert metric(mesh, "mesh_router_rejections_total", code="overloaded") == 1

@@ -144,6 +144,13 @@ def eligible(
     if not entries:
         what = f"model {view.model!r} on " if view.model and _labelled(fleet) else ""
         raise UnsupportedApi(f"no configured worker serves {what}{view.match.endpoint.template}")
+    only = view.only
+    if only is not None:
+        entries = tuple(e for e in entries if e[0].id in only)
+        if not entries:
+            raise NoAvailableWorkers(
+                "none of the workers this request may go to serves it", retry_after_s=1.0
+            )
     if view.stateful:
         if owner is not None:
             entries = tuple(e for e in entries if e[0].origin == owner)

@@ -166,6 +166,8 @@ class RequestView:
     local: LocalResponse | None = None
     #: anything a plugin or a front end attaches (never logged)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the worker ids this request may go to (a proxy's subset hint); None: any
+    only: frozenset[str] | None = None
 
     @property
     def api(self) -> Api:

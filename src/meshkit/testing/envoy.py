@@ -99,8 +99,14 @@ def bootstrap(
     message_timeout_s: float = 60.0,
     buffer_limit_bytes: int = 32 * 1024 * 1024,
     failure_mode_allow: bool = False,
+    subset_hint: list[str] | None = None,
 ) -> dict[str, Any]:
-    """An Envoy v3 bootstrap (envoy/config/bootstrap/v3/bootstrap.proto) as a dict."""
+    """An Envoy v3 bootstrap (envoy/config/bootstrap/v3/bootstrap.proto) as a dict.
+
+    :param subset_hint: endpoints (``IP:port``) every request may go to, set as the
+        GIE subset hint (metadata ``envoy.lb.subset_hint``) by a ``set_metadata``
+        filter before ext_proc, the way a gateway that knows the pool would.
+    """
     for mode in (request_body_mode, response_body_mode):
         if mode not in _BODY_MODES:
             raise ValueError(f"body mode {mode!r} is not one of {_BODY_MODES}")
@@ -125,9 +131,25 @@ def bootstrap(
         message_timeout=f"{message_timeout_s:.3f}s",
         failure_mode_allow=failure_mode_allow,
         allow_mode_override=True,
-        # Without this Envoy silently drops the picker's envoy.lb metadata.
-        metadata_options={"receiving_namespaces": {"untyped": ["envoy.lb"]}},
+        # Without this Envoy silently drops the picker's envoy.lb metadata; the
+        # forwarded one carries the GIE subset hint to the picker.
+        metadata_options={
+            "receiving_namespaces": {"untyped": ["envoy.lb"]},
+            "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
+        },
     )
+    filters = [
+        {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
+        {"name": "envoy.filters.http.router", "typed_config": _typed(_ROUTER)},
+    ]
+    if subset_hint is not None:
+        # envoy/extensions/filters/http/set_metadata/v3/set_metadata.proto
+        hint = {"x-gateway-destination-endpoint-subset": list(subset_hint)}
+        setter = _typed(
+            "envoy.extensions.filters.http.set_metadata.v3.Config",
+            metadata=[{"metadata_namespace": "envoy.lb.subset_hint", "value": hint}],
+        )
+        filters.insert(0, {"name": "envoy.filters.http.set_metadata", "typed_config": setter})
     # The default route timeout (15 s) would cut long generations.
     route = {"match": {"prefix": "/"}, "route": {"cluster": "workers", "timeout": "0s"}}
     # envoy/extensions/filters/network/http_connection_manager/v3/http_connection_manager.proto
@@ -139,10 +161,7 @@ def bootstrap(
         stream_idle_timeout="300s",
         request_timeout="0s",
         route_config={"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
-        http_filters=[
-            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
-            {"name": "envoy.filters.http.router", "typed_config": _typed(_ROUTER)},
-        ],
+        http_filters=filters,
     )
     extproc_cluster = {
         "name": "extproc",

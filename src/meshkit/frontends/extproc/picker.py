@@ -42,6 +42,9 @@ from meshkit.core.requests import RequestView, head_error
 from meshkit.errors import (
     ErrorShape,
     MeshError,
+    NoAvailableWorkers,
+    Overloaded,
+    PrepareQueueFull,
     RequestTooLarge,
     UnsupportedInExtProc,
     UpstreamError,
@@ -106,6 +109,8 @@ class Picker:
         self.attempt: Attempt | None = None
         self.relay: Relay | None = None
         self.closed = False
+        #: the proxy's subset hint: the endpoints (``IP:port``) it may go to; None: any
+        self.subset: list[str] | None = None
 
     @property
     def body(self) -> bytes:
@@ -178,6 +183,8 @@ class Picker:
             )
         body = bytes(self._body)
         view = self.view = await mesh.prepare_async(match, body, self.headers, self.query)
+        if self.subset is not None:
+            view.only = await self._allowed(self.subset)
         if view.local is None and ep.api is not Api.MODELS and mesh.router.disaggregated(view):
             raise UnsupportedInExtProc("prefill/decode disaggregation needs meshkit serve")
         flow = mesh.forward(view, self.headers, self.method, attempts=1)
@@ -203,6 +210,24 @@ class Picker:
         sets = [*sets, *_path_edit(step, self.path, self.query)]
         changed = None if step.body is view.body else step.body
         return Route(endpoint, sets, removes, changed)
+
+    async def _allowed(self, subset: list[str]) -> frozenset[str]:
+        """The workers at the endpoints of the proxy's subset hint (GIE: none of them
+        eligible, or an empty list, is a 503)."""
+        wanted = set(subset)
+        ids = set()
+        for w in self.mesh.workers:
+            try:
+                if await self._resolve(w.host, w.port) in wanted:
+                    ids.add(w.id)
+            except OSError:
+                continue
+        if not ids:
+            raise NoAvailableWorkers(
+                "none of the endpoints the proxy allows is a worker of this fleet",
+                retry_after_s=1.0,
+            )
+        return frozenset(ids)
 
     async def _pass_through(self) -> Route:
         cand = self.mesh.router.pass_through()
@@ -315,7 +340,10 @@ class Picker:
 
     def _refuse(self, exc: MeshError) -> Answer:
         self.mesh.reject(exc)
-        return Answer(exc.status, exc.headers(), exc.body(self._shape))
+        # Load shed (the workers or the prepare pool full): 429, as the GIE's picker
+        # protocol answers a request it drops; the body and retry hints are the same.
+        status = 429 if isinstance(exc, Overloaded | PrepareQueueFull) else exc.status
+        return Answer(status, exc.headers(), exc.body(self._shape))
 
 
 def _declared_length(headers: Headers) -> int | None:

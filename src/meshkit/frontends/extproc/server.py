@@ -76,6 +76,7 @@ class _Stream:
         picker = self.picker
         if kind == "request_headers":
             head = message.request_headers
+            picker.subset = wire.subset_of(message)
             answer = picker.request_headers(wire.headers_of(head))
             if answer is not None:
                 return self._immediate(answer)

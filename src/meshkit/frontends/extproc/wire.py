@@ -32,6 +32,8 @@ FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
 BUFFERED = _Mode.BUFFERED
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _LB = "envoy.lb"
+_SUBSET_NS = "envoy.lb.subset_hint"
+_SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 _DEST = DESTINATION.decode()
 
 #: which side a response message answers: "request" or "response"
@@ -63,6 +65,25 @@ def from_proxy(headers: Headers) -> bool:
     ``x-envoy-upstream-service-time`` (unless ``suppress_envoy_headers`` is set on
     it, which this mode therefore does not support)."""
     return not any(k == b"x-envoy-upstream-service-time" for k, _ in headers)
+
+
+def subset_of(request: Any) -> list[str] | None:
+    """The GIE subset hint of a request (``metadata_context.filter_metadata``
+    ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``: a list of
+    ``IP:port``, or one comma list); None when the proxy sets none."""
+    md = request.metadata_context.filter_metadata
+    if _SUBSET_NS not in md:
+        return None
+    fields = md[_SUBSET_NS].fields
+    if _SUBSET_KEY not in fields:
+        return None
+    value = fields[_SUBSET_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return [v.string_value.strip() for v in value.list_value.values if v.string_value]
+    if kind == "string_value":
+        return [e.strip() for e in value.string_value.split(",") if e.strip()]
+    return []
 
 
 def body_modes(request: Any) -> tuple[int, int] | None:
