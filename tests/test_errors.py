@@ -29,6 +29,7 @@ from meshkit.errors import (
     UnknownEndpoint,
     UnsupportedApi,
     UnsupportedApiTopology,
+    UnsupportedInExtProc,
     UnsupportedMediaType,
     UpstreamError,
     UpstreamTimeout,
@@ -60,6 +61,13 @@ TABLE = [
         "unsupported_api_topology",
         "invalid_request_error",
         id="501-topology",
+    ),
+    P(
+        UnsupportedInExtProc,
+        501,
+        "unsupported_in_ext_proc",
+        "invalid_request_error",
+        id="501-extproc",
     ),
     P(
         StatefulRoutingUnsupported,
