@@ -20,12 +20,12 @@ The admin verbs (add, remove, drain, sleep, wake a worker) are here too.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from meshkit.accounting import Accounting
@@ -136,6 +136,8 @@ class Mesh:
             backoff_base_s=config.upstream.backoff_base_s,
             backoff_max_s=config.upstream.backoff_max_s,
         )
+        #: the flow of a front end that cannot move a request once sent (ext-proc)
+        self._one_try = replace(self.retry, max_attempts=1)
         self.metrics.registry.register(LifecycleCollector(router))
         self._legs: ThreadPoolExecutor | None = None
         self._legs_lock = threading.Lock()
@@ -223,11 +225,9 @@ class Mesh:
             return pd_flow(
                 router, view, headers, method=method, protocol=router.pd_protocol, rng=router.rng
             )
-        retry = (
-            self.retry
-            if attempts is None
-            else dataclasses.replace(self.retry, max_attempts=max(1, attempts))
-        )
+        retry = self.retry
+        if attempts is not None and attempts != retry.max_attempts:
+            retry = self._one_try if attempts == 1 else replace(retry, max_attempts=attempts)
         return forward_flow(router, view, headers, method=method, retry=retry, rng=router.rng)
 
     def pass_through(
