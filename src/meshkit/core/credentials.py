@@ -106,7 +106,8 @@ def request_headers(
 ) -> Headers:
     """Headers to send to the worker. Names are lower-cased."""
     out = _kept(client, _DROP_KEYED if api_key else _DROP_REQUEST)
-    out += _added(api_key, api, rank)
+    if api_key or rank is not None:  # the usual request adds nothing: no call
+        out += _added(api_key, api, rank)
     return out
 
 
