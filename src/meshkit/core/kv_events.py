@@ -1,0 +1,246 @@
+"""
+KV-cache events, as engines publish them
+========================================
+
+The wire format of vLLM's KV-event publisher (``vllm/distributed/kv_events.py``,
+``ZmqEventPublisher``) and SGLang's (same framing and class names), decoded into
+plain values. Sans-I/O: the ZeroMQ subscriber hands the frames in.
+
+Framing (ZeroMQ multipart):
+
+* published: ``[topic, seq, payload]``; ``seq`` is an 8-byte big-endian counter
+  that starts at 0 and grows by one per batch (a jump is a gap);
+* replayed (a DEALER asking the publisher's ROUTER from a sequence number, sent as
+  8 bytes big-endian): ``[seq, payload]`` per batch, then ``[-1 as 8 signed bytes,
+  b""]`` to say the replay is over. SGLang's replies have no topic frame either.
+
+The payload is one msgpack ``KVEventBatch``: ``ts`` (float), ``events`` and the DP
+rank (vLLM: ``data_parallel_rank``; SGLang: ``attn_dp_rank``, the third field).
+Current vLLM encodes the batch and its events as msgpack *maps*
+(``msgspec.Struct`` with ``tag=True``: an event is ``{"type": "BlockStored", ...}``);
+older vLLM releases and SGLang encode them as *arrays* (``array_like=True``: the
+batch is ``[ts, events, rank]``, an event ``["BlockStored", field, ...]`` in field
+order). Both are accepted. Events:
+
+* ``BlockStored``: ``block_hashes``, ``parent_block_hash``, ``token_ids``,
+  ``block_size``, ``lora_id``, ``medium``, ``lora_name`` (then optional
+  ``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``, ...); a hash is an int
+  or bytes (``ExternalBlockHash``);
+* ``BlockRemoved``: ``block_hashes``, ``medium`` (then ``group_idx``);
+* ``AllBlocksCleared``: nothing.
+
+Unknown event types are skipped (a newer engine must not break the index); a
+payload that is not a batch at all is a :class:`KvEventError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "END_OF_REPLAY",
+    "AllBlocksCleared",
+    "Batch",
+    "BlockRemoved",
+    "BlockStored",
+    "Frame",
+    "KvEventError",
+    "decode_batch",
+    "decode_frames",
+    "replay_request",
+]
+
+BlockHash = int | bytes
+
+#: the sequence number that ends a replay (``(-1).to_bytes(8, "big", signed=True)``)
+END_OF_REPLAY = -1
+_DECODE = msgspec.msgpack.Decoder()
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+class KvEventError(ValueError):
+    """Frames or a payload that are not a KV-event batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    ts: float
+    events: tuple[Event, ...]
+    #: the engine's data-parallel (vLLM) or attention-DP (SGLang) rank, if it says
+    dp_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One decoded message: ``topic`` is None in a replay reply; a batch of None
+    with ``seq == END_OF_REPLAY`` ends a replay."""
+
+    topic: bytes | None
+    seq: int
+    batch: Batch | None
+
+
+def replay_request(start_seq: int) -> bytes:
+    """What a DEALER sends the publisher's ROUTER to replay from ``start_seq``."""
+    return int(start_seq).to_bytes(8, "big")
+
+
+def decode_frames(frames: Sequence[bytes]) -> Frame:
+    """A published ``[topic, seq, payload]`` or a replayed ``[seq, payload]``."""
+    if len(frames) == 3:
+        topic, seq, payload = frames
+    elif len(frames) == 2:
+        topic, (seq, payload) = None, frames
+    else:
+        raise KvEventError(f"a KV-event message has 2 or 3 frames, not {len(frames)}")
+    if len(seq) != 8:
+        raise KvEventError("the sequence frame is not 8 bytes")
+    number = int.from_bytes(seq, "big", signed=True)
+    if number == END_OF_REPLAY and topic is None:
+        return Frame(None, number, None)
+    if number < 0:
+        raise KvEventError("a negative sequence number outside a replay's end")
+    return Frame(bytes(topic) if topic is not None else None, number, decode_batch(payload))
+
+
+def decode_batch(payload: bytes) -> Batch:
+    """One msgpack ``KVEventBatch`` (map or array form, see the module docstring)."""
+    try:
+        raw = _DECODE.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise KvEventError(f"not msgpack: {exc}") from None
+    if isinstance(raw, dict):
+        ts, events, rank = (
+            raw.get("ts"),
+            raw.get("events"),
+            raw.get("data_parallel_rank", raw.get("attn_dp_rank")),
+        )
+    elif isinstance(raw, list) and len(raw) >= 2:
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    else:
+        raise KvEventError("a KV-event batch is a map or an array of [ts, events, rank]")
+    if not isinstance(ts, int | float) or isinstance(ts, bool) or not isinstance(events, list):
+        raise KvEventError("a KV-event batch needs a numeric ts and a list of events")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
+        raise KvEventError("the batch's rank is not an integer")
+    out = [e for e in (_event(x) for x in events) if e is not None]
+    return Batch(float(ts), tuple(out), rank)
+
+
+def _fields(raw: Any, names: tuple[str, ...]) -> tuple[str, dict[str, Any]] | None:
+    """The tag and the fields of a tagged map or a tagged array."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        return (tag, raw) if isinstance(tag, str) else None
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        return raw[0], dict(zip(names, raw[1:], strict=False))
+    return None
+
+
+def _hashes(value: Any) -> tuple[BlockHash, ...]:
+    if not isinstance(value, list) or not all(_is_hash(h) for h in value):
+        raise KvEventError("block_hashes must be a list of ints or bytes")
+    return tuple(value)
+
+
+def _is_hash(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or isinstance(value, bytes)
+
+
+def _tokens(value: Any) -> list[int]:
+    """Token ids; SGLang's bigram-keyed caches (EAGLE) send ``[token, next]`` pairs
+    instead, of which the first is the block's token."""
+    if not isinstance(value, list):
+        raise KvEventError("token_ids must be a list")
+    out = []
+    for t in value:
+        if isinstance(t, list) and t:
+            t = t[0]
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise KvEventError("token_ids must be ints (or [token, next] pairs)")
+        out.append(t)
+    return out
+
+
+def _opt_str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _opt_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _event(raw: Any) -> Event | None:
+    tagged = _fields(raw, _STORED_FIELDS)
+    if tagged is None:
+        raise KvEventError("a KV event is a tagged map or a tagged array")
+    tag, f = tagged
+    if tag == "BlockStored":
+        parent = f.get("parent_block_hash")
+        tokens = f.get("token_ids")
+        size = f.get("block_size")
+        if parent is not None and not _is_hash(parent):
+            raise KvEventError("parent_block_hash must be an int, bytes or nil")
+        tokens = _tokens(tokens)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise KvEventError("block_size must be a positive integer")
+        return BlockStored(
+            _hashes(f.get("block_hashes")),
+            parent,
+            tuple(tokens),
+            size,
+            _opt_str(f.get("lora_name")),
+            _opt_str(f.get("medium")),
+            _opt_int(f.get("group_idx")),
+        )
+    if tag == "BlockRemoved":
+        if isinstance(raw, list):  # its own field order, not BlockStored's
+            f = dict(zip(_REMOVED_FIELDS, raw[1:], strict=False))
+        return BlockRemoved(
+            _hashes(f.get("block_hashes")), _opt_str(f.get("medium")), _opt_int(f.get("group_idx"))
+        )
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None  # an event type from a newer engine
