@@ -1,0 +1,95 @@
+"""The KV index (:mod:`meshkit.core.kv_index`): own chained block keys, events
+applied, matches, the bound."""
+
+from __future__ import annotations
+
+from meshkit.core.kv_events import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from meshkit.core.kv_index import ROOT, KvIndex, chain
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], size: int = 2) -> Batch:
+    return Batch(0.0, (BlockStored(tuple(hashes), parent, tuple(tokens), size),))
+
+
+def test_keys_are_chained_and_the_same_everywhere() -> None:
+    keys = chain([1, 2, 3, 4, 5], 2)
+    assert len(keys) == 2  # the partial last block has no key
+    assert keys == chain([1, 2, 3, 4], 2)
+    assert chain([9, 9, 3, 4], 2)[1] != keys[1]  # a block's key depends on its parents
+    assert chain([3, 4], 2, parent=keys[0]) == keys[1:]
+    # pinned: another process (or a later release) must compute the same keys
+    assert keys[0] == 0x1E5D25A6CE314DB8  # CPython's tuple hash: no seed for ints
+    assert chain([], 2) == [] and ROOT == 0
+
+
+def test_keys_do_not_depend_on_the_hash_seed() -> None:
+    import subprocess
+    import sys
+
+    code = "from meshkit.core.kv_index import chain; print(chain(list(range(64)), 16))"
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("0", "1", "4242")
+    }
+    assert len(seen) == 1 and str(chain(list(range(64)), 16)) in seen.pop()
+
+
+def test_stored_blocks_match_the_request_prefix() -> None:
+    idx = KvIndex(max_blocks=100)
+    idx.apply("a", stored([101, 102], None, [1, 2, 3, 4]))
+    idx.apply("a", stored([103], 102, [5, 6]))  # chained onto its parent's key
+    idx.apply("b", stored([201], None, [1, 2]))
+    got = idx.match([1, 2, 3, 4, 5, 6, 7], ["a", "b", "c"])
+    assert got == {"a": 6, "b": 2, "c": 0}
+    assert idx.match([9, 9, 3, 4], ["a", "b"]) == {"a": 0, "b": 0}
+
+
+def test_removed_and_cleared_blocks_stop_matching() -> None:
+    idx = KvIndex(max_blocks=100)
+    idx.apply("a", stored([101, 102, 103], None, [1, 2, 3, 4, 5, 6]))
+    idx.apply("a", Batch(0.0, (BlockRemoved((102,)),)))
+    assert idx.match([1, 2, 3, 4, 5, 6], ["a"]) == {"a": 2}  # the chain breaks at 102
+    idx.apply("a", Batch(0.0, (AllBlocksCleared(),)))
+    assert idx.match([1, 2], ["a"]) == {"a": 0} and len(idx) == 0
+
+
+def test_an_unknown_parent_or_a_bad_length_is_skipped_and_counted() -> None:
+    idx = KvIndex(max_blocks=100)
+    idx.apply("a", stored([103], 999, [5, 6]))
+    idx.apply("a", stored([104, 105], None, [1, 2, 3]))  # 3 tokens for 2 blocks of 2
+    assert idx.unchained == 3 and len(idx) == 0
+
+
+def test_a_new_block_size_clears_what_the_worker_held() -> None:
+    idx = KvIndex(max_blocks=100)
+    idx.apply("a", stored([1], None, [1, 2]))
+    idx.apply("a", stored([2], None, [1, 2, 3, 4], size=4))
+    assert idx.block_sizes["a"] == 4 and idx.blocks_of("a") == 1
+    assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 4}
+
+
+def test_the_bound_evicts_the_least_recently_stored() -> None:
+    idx = KvIndex(max_blocks=4)
+    idx.apply("a", stored([1, 2], None, [1, 2, 3, 4]))
+    idx.apply("b", stored([3, 4], None, [5, 6, 7, 8]))
+    assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 4}  # a match does not refresh
+    idx.apply("c", stored([5, 6], None, [9, 9, 9, 9]))
+    assert len(idx) == 4 and idx.evicted == 2
+    assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 0}  # a's went first
+    assert idx.match([5, 6, 7, 8], ["b"]) == {"b": 4}
+    # an evicted engine hash is forgotten too: a removal of it changes nothing
+    idx.apply("a", Batch(0.0, (BlockRemoved((1, 2)),)))
+    assert len(idx) == 4
+
+
+def test_forget_drops_a_worker() -> None:
+    idx = KvIndex(max_blocks=10)
+    idx.apply("a", stored([1], None, [1, 2]))
+    idx.forget("a")
+    assert len(idx) == 0 and "a" not in idx.block_sizes
