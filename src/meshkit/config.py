@@ -152,6 +152,8 @@ class RoutingConfig:
     session_header: str | None = "x-session-id"
     responses_affinity_max: int = 100_000
     responses_affinity_ttl_s: float = 3600.0
+    # A referenced response no worker holds is not asked for again this long.
+    responses_lookup_ttl_s: float = 60.0
     seed: int | None = None
 
 

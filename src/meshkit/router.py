@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from meshkit.core.endpoints import Api
 from meshkit.core.forward import WakePending
 from meshkit.core.lifecycle import LeaseEntry, LeaseKind, Verdict
-from meshkit.core.placement import admission_refusal, configured_for, eligible, overloaded
+from meshkit.core.placement import (
+    admission_refusal,
+    configured_for,
+    eligible,
+    overloaded,
+    state_owner_origin,
+)
 from meshkit.core.policies.affinity import ResponsesAffinity
 from meshkit.core.policies.base import BasePolicy, Completion, PlacementContext, Policy
 from meshkit.core.policies.registry import create_policy
@@ -151,6 +157,11 @@ class Router:
         self.affinity = ResponsesAffinity(
             max_entries=config.routing.responses_affinity_max,
             ttl_s=config.routing.responses_affinity_ttl_s,
+        )
+        #: ids every origin said it does not hold (asked at most once per TTL)
+        self.missing = ResponsesAffinity(
+            max_entries=config.routing.responses_affinity_max,
+            ttl_s=config.routing.responses_lookup_ttl_s,
         )
         self.states = WorkerStates(self.fleet, config.lifecycle, clock())
         pd = config.pd
@@ -349,6 +360,36 @@ class Router:
             self.metrics.pd_bootstrap_failures.inc()
 
     # -- what responses teach ---------------------------------------------------------
+
+    def lookup_targets(self, view: RequestView) -> list[Candidate]:
+        """Where to ask for the owner of ``view.previous_response_id``: one candidate
+        per origin (healthy first) when this process knows no owner, the workers
+        share no state domain and the id was not looked up in vain lately."""
+        rid = view.previous_response_id
+        if not rid:
+            return []
+        now = self.clock()
+        with self._lock:
+            if self.affinity.owner(rid, now) is not None:
+                return []
+            if self.missing.owner(rid, now) is not None:
+                return []
+            fleet = self.fleet
+            workers = configured_for(fleet, view)
+            if state_owner_origin(workers) is not None:
+                return []
+            by_origin: dict[str, Candidate] = {}
+            for w in sorted(workers, key=lambda w: not fleet.healthy(w)):
+                cands = fleet.candidates_of(w)
+                if cands and w.origin not in by_origin:
+                    by_origin[w.origin] = cands[0]
+            return list(by_origin.values())
+
+    def remember_missing(self, response_id: str) -> None:
+        """No origin holds ``response_id`` (``routing.responses_lookup_ttl_s``)."""
+        now = self.clock()
+        with self._lock:
+            self.missing.remember(response_id, "", now)
 
     def remember_response(self, response_id: str, origin: str) -> None:
         """Responses affinity: ``response_id`` lives on ``origin``."""

@@ -118,6 +118,15 @@ class FakePlacer:
         self.leases.append(lease)
         return lease
 
+    def lookup_targets(self, view: RequestView) -> list[Candidate]:
+        return []
+
+    def remember_response(self, response_id: str, origin: str) -> None:
+        pass
+
+    def remember_missing(self, response_id: str) -> None:
+        pass
+
     def targets(self, view: RequestView) -> list[Candidate]:
         by_origin: dict[str, Candidate] = {}
         workers = configured_for(self.fleet, view)

@@ -53,6 +53,7 @@ import random
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Protocol
+from urllib.parse import quote
 
 from meshkit.core.credentials import request_headers
 from meshkit.core.endpoints import Api
@@ -193,6 +194,17 @@ class Leaser(Protocol):
 
 
 class Placer(Leaser, Protocol):
+    def lookup_targets(self, view: RequestView) -> list[Candidate]:
+        """Where to ask for the owner of ``view.previous_response_id`` (one per
+        origin), or nothing when the owner is known or need not be."""
+        ...
+
+    def remember_response(self, response_id: str, origin: str) -> None: ...
+
+    def remember_missing(self, response_id: str) -> None:
+        """No worker holds ``response_id``: do not ask again for a while."""
+        ...
+
     """The stateful side the flow drives (the :class:`~meshkit.router.Router`, under its lock)."""
 
     def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate: ...
@@ -232,6 +244,9 @@ class Attempt:
     history: list[tuple[str, AttemptResult]] = field(default_factory=list)
     #: "never", "errors" (non-2xx) or "always": read the body into the result
     read_body: str = "never"
+    #: a question to a worker (where a referenced response lives), never the answer:
+    #: a front end that does not send attempts itself (ext-proc) sends these
+    probe: bool = False
 
     @property
     def tls(self) -> Tls | None:
@@ -296,6 +311,46 @@ def build_attempt(
     )
 
 
+def _find_owner(
+    placer: Placer,
+    view: RequestView,
+    client_headers: list[tuple[bytes, bytes]],
+    targets: list[Candidate],
+) -> Generator[Attempt, AttemptResult, None]:
+    """Another process placed the referenced response: ask each origin once
+    (``GET /v1/responses/{id}``) and remember who has it, so placement goes there.
+
+    :raises UpstreamError: nobody answered that they have it and some origin could
+        not be asked (the owner may be down: a conversation never moves silently).
+    """
+    rid = view.previous_response_id
+    assert rid is not None
+    path = "/v1/responses/" + quote(rid, safe="")
+    unreachable = False
+    for number, cand in enumerate(targets):
+        attempt = build_attempt(
+            placer, view, cand, client_headers, "GET", number, b"", admission=False
+        )
+        attempt.url = cand.worker.url + path
+        attempt.read_body = "always"
+        attempt.probe = True
+        result = yield attempt
+        status = result.status
+        if status is None or status >= 500:
+            attempt.lease.release(ok=False, status=status)
+            unreachable = True
+            continue
+        attempt.lease.release(ok=True, status=status)
+        if status == 200:
+            placer.remember_response(rid, cand.origin)
+            return
+    if unreachable:
+        raise UpstreamError(
+            "the worker that may hold the referenced response could not be asked; retry"
+        )
+    placer.remember_missing(rid)
+
+
 def forward_flow(
     placer: Placer,
     view: RequestView,
@@ -306,6 +361,10 @@ def forward_flow(
     rng: random.Random,
 ) -> ForwardFlow:
     """The flow for one request (see the module docstring)."""
+    if view.previous_response_id and view.stateful:
+        targets = placer.lookup_targets(view)
+        if targets:
+            yield from _find_owner(placer, view, client_headers, targets)
     api = view.api
     base: RankBase | None = None
     tried: set[str] = set()

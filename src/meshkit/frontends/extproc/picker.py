@@ -52,7 +52,7 @@ from meshkit.errors import (
 from meshkit.mesh import Mesh
 from meshkit.types import Headers
 from meshkit.upstream.base import AsyncExchange
-from meshkit.upstream.drive import Answered, drive_async
+from meshkit.upstream.drive import Answered, drive_async, leg_steps, run_async
 
 __all__ = ["DESTINATION", "Answer", "Picker", "Route"]
 
@@ -192,9 +192,12 @@ class Picker:
             return await self._answer_here(flow)
         self._flow = flow
         step = next(flow)
-        while isinstance(step, Hold):
-            ready = await step.waiter.wait_async(step.deadline_s)
-            step = flow.send(AttemptResult.held(ready))
+        while isinstance(step, Hold) or (isinstance(step, Attempt) and step.probe):
+            if isinstance(step, Hold):
+                ready = await step.waiter.wait_async(step.deadline_s)
+                step = flow.send(AttemptResult.held(ready))
+            else:  # where a referenced response lives: asked by meshkit itself
+                step = flow.send(await run_async(leg_steps(step), self._send))
         if not isinstance(step, Attempt):  # pragma: no cover - pairs are refused above
             raise UpstreamError("no single worker for this request")
         self.attempt = step

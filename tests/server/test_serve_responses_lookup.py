@@ -1,0 +1,28 @@
+"""A Responses follow-up through a second ``meshkit serve`` finds the first turn's
+worker (it asks the origins once), with the real openai SDK."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx2
+import openai
+
+
+def test_two_gateways_with_the_openai_sdk(mock_factory: Any, spawn: Any) -> None:
+    mocks = [mock_factory(name=f"w{i}") for i in range(3)]
+    flags = [a for m in mocks for a in ("--worker", m.url)]
+    one = spawn("serve", *flags, "--port", "0")
+    two = spawn("serve", *flags, "--port", "0")
+    with httpx2.Client(trust_env=False) as http:
+        sdk = [
+            openai.OpenAI(base_url=g.url + "/v1", api_key="k", http_client=http, max_retries=0)
+            for g in (one, two)
+        ]
+        raw = sdk[0].responses.with_raw_response.create(model="m", input="hello")
+        created = raw.parse()
+        follow = sdk[1].responses.with_raw_response.create(
+            model="m", input="and then?", previous_response_id=created.id
+        )
+        assert follow.headers["x-mock-worker"] == raw.headers["x-mock-worker"]
+        assert follow.parse().previous_response_id == created.id
