@@ -286,12 +286,17 @@ class Router:
                 owner = self.affinity.owner(rid, now)
                 if owner is not None and any(w.origin == owner for w in workers):
                     workers = [w for w in workers if w.origin == owner]
-            by_origin: dict[str, Candidate] = {}
-            for w in sorted(workers, key=lambda w: not fleet.healthy(w)):
-                cands = fleet.candidates_of(w)
-                if cands and w.origin not in by_origin:
-                    by_origin[w.origin] = cands[0]
-            return list(by_origin.values())
+            return self._one_per_origin(workers)
+
+    def _one_per_origin(self, workers: list[Worker]) -> list[Candidate]:
+        """(lock) A candidate per origin of ``workers``, healthy ones first."""
+        fleet = self.fleet
+        by_origin: dict[str, Candidate] = {}
+        for w in sorted(workers, key=lambda w: not fleet.healthy(w)):
+            cands = fleet.candidates_of(w)
+            if cands and w.origin not in by_origin:
+                by_origin[w.origin] = cands[0]
+        return list(by_origin.values())
 
     def pass_through(self) -> Candidate:
         """A healthy worker, at random, for a request meshkit does not route."""
@@ -378,12 +383,7 @@ class Router:
             workers = configured_for(fleet, view)
             if state_owner_origin(workers) is not None:
                 return []
-            by_origin: dict[str, Candidate] = {}
-            for w in sorted(workers, key=lambda w: not fleet.healthy(w)):
-                cands = fleet.candidates_of(w)
-                if cands and w.origin not in by_origin:
-                    by_origin[w.origin] = cands[0]
-            return list(by_origin.values())
+            return self._one_per_origin(workers)
 
     def remember_missing(self, response_id: str) -> None:
         """No origin holds ``response_id`` (``routing.responses_lookup_ttl_s``)."""

@@ -31,17 +31,22 @@ def _fleet(mock_factory: Callable[..., MockWorkerThread]) -> list[MockWorkerThre
     return [mock_factory(name=f"w{i}") for i in range(3)]
 
 
+def _first_turn(mesh_factory: Any, urls: list[str]) -> tuple[str, str]:
+    """The first turn, placed by a router of its own: (response id, its worker)."""
+    router = TransportMode(mesh_factory(workers=urls, lifecycle={"probe": False}))
+    try:
+        created = router.request("POST", "/v1/responses", json=FIRST)
+    finally:
+        router.close()
+    return created.json()["id"], created.headers["x-mock-worker"]
+
+
 def test_a_follow_up_through_another_router_finds_its_owner(
     mock_factory: Any, mesh_factory: Any, run_mode: Any
 ) -> None:
     mocks = _fleet(mock_factory)
     urls = [m.url for m in mocks]
-    first_router = TransportMode(mesh_factory(workers=urls, lifecycle={"probe": False}))
-    try:
-        created = first_router.request("POST", "/v1/responses", json=FIRST)
-    finally:
-        first_router.close()
-    rid, owner = created.json()["id"], created.headers["x-mock-worker"]
+    rid, owner = _first_turn(mesh_factory, urls)
     mesh = mesh_factory(workers=[Worker(u) for u in urls], lifecycle={"probe": False})
     mode = run_mode(mesh)  # a second router: it never saw the first turn
     for _ in range(3):
@@ -71,12 +76,7 @@ def test_an_id_nobody_holds_is_501_and_asked_once(
 def test_the_owner_down_is_502_not_a_move(mock_factory: Any, mesh_factory: Any) -> None:
     mocks = _fleet(mock_factory)
     urls = [m.url for m in mocks]
-    first = TransportMode(mesh_factory(workers=urls, lifecycle={"probe": False}))
-    try:
-        created = first.request("POST", "/v1/responses", json=FIRST)
-    finally:
-        first.close()
-    rid, owner = created.json()["id"], created.headers["x-mock-worker"]
+    rid, owner = _first_turn(mesh_factory, urls)
     next(m for m in mocks if m.worker.config.name == owner).kill()
     mode = TransportMode(mesh_factory(workers=urls, lifecycle={"probe": False}))
     try:

@@ -49,6 +49,7 @@ from meshkit.errors import (
     UnsupportedInExtProc,
     UpstreamError,
 )
+from meshkit.frontends.routed import error_reply
 from meshkit.mesh import Mesh
 from meshkit.types import Headers
 from meshkit.upstream.base import AsyncExchange
@@ -342,11 +343,12 @@ class Picker:
         return self._refuse(exc)
 
     def _refuse(self, exc: MeshError) -> Answer:
-        self.mesh.reject(exc)
+        status, headers, body = error_reply(self.mesh, exc, self._shape)
         # Load shed (the workers or the prepare pool full): 429, as the GIE's picker
         # protocol answers a request it drops; the body and retry hints are the same.
-        status = 429 if isinstance(exc, Overloaded | PrepareQueueFull) else exc.status
-        return Answer(status, exc.headers(), exc.body(self._shape))
+        if isinstance(exc, Overloaded | PrepareQueueFull):
+            status = 429
+        return Answer(status, headers, body)
 
 
 def _declared_length(headers: Headers) -> int | None:
