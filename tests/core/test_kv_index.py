@@ -93,3 +93,52 @@ def test_forget_drops_a_worker() -> None:
     idx.apply("a", stored([1], None, [1, 2]))
     idx.forget("a")
     assert len(idx) == 0 and "a" not in idx.block_sizes
+
+
+def test_each_model_group_has_its_own_budget() -> None:
+    idx = KvIndex(max_blocks=2)
+    idx.apply("a", stored([1, 2], None, [1, 2, 3, 4]), group="big")
+    idx.apply("b", stored([3, 4], None, [5, 6, 7, 8]), group="small")
+    idx.apply("a", stored([5], 2, [9, 9]), group="big")  # over "big"'s budget only
+    assert idx.group_sizes() == {"big": 2, "small": 2} and idx.evicted == 1
+    assert idx.match([5, 6, 7, 8], ["b"]) == {"b": 4}
+    # a worker that serves another model now: what it held under the old one goes
+    idx.apply("b", stored([6], None, [1, 2]), group="big")
+    assert idx.blocks_of("b") == 1 and idx.group_sizes()["small"] == 0
+
+
+def test_bytes_hashes_and_signed_ints_name_blocks() -> None:
+    idx = KvIndex(max_blocks=10)
+    digest = bytes(range(32))
+    idx.apply("a", stored([digest], None, [1, 2]))  # type: ignore[list-item]
+    idx.apply("a", stored([-5], digest, [3, 4]))  # type: ignore[arg-type]
+    assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 4}
+    idx.apply("a", Batch(0.0, (BlockRemoved((-5,)),)))
+    assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 2}
+
+
+def test_keys_computed_beforehand_match_alike() -> None:
+    idx = KvIndex(max_blocks=100)
+    idx.apply("a", stored([1, 2, 3], None, [1, 2, 3, 4, 5, 6]))
+    idx.apply("b", stored([4], None, [1, 2]))
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert idx.match(ids, ["a", "b"], {2: chain(ids, 2)}) == idx.match(ids, ["a", "b"])
+    assert idx.match(ids, ["a", "b"]) == {"a": 6, "b": 2}
+
+
+def test_a_forgotten_workers_bit_is_reused_without_its_blocks() -> None:
+    idx = KvIndex(max_blocks=100)
+    idx.apply("a", stored([1], None, [1, 2]))
+    idx.forget("a")
+    idx.apply("b", stored([2], None, [3, 4]))  # takes a's bit
+    assert idx.match([1, 2], ["a", "b"]) == {"a": 0, "b": 0}
+    assert idx.match([3, 4], ["b"]) == {"b": 2} and idx.covers("b") and not idx.covers("a")
+
+
+def test_clearing_one_worker_leaves_the_others_shared_blocks() -> None:
+    idx = KvIndex(max_blocks=100)
+    for w, h in (("a", 1), ("b", 2)):
+        idx.apply(w, stored([h], None, [1, 2]))
+    idx.clear("a")
+    assert idx.match([1, 2], ["a", "b"]) == {"a": 0, "b": 2}
+    assert idx.blocks_of("a") == 0 and idx.covers("a")  # it holds nothing: known

@@ -11,21 +11,28 @@ engine hash stands for which block; the index maps it to its key, so a later
 through the same chain, per block size, and :meth:`KvIndex.match` tells, for each
 worker, how many leading tokens it holds.
 
-Bounded: at most ``max_blocks`` (worker, block) entries in all, the least recently
-stored going first (a match does not refresh: the engines' own evictions arrive as
-``BlockRemoved``, so the bound only bites when it is smaller than their caches). A
-``BlockStored`` whose parent the index does not know (evicted, or stored before
-meshkit subscribed) cannot be chained and is skipped: it is counted
+Bounded per *group* (the model a worker serves: a hot model must not push a cold
+one's blocks out): at most ``max_blocks`` (worker, block) entries each, the least
+recently stored going first (a match does not refresh: the engines' own evictions
+arrive as ``BlockRemoved``, so the bound only bites when it is smaller than their
+caches). A ``BlockStored`` whose parent the index does not know (evicted, or
+stored before meshkit subscribed) cannot be chained and is skipped: it is counted
 (:attr:`KvIndex.unchained`). A worker's block size is learnt from its events; a
 change (a restarted engine with another configuration) clears what it held.
 
-Pure: the subscriber feeds it decoded batches.
+Layout, for memory and for the match loop: each worker has a bit; a key maps to
+the bit mask of the workers holding it, so following a prompt's chain is one dict
+lookup and one ``&`` per block. A group's entries are one ordered dict from
+``(bit, engine hash)`` packed in one int to the key. Clearing one worker walks its
+group's entries (rare: a gap without replay, ``AllBlocksCleared``, removal).
+
+Pure: the subscriber feeds it decoded batches, under the router's lock.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from meshkit.core.kv_events import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored
 
@@ -33,7 +40,7 @@ __all__ = ["ROOT", "KvIndex", "chain"]
 
 #: the parent key of a prompt's first block
 ROOT = 0
-_NOBODY: frozenset[str] = frozenset()
+_MASK64 = (1 << 64) - 1
 
 
 def _key(parent: int, tokens: Sequence[int]) -> int:
@@ -53,124 +60,220 @@ def chain(token_ids: Sequence[int], block_size: int, parent: int = ROOT) -> list
     return keys
 
 
+def _h64(h: BlockHash) -> int:
+    # vLLM sends 64-bit ints (signed or not) or bytes digests; 64 bits of a digest
+    # name a block as well as all of it, and fit the packed entry key.
+    if isinstance(h, bytes):
+        return int.from_bytes(h[-8:], "big")
+    return h & _MASK64
+
+
+class _Worker:
+    __slots__ = ("bit", "block_size", "count", "group", "shift")
+
+    def __init__(self, bit: int, group: str) -> None:
+        self.bit = bit
+        self.shift = (bit + 1) << 64  # the packed entry key's high part
+        self.group = group
+        self.count = 0
+        self.block_size: int | None = None
+
+
 class KvIndex:
-    """The blocks each worker holds (see the module docstring)."""
+    """The blocks each worker holds (see the module docstring).
+
+    :param max_blocks: entries per group (model).
+    """
 
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max(1, max_blocks)
-        #: (worker id, key) → the engine's hash for it, least recently stored first
-        self._entries: OrderedDict[tuple[str, int], BlockHash] = OrderedDict()
-        #: per worker: engine hash → key, and the keys it holds
-        self._by_hash: dict[str, dict[BlockHash, int]] = {}
-        self._keys: dict[str, set[int]] = {}
-        #: key → the workers holding it (one lookup per block when matching)
-        self._holders: dict[int, set[str]] = {}
-        self.block_sizes: dict[str, int] = {}
-        #: stored blocks skipped: their parent was unknown
+        self._workers: dict[str, _Worker] = {}
+        self._by_bit: dict[int, str] = {}
+        self._free_bits: list[int] = []
+        #: per group: packed (bit, engine hash) → key, least recently stored first
+        self._entries: dict[str, OrderedDict[int, int]] = {}
+        #: key → bit mask of the workers holding it
+        self._holders: dict[int, int] = {}
+        #: stored blocks skipped: their parent was unknown, or the event was malformed
         self.unchained = 0
         #: entries dropped to stay within max_blocks
         self.evicted = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(e) for e in self._entries.values())
+
+    @property
+    def block_sizes(self) -> dict[str, int]:
+        return {w: s.block_size for w, s in self._workers.items() if s.block_size is not None}
+
+    def sizes(self) -> frozenset[int]:
+        """The block sizes in use (prepare computes a request's keys for each)."""
+        return frozenset(s.block_size for s in self._workers.values() if s.block_size)
 
     def blocks_of(self, worker_id: str) -> int:
-        return len(self._keys.get(worker_id, ()))
+        w = self._workers.get(worker_id)
+        return w.count if w is not None else 0
+
+    def covers(self, worker_id: str) -> bool:
+        """Whether ``worker_id``'s events are in the index (it stored something)."""
+        w = self._workers.get(worker_id)
+        return w is not None and w.block_size is not None
+
+    def group_sizes(self) -> dict[str, int]:
+        return {g: len(e) for g, e in self._entries.items()}
 
     # -- events ---------------------------------------------------------------------------
 
-    def apply(self, worker_id: str, batch: Batch) -> None:
+    def apply(self, worker_id: str, batch: Batch, group: str = "") -> None:
+        w = self._worker(worker_id, group)
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._stored(worker_id, event)
+                self._stored(w, event)
             elif isinstance(event, BlockRemoved):
-                for h in event.block_hashes:
-                    self._remove(worker_id, h)
+                entries = self._entries.get(w.group)
+                if entries is not None:
+                    for h in event.block_hashes:
+                        key = entries.pop(w.shift | _h64(h), None)
+                        if key is not None:
+                            self._unhold(key, w)
             elif isinstance(event, AllBlocksCleared):
-                self.clear(worker_id)
+                self._clear(w)
 
     def clear(self, worker_id: str) -> None:
-        """Forget ``worker_id``'s blocks (cleared, a sequence gap, a restart, removal)."""
-        for key in self._keys.pop(worker_id, set()):
-            self._entries.pop((worker_id, key), None)
-            self._unhold(key, worker_id)
-        self._by_hash.pop(worker_id, None)
+        """Forget ``worker_id``'s blocks (cleared, a sequence gap, a restart)."""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            self._clear(w)
 
     def forget(self, worker_id: str) -> None:
-        """The worker left the fleet."""
-        self.clear(worker_id)
-        self.block_sizes.pop(worker_id, None)
+        """The worker left the fleet (its bit is free again)."""
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            self._clear(w)
+            del self._by_bit[w.bit]
+            self._free_bits.append(w.bit)
 
-    def _stored(self, worker_id: str, event: BlockStored) -> None:
+    def _worker(self, worker_id: str, group: str) -> _Worker:
+        w = self._workers.get(worker_id)
+        if w is None:
+            bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)
+            w = self._workers[worker_id] = _Worker(bit, group)
+            self._by_bit[bit] = worker_id
+        elif w.group != group:
+            self._clear(w)
+            w.group = group
+        return w
+
+    def _clear(self, w: _Worker) -> None:
+        entries = self._entries.get(w.group)
+        if entries and w.count:
+            lo, hi = w.shift, w.shift + (1 << 64)
+            mine = [k for k in entries if lo <= k < hi]
+            for packed in mine:
+                self._unhold(entries.pop(packed), w)
+        w.count = 0
+
+    def _stored(self, w: _Worker, event: BlockStored) -> None:
         size = event.block_size
-        if self.block_sizes.get(worker_id, size) != size:
-            self.clear(worker_id)
-        self.block_sizes[worker_id] = size
+        if w.block_size != size:
+            if w.block_size is not None:
+                self._clear(w)
+            w.block_size = size
         if len(event.token_ids) != size * len(event.block_hashes):
             self.unchained += len(event.block_hashes)
             return
-        by_hash = self._by_hash.setdefault(worker_id, {})
+        entries = self._entries.get(w.group)
+        if entries is None:
+            entries = self._entries[w.group] = OrderedDict()
         if event.parent_block_hash is None:
             parent = ROOT
         else:
-            known = by_hash.get(event.parent_block_hash)
+            known = entries.get(w.shift | _h64(event.parent_block_hash))
             if known is None:
                 self.unchained += len(event.block_hashes)
                 return
             parent = known
-        keys = self._keys.setdefault(worker_id, set())
+        holders = self._holders
+        bit = 1 << w.bit
         tokens = event.token_ids
         for i, h in enumerate(event.block_hashes):
             parent = _key(parent, tokens[i * size : (i + 1) * size])
-            by_hash[h] = parent
-            keys.add(parent)
-            self._holders.setdefault(parent, set()).add(worker_id)
-            entry = (worker_id, parent)
-            self._entries[entry] = h
-            self._entries.move_to_end(entry)
-        while len(self._entries) > self.max_blocks:
-            (wid, key), h = self._entries.popitem(last=False)
-            self._keys.get(wid, set()).discard(key)
-            self._by_hash.get(wid, {}).pop(h, None)
-            self._unhold(key, wid)
+            packed = w.shift | _h64(h)
+            old = entries.pop(packed, None)
+            if old is None:
+                w.count += 1
+            elif old != parent:
+                self._unhold(old, w)
+                w.count += 1
+            entries[packed] = parent
+            holders[parent] = holders.get(parent, 0) | bit
+        over = len(entries) - self.max_blocks
+        while over > 0:
+            packed, key = entries.popitem(last=False)
+            owner = self._workers[self._by_bit[(packed >> 64) - 1]]
+            self._unhold(key, owner)
             self.evicted += 1
+            over -= 1
 
-    def _remove(self, worker_id: str, engine_hash: BlockHash) -> None:
-        key = self._by_hash.get(worker_id, {}).pop(engine_hash, None)
-        if key is not None:
-            self._keys.get(worker_id, set()).discard(key)
-            self._entries.pop((worker_id, key), None)
-            self._unhold(key, worker_id)
-
-    def _unhold(self, key: int, worker_id: str) -> None:
-        holders = self._holders.get(key)
-        if holders is not None:
-            holders.discard(worker_id)
-            if not holders:
-                del self._holders[key]
+    def _unhold(self, key: int, w: _Worker) -> None:
+        w.count -= 1
+        mask = self._holders.get(key, 0) & ~(1 << w.bit)
+        if mask:
+            self._holders[key] = mask
+        else:
+            self._holders.pop(key, None)
 
     # -- lookups --------------------------------------------------------------------------
 
-    def match(self, token_ids: Sequence[int], worker_ids: Iterable[str]) -> dict[str, int]:
+    def match(
+        self,
+        token_ids: Sequence[int],
+        worker_ids: Iterable[str],
+        keys: Mapping[int, Sequence[int]] | None = None,
+    ) -> dict[str, int]:
         """Per worker, how many leading tokens of ``token_ids`` it holds (0: none,
-        or no events from it). Keys are computed block by block only while some
-        worker still holds the prefix: a prompt that shares only its first blocks
-        costs those blocks, not its length."""
+        or no events from it).
+
+        :param keys: the prompt's block keys per block size, when computed already
+            (prepare does, off the lock); else they are computed block by block,
+            only while some worker still holds the prefix.
+        """
         out: dict[str, int] = {}
-        by_size: dict[int, set[str]] = {}
+        by_size: dict[int, int] = {}
         for wid in worker_ids:
             out[wid] = 0
-            size = self.block_sizes.get(wid)
-            if size is not None and self._keys.get(wid):
-                by_size.setdefault(size, set()).add(wid)
+            w = self._workers.get(wid)
+            if w is not None and w.count and w.block_size is not None:
+                by_size[w.block_size] = by_size.get(w.block_size, 0) | (1 << w.bit)
         holders = self._holders
         for size, alive in by_size.items():
-            parent = ROOT
-            for n, start in enumerate(range(0, len(token_ids) - size + 1, size), 1):
-                parent = _key(parent, token_ids[start : start + size])
-                alive = alive & holders.get(parent, _NOBODY)
-                if not alive:
-                    break
-                for w in alive:
-                    out[w] = n * size
+            known = keys.get(size) if keys is not None else None
+            n = 0
+            if known is not None:
+                for n, key in enumerate(known, 1):
+                    left = alive & holders.get(key, 0)
+                    if left != alive:
+                        self._credit(out, alive & ~left, (n - 1) * size)
+                        alive = left
+                        if not alive:
+                            break
+            else:
+                parent = ROOT
+                for n, start in enumerate(range(0, len(token_ids) - size + 1, size), 1):
+                    parent = _key(parent, token_ids[start : start + size])
+                    left = alive & holders.get(parent, 0)
+                    if left != alive:
+                        self._credit(out, alive & ~left, (n - 1) * size)
+                        alive = left
+                        if not alive:
+                            break
+            if alive:
+                self._credit(out, alive, n * size)
         return out
+
+    def _credit(self, out: dict[str, int], mask: int, tokens: int) -> None:
+        by_bit = self._by_bit
+        while mask:
+            low = mask & -mask
+            out[by_bit[low.bit_length() - 1]] = tokens
+            mask ^= low
