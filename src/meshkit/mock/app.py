@@ -10,6 +10,11 @@ Order of checks for an API request: family enabled (``apis``, else 404) → API 
 (401) → for inference, sleeping (503) → JSON body (400) → data-parallel rank (400)
 → injected error (``error_rate``) → the answer.
 
+With ``MockConfig.tokenizer``, chat and completions prompts are the token ids an
+engine computes (:func:`meshkit.prepare.jobs.prompt_ids`: chat template, special
+tokens); a body it refuses answers 400 (413 when too large). Other APIs keep the
+whitespace words of :mod:`meshkit.mock.tokens`.
+
 Non-stream chat/completions answers are rendered once per distinct
 (model, token counts, rank, keep-alive) into a template; each request only splices
 a fresh fixed-width id into the pre-built bytes.
@@ -20,7 +25,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -65,7 +70,12 @@ class MockApp:
         self.sleeping_tags: set[str] = set()
         self.vocab = Vocab()
         self.responses = ResponseStore()
-        self.cache = PrefixCache(config.cache_tokens) if config.cache_tokens > 0 else None
+        self.cache = (
+            PrefixCache(config.cache_tokens, config.block_size) if config.cache_tokens > 0 else None
+        )
+        self._prompt_ids: Callable[[dict[str, Any]], list[int]] | None = None
+        if config.tokenizer is not None:
+            self._prompt_ids = _engine_tokenizer(config.tokenizer)
         self._rng = random.Random(config.seed)
         self._memo: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
         self._counter = 0
@@ -83,9 +93,11 @@ class MockApp:
         self._add_routes()
 
     def reset_state(self) -> None:
-        """Forget volatile state (a crashed process loses it): cache, responses, sleep."""
+        """Forget volatile state (a crashed process loses it): cache (and its engine-hash
+        seed), responses, sleep."""
         if self.cache is not None:
             self.cache.clear()
+            self.cache.reseed()
         self.responses.clear()
         self.sleeping_tags.clear()
 
@@ -241,10 +253,23 @@ class MockApp:
         """The prompt's tokens when the cache model needs them, else just their count."""
         return prompt_tokens(*values) if self.cache is not None else prompt_size(*values)
 
+    def engine_prompt(self, req: Request, body: dict[str, Any]) -> list[int] | bytes | None:
+        """With ``MockConfig.tokenizer``: the engine's prompt ids for a chat or completion
+        ``body`` (or the error answer); without: ``None``."""
+        encode_ids = self._prompt_ids
+        if encode_ids is None:
+            return None
+        from meshkit.errors import MeshError
+
+        try:
+            return encode_ids(body)
+        except MeshError as exc:
+            return self.error(req, exc.status, exc.message, param=exc.param)
+
     def turn(
         self,
         body: dict[str, Any],
-        prompt: list[Token] | int,
+        prompt: Sequence[Token] | int,
         max_out: int | None,
         rank: int | None,
     ) -> Turn:
@@ -255,7 +280,7 @@ class MockApp:
         if cache is not None and not isinstance(prompt, int):
             hashes = cache.block_hashes(prompt)
             cached = cache.lookup(hashes, p)
-            cache.insert(hashes)
+            cache.insert(hashes, prompt)
         stats = self.stats
         stats.prompt_tokens_total += p
         stats.cached_tokens_total += cached
@@ -350,9 +375,12 @@ class MockApp:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return self.error(req, 400, "'messages' must be a list", param="messages")
+        ids = self.engine_prompt(req, body)
+        if isinstance(ids, bytes):
+            return ids
         t = self.turn(
             body,
-            self.prompt(messages),
+            self.prompt(messages) if ids is None else ids,
             max_tokens(body, "max_completion_tokens", "max_tokens"),
             rank,
         )
@@ -371,7 +399,11 @@ class MockApp:
         prompt = body.get("prompt")
         if prompt is None:
             return self.error(req, 400, "'prompt' is required", param="prompt")
-        t = self.turn(body, self.prompt(prompt), max_tokens(body, "max_tokens"), rank)
+        ids = self.engine_prompt(req, body)
+        if isinstance(ids, bytes):
+            return ids
+        tokens = self.prompt(prompt) if ids is None else ids
+        t = self.turn(body, tokens, max_tokens(body, "max_tokens"), rank)
         if self._vllm_prefill():
             return self._prefill_answer(req, t, "text_completion")
         if body.get("stream") is True:
@@ -463,6 +495,15 @@ class MockApp:
             n = 2 if role == "prefill" else 1
             out["meta_info"]["input_token_logprobs"] = logprobs_for(role, n)
         return out
+
+
+def _engine_tokenizer(path: str) -> Callable[[dict[str, Any]], list[int]]:
+    """Load the tokenizer at ``path`` once; a function of a request body to its ids."""
+    from meshkit.prepare.jobs import prompt_ids
+    from meshkit.prepare.tokenizers import TokenizerSpec
+
+    tok = TokenizerSpec(path).load()
+    return lambda body: prompt_ids(tok, body)
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

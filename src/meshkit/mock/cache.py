@@ -12,27 +12,60 @@ cached. The trailing partial block is never cached.
 * After a request, its blocks are inserted **last block first**, so that under
   pressure the deepest blocks are evicted before the shared prefix.
 * Capacity is in tokens (``capacity_tokens // block_size`` blocks).
+
+KV events (``MockConfig.kv_events``): with an ``events`` sink set, each block also
+carries an *engine hash* (:class:`~meshkit.mock.kv_publisher.EngineHasher`, seeded
+per process like vLLM's), and every change is handed to the sink as one batch of
+vLLM events: an :meth:`PrefixCache.insert` reports a ``BlockRemoved`` per evicted
+block (in eviction order, least recently used first) **then** one ``BlockStored`` per
+run of consecutive newly stored blocks (``parent_block_hash`` = the engine hash of
+the block before the run, ``None`` for the prompt's first block); a block both stored
+and evicted by the same insert is not reported. :meth:`PrefixCache.clear` reports
+``AllBlocksCleared``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from meshkit.mock.kv_publisher import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHasher,
+    KVCacheEvent,
+    token_ids,
+)
 from meshkit.mock.tokens import Token
 
-__all__ = ["PrefixCache"]
+__all__ = ["EventSink", "PrefixCache"]
+
+#: Receives one batch of events per cache change.
+EventSink = Callable[[list[KVCacheEvent]], None]
+#: KV events name the device tier the blocks live on.
+MEDIUM = "GPU"
 
 
 class PrefixCache:
-    """LRU of cumulative token-block hashes."""
+    """LRU of cumulative token-block hashes (each mapped to its engine hash when
+    events are on, else to ``None``)."""
 
-    def __init__(self, capacity_tokens: int, block_size: int = 16) -> None:
+    def __init__(
+        self, capacity_tokens: int, block_size: int = 16, *, events: EventSink | None = None
+    ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self.capacity_blocks = max(capacity_tokens, 0) // block_size
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._lru: OrderedDict[int, int | None] = OrderedDict()
+        #: Where KV events go (``None`` = not tracked).
+        self.events = events
+        self.hasher = EngineHasher()
+
+    def reseed(self) -> None:
+        """Draw a new engine-hash seed (a restarted engine); clear first."""
+        self.hasher = EngineHasher()
 
     @property
     def used_tokens(self) -> int:
@@ -60,9 +93,17 @@ class PrefixCache:
             hits += 1
         return hits * self.block_size
 
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Insert (or refresh) ``hashes``, evicting least recently used blocks."""
+    def insert(self, hashes: Sequence[int], tokens: Sequence[Token] | None = None) -> None:
+        """Insert (or refresh) ``hashes``, evicting least recently used blocks.
+
+        With an event sink, ``tokens`` (the prompt the hashes were cut from) name the
+        stored blocks' token ids.
+        """
         if self.capacity_blocks == 0:
+            return
+        sink = self.events
+        if sink is not None and tokens is not None:
+            self._insert_reporting(hashes, tokens, sink)
             return
         lru = self._lru
         for h in reversed(hashes):
@@ -73,8 +114,77 @@ class PrefixCache:
                 if len(lru) > self.capacity_blocks:
                     lru.popitem(last=False)
 
+    def _insert_reporting(
+        self, hashes: Sequence[int], tokens: Sequence[Token], sink: EventSink
+    ) -> None:
+        lru = self._lru
+        bs = self.block_size
+        n = len(hashes)
+        # engine hashes, in chain order: a cached block keeps its own, a new one chains
+        # from its parent's
+        engine: list[int] = []
+        ids: list[list[int] | None] = [None] * n
+        present = [False] * n
+        parent: int | None = None
+        for i, key in enumerate(hashes):
+            known = lru.get(key)
+            if key in lru and known is not None:
+                present[i] = True
+                parent = known
+            else:
+                block = token_ids(tokens[i * bs : (i + 1) * bs])
+                ids[i] = block
+                parent = self.hasher(parent, block)
+            engine.append(parent)
+        evicted: list[tuple[int, int | None]] = []
+        added: set[int] = set()
+        cap = self.capacity_blocks
+        for i in range(n - 1, -1, -1):
+            key = hashes[i]
+            if key in lru:
+                if not present[i]:
+                    lru[key] = engine[i]  # cached before events were on
+                lru.move_to_end(key)
+            else:
+                lru[key] = engine[i]
+                added.add(key)
+                if len(lru) > cap:
+                    evicted.append(lru.popitem(last=False))
+        events: list[KVCacheEvent] = [
+            BlockRemoved(block_hashes=[value], medium=MEDIUM)
+            for key, value in evicted
+            if value is not None and key not in added and key not in lru
+        ]
+        run: list[int] = []
+        for i in range(n + 1):
+            if i < n and not present[i] and hashes[i] in lru:
+                run.append(i)
+                continue
+            if run:
+                first = run[0]
+                block_ids: list[int] = []
+                for j in run:
+                    block_ids.extend(ids[j] or ())
+                events.append(
+                    BlockStored(
+                        block_hashes=[engine[j] for j in run],
+                        parent_block_hash=engine[first - 1] if first > 0 else None,
+                        token_ids=block_ids,
+                        block_size=bs,
+                        lora_id=None,
+                        medium=MEDIUM,
+                        lora_name=None,
+                    )
+                )
+                run = []
+        if events:
+            sink(events)
+
     def clear(self) -> None:
+        """Drop every block (reported as ``AllBlocksCleared`` when events are on)."""
         self._lru.clear()
+        if self.events is not None:
+            self.events([AllBlocksCleared()])
 
     def __len__(self) -> int:
         return len(self._lru)

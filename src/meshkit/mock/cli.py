@@ -7,8 +7,14 @@
     python -m meshkit.mock --port 9001 --name w1 --apis chat,completions \
         --first-token-ms 20 --per-token-ms 5 --cache-tokens 4096
 
-Prints ``meshkit mock worker <name> listening on <url>`` once bound, then serves
-until SIGINT or SIGTERM.
+KV events as vLLM publishes them (needs ``--cache-tokens``)::
+
+    python -m meshkit.mock --cache-tokens 65536 --kv-events tcp://127.0.0.1:5557 \
+        --kv-replay tcp://127.0.0.1:5558 --tokenizer path/to/tokenizer.json
+
+Prints ``meshkit mock worker <name> listening on <url>`` once bound (then, with
+``--kv-events``, ``kv events on <endpoint>`` and ``kv replay on <endpoint>``), then
+serves until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -43,11 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-status", type=int, default=d.fail_status)
     p.add_argument("--crash-after-chunks", type=int, default=None)
     p.add_argument("--cache-tokens", type=int, default=d.cache_tokens)
+    p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token)
     p.add_argument("--sleep-mode", action="store_true")
     p.add_argument("--wake-ms", type=float, default=d.wake_ms)
     p.add_argument("--name", default=d.name)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--kv-events", default=None, help="ZeroMQ PUB endpoint for KV events (port 0 = any)"
+    )
+    p.add_argument("--kv-replay", default=None, help="ZeroMQ ROUTER endpoint for replays")
+    p.add_argument("--kv-topic", default=d.kv_topic)
+    p.add_argument("--kv-events-format", choices=("map", "array"), default=d.kv_events_format)
+    p.add_argument("--kv-replay-buffer", type=int, default=d.kv_replay_buffer)
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json (or its directory) for chat/completions"
+    )
     return p
 
 
@@ -72,6 +89,13 @@ def config_from_args(ns: argparse.Namespace) -> MockConfig:
         wake_ms=ns.wake_ms,
         name=ns.name,
         seed=ns.seed,
+        block_size=ns.block_size,
+        kv_events=ns.kv_events,
+        kv_replay=ns.kv_replay,
+        kv_topic=ns.kv_topic,
+        kv_events_format=ns.kv_events_format,
+        kv_replay_buffer=ns.kv_replay_buffer,
+        tokenizer=ns.tokenizer,
     )
 
 
@@ -82,6 +106,10 @@ async def _serve(worker: MockWorker) -> None:
         loop.add_signal_handler(sig, stop.set)
     await worker.start()
     print(f"meshkit mock worker {worker.config.name} listening on {worker.url}", flush=True)
+    if worker.kv_events_endpoint is not None:
+        print(f"kv events on {worker.kv_events_endpoint}", flush=True)
+    if worker.kv_replay_endpoint is not None:
+        print(f"kv replay on {worker.kv_replay_endpoint}", flush=True)
     try:
         await stop.wait()
     finally:
@@ -96,7 +124,11 @@ def run_mock_worker(argv: list[str] | None = None) -> int:
         config = config_from_args(ns)
     except ValueError as exc:
         parser.error(str(exc))
-    worker = MockWorker(config, host=ns.host, port=ns.port)
+    try:
+        worker = MockWorker(config, host=ns.host, port=ns.port)
+    except Exception as exc:  # a tokenizer that does not load (ConfigError), no pyzmq
+        print(f"meshkit mock worker: {exc}", file=sys.stderr)
+        return 1
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(_serve(worker))

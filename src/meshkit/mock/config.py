@@ -3,7 +3,7 @@ Mock worker configuration and statistics
 ========================================
 
 :class:`MockConfig` describes how a mock worker behaves (which APIs it serves,
-latencies, injected faults, the prefix-cache model, sleep mode).
+latencies, injected faults, the prefix-cache model and its KV events, sleep mode).
 
 :class:`MockStats` records what the worker saw, so tests can assert what a router
 forwarded. The ``last_*`` fields describe the last request to an *API* endpoint
@@ -54,6 +54,8 @@ class MockConfig:
     crash_after_chunks: int | None = None
     #: Prefix-cache capacity in tokens (0 = no cache).
     cache_tokens: int = 0
+    #: Tokens per prefix-cache block (vLLM's ``--block-size``).
+    block_size: int = 16
     #: Prefill delay per *uncached* prompt token.
     prefill_ms_per_token: float = 0.0
     #: Serve vLLM's ``/sleep``, ``/wake_up`` and ``/is_sleeping``.
@@ -67,6 +69,24 @@ class MockConfig:
     pd_role: str | None = None
     #: "sglang" (bootstrap fields, concurrent legs) or "vllm" (kv_transfer_params).
     pd_protocol: str = "sglang"
+    #: Publish the prefix-cache model's KV events as vLLM does (see
+    #: ``mock/kv_publisher.py``): the ZeroMQ PUB endpoint to bind, e.g.
+    #: ``"tcp://127.0.0.1:5557"`` (port 0 = any free port). ``None`` = off. Needs
+    #: ``cache_tokens > 0`` and pyzmq (``meshkit[kv]``).
+    kv_events: str | None = None
+    #: The ZeroMQ ROUTER endpoint answering replay requests (``None`` = no replay).
+    kv_replay: str | None = None
+    #: The topic frame of every published batch.
+    kv_topic: str = ""
+    #: "map" (current vLLM: events as ``{"type": ...}`` maps) or "array" (older vLLM,
+    #: SGLang: ``array_like`` structs).
+    kv_events_format: str = "map"
+    #: Batches kept for replay.
+    kv_replay_buffer: int = 10_000
+    #: A HuggingFace ``tokenizer.json`` (or its directory): chat and completions
+    #: prompts are then tokenized as an engine does (chat template, special tokens)
+    #: for the token counts and the cache model. ``None`` = whitespace words.
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.apis is not None:
@@ -85,6 +105,19 @@ class MockConfig:
             raise ValueError("pd_role must be 'prefill' or 'decode'")
         if self.pd_protocol not in ("sglang", "vllm"):
             raise ValueError("pd_protocol must be 'sglang' or 'vllm'")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.kv_events_format not in ("map", "array"):
+            raise ValueError("kv_events_format must be 'map' or 'array'")
+        if self.kv_replay_buffer < 1:
+            raise ValueError("kv_replay_buffer must be >= 1")
+        if self.kv_events is not None and self.cache_tokens <= 0:
+            raise ValueError(
+                "kv_events needs the prefix-cache model: set cache_tokens > 0 "
+                "(the events report its blocks)"
+            )
+        if self.kv_replay is not None and self.kv_events is None:
+            raise ValueError("kv_replay needs kv_events (the endpoint the batches go to)")
 
 
 class MockStats:
@@ -119,6 +152,10 @@ class MockStats:
         #: PD mode: (host, port, room) of the last request, and its kv_transfer_params.
         self.last_bootstrap: tuple[Any, Any, Any] | None = None
         self.last_kv_params: dict[str, Any] | None = None
+        #: KV-event batches sent on the PUB socket, and those it refused (``zmq.Again``;
+        #: still numbered and kept for replay).
+        self.kv_batches_published = 0
+        self.kv_batches_dropped = 0
         self._last: Request | None = None
 
     def record(self, req: Request) -> None:

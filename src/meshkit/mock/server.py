@@ -17,6 +17,12 @@ task per connection; a client that goes away cancels it and counts in
 :meth:`MockWorker.kill` simulates a crash: the listening socket and every connection
 close abruptly and the worker's volatile state (prefix cache, stored responses, sleep
 state) is lost; :meth:`MockWorker.start` then binds the **same** port again.
+
+With ``MockConfig.kv_events`` the worker also binds its KV-event sockets
+(:mod:`meshkit.mock.kv_publisher`) on start and closes them on stop or kill. A kill
+is an engine restart: the next start numbers batches from 0 again, with an empty
+replay buffer and a new block-hash seed (nothing is published for the lost cache).
+A stop and start keeps the sequence, the buffer and the cache.
 """
 
 from __future__ import annotations
@@ -26,13 +32,16 @@ import errno
 import logging
 import ssl as ssl_module
 from collections import deque
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import httptools
 
 from meshkit.mock.app import MockApp
 from meshkit.mock.config import MockConfig, MockStats
 from meshkit.mock.wire import Delayed, Reply, Request, Stream, chunk, response
+
+if TYPE_CHECKING:
+    from meshkit.mock.kv_publisher import KvEventPublisher
 
 __all__ = ["MockWorker"]
 
@@ -312,6 +321,21 @@ class MockWorker:
         self.app = MockApp(self.config, self.stats)
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[_Conn] = set()
+        self._kv: KvEventPublisher | None = None
+        cfg = self.config
+        if cfg.kv_events is not None:
+            from meshkit.mock.kv_publisher import KvEventPublisher
+
+            self._kv = KvEventPublisher(
+                cfg.kv_events,
+                replay=cfg.kv_replay,
+                topic=cfg.kv_topic,
+                fmt=cfg.kv_events_format,
+                buffer=cfg.kv_replay_buffer,
+                stats=self.stats,
+            )
+            if self.app.cache is not None:
+                self.app.cache.events = self._kv.publish
 
     @property
     def url(self) -> str:
@@ -323,14 +347,39 @@ class MockWorker:
     def running(self) -> bool:
         return self._server is not None
 
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """The KV-event PUB endpoint (the one bound, once started), or ``None``."""
+        return None if self._kv is None else self._kv.endpoint
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        """The KV-event replay ROUTER endpoint (bound, once started), or ``None``."""
+        return None if self._kv is None else self._kv.replay_endpoint
+
+    @property
+    def kv_publisher(self) -> KvEventPublisher | None:
+        return self._kv
+
     async def start(self) -> None:
         """Bind and listen (again on the same port after :meth:`kill` or :meth:`stop`)."""
         if self._server is not None:
             raise RuntimeError("mock worker already running")
         loop = asyncio.get_running_loop()
+        if self._kv is not None:
+            await self._kv.open()
+        try:
+            await self._listen(loop)
+        except BaseException:
+            if self._kv is not None:
+                self._kv.close()
+            raise
+
+    async def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        server: asyncio.Server | None = None
         for attempt in range(100):
             try:
-                self._server = await loop.create_server(
+                server = await loop.create_server(
                     lambda: _Conn(self),
                     self.host,
                     self.port,
@@ -344,14 +393,17 @@ class MockWorker:
                 if exc.errno != errno.EADDRINUSE or self.port == 0 or attempt == 99:
                     raise
                 await asyncio.sleep(0.02)
-        assert self._server is not None
-        self.port = self._server.sockets[0].getsockname()[1]
+        assert server is not None
+        self._server = server
+        self.port = server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         """Stop listening and close every connection (in-flight answers are dropped)."""
         server, self._server = self._server, None
         if server is None:
             return
+        if self._kv is not None:
+            self._kv.close()
         server.close()
         for conn in list(self._conns):
             conn.close()
@@ -365,6 +417,9 @@ class MockWorker:
             server.close()
         for conn in list(self._conns):
             conn.abort()
+        if self._kv is not None:
+            self._kv.close()  # first: a crash publishes nothing
+            self._kv.reset()
         self.app.reset_state()
 
     async def __aenter__(self) -> MockWorker:

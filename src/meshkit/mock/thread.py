@@ -47,6 +47,16 @@ class MockWorkerThread:
     def url(self) -> str:
         return self.worker.url
 
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """The KV-event PUB endpoint actually bound (``MockConfig.kv_events``)."""
+        return self.worker.kv_events_endpoint
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        """The KV-event replay endpoint actually bound (``MockConfig.kv_replay``)."""
+        return self.worker.kv_replay_endpoint
+
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(_TIMEOUT)

@@ -42,7 +42,13 @@ from meshkit.metrics import PrepareMetrics
 from meshkit.prepare.templates import RenderBudget
 from meshkit.prepare.tokenizers import LoadedTokenizer, TokenizerRegistry
 
-__all__ = ["DEFAULT_MAX_TOKENIZE_BYTES", "detokenize_job", "text_bytes", "tokenize_job"]
+__all__ = [
+    "DEFAULT_MAX_TOKENIZE_BYTES",
+    "detokenize_job",
+    "prompt_ids",
+    "text_bytes",
+    "tokenize_job",
+]
 
 DEFAULT_MAX_TOKENIZE_BYTES: Final = 4 * 1024 * 1024
 
@@ -196,6 +202,64 @@ def _render(
     return rendered
 
 
+def _engine_text(
+    tok: LoadedTokenizer,
+    body: Mapping[str, Any],
+    max_tokenize_bytes: int,
+    metrics: PrepareMetrics | None,
+    budget: RenderBudget | None,
+) -> tuple[str, bool]:
+    """The text an engine tokenizes for ``body`` and whether it adds special tokens:
+    a chat's rendered template (the template wrote them: off unless asked), or a
+    prompt (on unless asked off), as vLLM's request models default them."""
+    if "messages" in body and body["messages"] is not None:
+        with _stage(metrics, "template"):
+            text = _render(tok, body, max_tokenize_bytes, budget)
+        add_special_tokens = _flag(body, "add_special_tokens", False)
+        what = "rendered conversation"
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt (a string) or messages is required", param="prompt")
+        text = prompt
+        add_special_tokens = _flag(body, "add_special_tokens", True)
+        what = "prompt"
+    size = text_bytes(text, max_tokenize_bytes)
+    if size > max_tokenize_bytes:
+        raise _too_large(size, max_tokenize_bytes, what)
+    return text, add_special_tokens
+
+
+def prompt_ids(
+    tok: LoadedTokenizer,
+    body: Mapping[str, Any],
+    *,
+    max_tokenize_bytes: int = DEFAULT_MAX_TOKENIZE_BYTES,
+    metrics: PrepareMetrics | None = None,
+    budget: RenderBudget | None = None,
+) -> list[int]:
+    """The token ids an engine computes for a chat or completion request's prompt:
+    what KV-cache events name (``BlockStored.token_ids``) and ``/tokenize`` answers.
+    A completion prompt given as ids is taken as it is (the first of a batch).
+
+    :raises RequestTooLarge: (413) over ``max_tokenize_bytes``.
+    :raises InvalidRequest: (400) for a malformed body or a failing chat template.
+    """
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and "messages" not in body:
+        first = prompt[0]
+        if isinstance(first, str):
+            body = {**body, "prompt": first}
+        else:
+            ids = first if isinstance(first, list) else prompt
+            if not all(type(x) is int for x in ids):
+                raise InvalidRequest("prompt must be text or token ids", param="prompt")
+            return list(ids)
+    text, add_special_tokens = _engine_text(tok, body, max_tokenize_bytes, metrics, budget)
+    with _stage(metrics, "tokenize"):
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
 def tokenize_job(
     registry: TokenizerRegistry,
     model: str | None,
@@ -212,21 +276,7 @@ def tokenize_job(
     :raises UnsupportedApi: (501) when no tokenizer serves ``model``.
     """
     tok = _tokenizer(registry, model)
-    if "messages" in body and body["messages"] is not None:
-        with _stage(metrics, "template"):
-            text = _render(tok, body, max_tokenize_bytes, budget)
-        add_special_tokens = _flag(body, "add_special_tokens", False)
-        what = "rendered conversation"
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise InvalidRequest("prompt (a string) or messages is required", param="prompt")
-        text = prompt
-        add_special_tokens = _flag(body, "add_special_tokens", True)
-        what = "prompt"
-    size = text_bytes(text, max_tokenize_bytes)
-    if size > max_tokenize_bytes:
-        raise _too_large(size, max_tokenize_bytes, what)
+    text, add_special_tokens = _engine_text(tok, body, max_tokenize_bytes, metrics, budget)
     return_strs = _flag(body, "return_token_strs", False)
     with _stage(metrics, "tokenize"):
         ids = tok.encode(text, add_special_tokens=add_special_tokens)
