@@ -34,6 +34,7 @@ __all__ = [
     "BoundsConfig",
     "DiscoveryConfig",
     "ExtProcConfig",
+    "KvConfig",
     "LifecycleConfig",
     "MeshConfig",
     "MetricsConfig",
@@ -183,6 +184,11 @@ class LifecycleConfig:
     require_tracking: bool = False
     # How often an unlabelled worker's GET /v1/models is read again (0: never read).
     models_interval_s: float = 60.0
+    # Read each engine's load (vLLM/SGLang Prometheus gauges) with every probe, so
+    # this router sees what the other routers put there too ("" = off).
+    engine_metrics_path: str = "/metrics"
+    # An engine's metrics text is read up to this many bytes (vLLM's are ~100 KiB).
+    max_metrics_bytes: int = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,31 @@ class DiscoveryConfig:
         for name in ("resolve_timeout_s", "watch_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"discovery.{name}", "must be > 0")
+
+
+@dataclass(frozen=True)
+class KvConfig:
+    """KV-cache events from the engines (``[kv]``; workers name their publishers
+    with ``kv_events``). Needs ``meshkit[kv]`` (pyzmq)."""
+
+    # (worker, block) entries the index keeps per model; least recently stored go first.
+    max_blocks_per_model: int = 1_000_000
+    # Leading prompt tokens a request is matched on (prepare renders and tokenizes
+    # at most the prompt's bytes it needs for these).
+    match_tokens: int = 32768
+    # A gap is replayed from the publisher's replay endpoint within this, or forgotten.
+    replay_timeout_s: float = 2.0
+    # Batches applied under one hold of the routing lock (the rest wait their turn).
+    apply_batch: int = 64
+    # Messages ZeroMQ queues for a subscriber that falls behind (then it drops: a gap).
+    receive_hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_blocks_per_model", "match_tokens", "apply_batch", "receive_hwm"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"kv.{name}", "must be at least 1")
+        if not self.replay_timeout_s > 0:
+            raise ConfigError("kv.replay_timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -276,6 +307,8 @@ class WorkerConfig:
     tls_ca_file: str | None = None
     tls_client_cert: str | None = None
     tls_client_key: str | None = None
+    kv_events: str | None = None
+    kv_replay: str | None = None
 
     def _key(self) -> str | None:
         if not self.api_key_env:
@@ -293,7 +326,13 @@ class WorkerConfig:
         if self.url.strip().lower().startswith(DNS_SCHEME + "://"):
             if self.tls_ca_file or self.tls_client_cert or self.tls_client_key:
                 raise ConfigError("workers.url", "dns:// entries are plain http: no TLS options")
-            return DnsWorkers.parse(self.url, api_key=key, labels=labels)
+            return DnsWorkers.parse(
+                self.url,
+                api_key=key,
+                labels=labels,
+                kv_events=self.kv_events,
+                kv_replay=self.kv_replay,
+            )
         return Worker(
             self.url,
             api_key=key,
@@ -302,6 +341,8 @@ class WorkerConfig:
             tls_ca_file=self.tls_ca_file,
             tls_client_cert=self.tls_client_cert,
             tls_client_key=self.tls_client_key,
+            kv_events=self.kv_events,
+            kv_replay=self.kv_replay,
         )
 
 
@@ -316,6 +357,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "server": ServerConfig,
     "discovery": DiscoveryConfig,
     "extproc": ExtProcConfig,
+    "kv": KvConfig,
 }
 
 #: the keys a reload (SIGHUP, ``Mesh.reconfigure``) applies; the rest need a restart
@@ -345,6 +387,7 @@ class MeshConfig:
     pd: PdConfig = PdConfig()
     server: ServerConfig = ServerConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    kv: KvConfig = KvConfig()
     extproc: ExtProcConfig = ExtProcConfig()
 
     @classmethod

@@ -42,7 +42,8 @@ from meshkit.core.workers import Fleet, Worker
 from meshkit.errors import MeshError
 from meshkit.lifecycle.controller import Lifecycle
 from meshkit.lifecycle.discovery import Discovery
-from meshkit.metrics import LifecycleCollector, RouterMetrics
+from meshkit.lifecycle.kv import KvSubscribers, require_zmq
+from meshkit.metrics import KvCollector, LifecycleCollector, RouterMetrics
 from meshkit.prepare.pipeline import Preparer
 from meshkit.prepare.pool import PreparePool
 from meshkit.prepare.tokenizers import TokenizerRegistry
@@ -120,6 +121,8 @@ class Mesh:
         self.lifecycle = Lifecycle(self.router, config.lifecycle)
         # Before the pool starts: a workers file that does not load fails here.
         self.lifecycle.discovery = Discovery(self.router, self.lifecycle, config)
+        if KvSubscribers.wanted(self.router.workers):
+            require_zmq()  # a clear start-up error without meshkit[kv]
         pc = config.prepare
         self.pool = PreparePool(pc, registry=self.metrics.registry)
         self.tokenizers = TokenizerRegistry(
@@ -130,7 +133,9 @@ class Mesh:
         for model, path in config.tokenizers.items():
             self.tokenizers.register(model, path)
         router = self.router
-        self.preparer = Preparer(config, self.pool, self.tokenizers, lambda: router.policy)
+        self.preparer = Preparer(
+            config, self.pool, self.tokenizers, lambda: router.policy, lambda: router.kv_sizes
+        )
         self.retry = RetryPolicy(
             max_attempts=max(1, config.upstream.max_attempts),
             backoff_base_s=config.upstream.backoff_base_s,
@@ -139,6 +144,7 @@ class Mesh:
         #: the flow of a front end that cannot move a request once sent (ext-proc)
         self._one_try = replace(self.retry, max_attempts=1)
         self.metrics.registry.register(LifecycleCollector(router))
+        self.metrics.registry.register(KvCollector(router))
         self._legs: ThreadPoolExecutor | None = None
         self._legs_lock = threading.Lock()
         self._closed = False

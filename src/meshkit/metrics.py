@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ERROR_REASONS",
+    "KvCollector",
     "LifecycleCollector",
     "PrepareMetrics",
     "RequestSeries",
@@ -218,8 +219,72 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.kv_batches = Counter(
+            "mesh_kv_batches",
+            "KV-event batches applied to the index, per worker",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_gaps = Counter(
+            "mesh_kv_gaps",
+            "KV-event sequence breaks, per worker, by outcome: replayed, cleared "
+            "(its entries were dropped and rebuilt), restart (the publisher began again)",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.kv_errors = Counter(
+            "mesh_kv_errors",
+            "KV-event messages that did not decode (the worker's entries were dropped)",
+            ["worker"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class KvCollector(Collector):
+    """The KV index per scrape: ``mesh_kv_blocks{worker}``, ``mesh_kv_index_entries
+    {model}``, ``mesh_kv_index_evicted_total``, ``mesh_kv_unchained_total`` and
+    ``mesh_worker_prefix_match{worker,kind}`` (events, or the approximate tree)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        rows, groups, evicted, unchained = self.router.kv_rows()
+        blocks = GaugeMetricFamily(
+            "mesh_kv_blocks", "Blocks the KV index holds for a worker", labels=["worker"]
+        )
+        kind = GaugeMetricFamily(
+            "mesh_worker_prefix_match",
+            "How cache_aware matches a worker's prefixes (1 = current): events "
+            "(its KV events) or approximate (this router's own tree)",
+            labels=["worker", "kind"],
+        )
+        for url, n, covered in rows:
+            blocks.add_metric([url], float(n))
+            kind.add_metric([url, "events"], 1.0 if covered else 0.0)
+            kind.add_metric([url, "approximate"], 0.0 if covered else 1.0)
+        entries = GaugeMetricFamily(
+            "mesh_kv_index_entries",
+            "KV index entries per model group (bounded by kv.max_blocks_per_model)",
+            labels=["model"],
+        )
+        for group, n in sorted(groups.items()):
+            entries.add_metric([group], float(n))
+        yield blocks
+        yield kind
+        yield entries
+        yield CounterMetricFamily(
+            "mesh_kv_index_evicted", "Index entries dropped to stay within the budget", evicted
+        )
+        yield CounterMetricFamily(
+            "mesh_kv_unchained", "Stored blocks skipped: their parent was not known", unchained
+        )
 
 
 # -- lifecycle ------------------------------------------------------------------

@@ -25,11 +25,13 @@ import asyncio
 import contextlib
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from meshkit.core.endpoints import Api
+from meshkit.core.engine_load import EngineLoad
 from meshkit.core.forward import WakePending
+from meshkit.core.kv_events import Batch
 from meshkit.core.lifecycle import LeaseEntry, LeaseKind, Verdict
 from meshkit.core.placement import (
     admission_refusal,
@@ -151,6 +153,7 @@ class Router:
             config.workers,
             max_in_flight=up.in_flight_limit,
             max_in_flight_per_worker=up.in_flight_limit_per_worker,
+            kv_max_blocks=config.kv.max_blocks_per_model,
         )
         opts = config.policies.get(config.policy, {}) if isinstance(config.policy, str) else {}
         self.policy = create_policy(config.policy, opts)
@@ -174,6 +177,8 @@ class Router:
         self.decode_policy = create_policy(
             pd.decode_policy, config.policies.get(pd.decode_policy, {})
         )
+        #: the block sizes of the workers the KV index has events of (prepare reads it)
+        self.kv_sizes: frozenset[int] = frozenset()
         self._roles_version = -1
         self._roles: frozenset[str] = frozenset()
 
@@ -431,6 +436,7 @@ class Router:
             if is_tracked(old) != is_tracked(worker):
                 self.states.track(worker, self.clock())  # another machine: start it afresh
             self.states.refresh(worker.id)
+            self.kv_sizes = self.fleet.kv.sizes()
             self._changed()
             return True
 
@@ -459,8 +465,39 @@ class Router:
                 self._policy.on_removed(removed)
                 self.affinity.forget_origin(removed.origin)
                 self.states.forget(worker_id)
+                self.kv_sizes = self.fleet.kv.sizes()
                 self._changed()
             return removed
+
+    def kv_apply(self, worker_id: str, batches: Sequence[Batch]) -> None:
+        """KV-event batches of ``worker_id`` into the index (the subscriber calls
+        this with at most ``kv.apply_batch`` at a time)."""
+        with self._lock:
+            worker = self.fleet.get(worker_id)
+            if worker is None:
+                return
+            kv, group = self.fleet.kv, self.fleet.kv_group(worker)
+            for batch in batches:
+                kv.apply(worker_id, batch, group)
+            self.kv_sizes = kv.sizes()
+
+    def engine_report(self, worker_id: str, report: EngineLoad | None) -> None:
+        """An engine's own load (the probes read it), or None when it gave none."""
+        with self._lock:
+            self.fleet.report_load(worker_id, report)
+
+    def kv_clear(self, worker_id: str) -> None:
+        """Forget what ``worker_id`` held (a gap, a restart, a bad payload)."""
+        with self._lock:
+            self.fleet.kv.clear(worker_id)
+
+    def kv_rows(self) -> tuple[list[tuple[str, int, bool]], dict[str, int], int, int]:
+        """For the metrics: per worker (url, blocks, matched by events), entries per
+        model group, evicted and unchained counts."""
+        with self._lock:
+            kv = self.fleet.kv
+            rows = [(w.url, kv.blocks_of(w.id), kv.covers(w.id)) for w in self.fleet.workers]
+            return rows, kv.group_sizes(), kv.evicted, kv.unchained
 
     def learn_models(self, worker_id: str, models: frozenset[str] | None) -> None:
         """What an unlabelled worker's ``GET /v1/models`` listed (the probes call this)."""
@@ -499,11 +536,28 @@ class Router:
         """Every worker (or the one named) for the admin API: never a credential."""
         with self._lock:
             now = self.clock()
-            return [
-                self.states.describe(w, i, now)
-                for i, w in enumerate(self.fleet.workers)
-                if worker_id is None or w.id == worker_id
-            ]
+            kv = self.fleet.kv
+            rows = []
+            for i, w in enumerate(self.fleet.workers):
+                if worker_id is None or w.id == worker_id:
+                    row = self.states.describe(w, i, now)
+                    # How cache_aware matches its prefixes: its own KV events, or
+                    # this router's approximate tree of what it sent there.
+                    row["prefix_match"] = "events" if kv.covers(w.id) else "approximate"
+                    if w.kv_events:
+                        row["kv_blocks"] = kv.blocks_of(w.id)
+                    report = self.fleet.engine.get(w.id)
+                    if report is not None:
+                        row["engine_load"] = {
+                            "running": report.running,
+                            "waiting": report.waiting,
+                            "kv_cache_usage": report.kv_usage,
+                            "other_routers": sum(
+                                self.fleet.others.get(c.key, 0) for c in self.fleet.candidates_of(w)
+                            ),
+                        }
+                    rows.append(row)
+            return rows
 
     def loads(self) -> dict[str, int]:
         """In-flight requests per candidate key."""

@@ -20,3 +20,19 @@ def test_core_bench_runs_requests_through_the_core() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+def test_the_kv_index_bench_runs() -> None:
+    code = (
+        "import core_bench\n"
+        "out = core_bench.kv_index(workers=2, prompt_tokens=1024, n=10)\n"
+        "per, n = core_bench.kv_memory(workers=4, blocks=2000)\n"
+        "print(sorted(out), n == 2000, per > 0)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=BENCH, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (
+        "['512 cached', 'all cached', 'keys (prepare)', 'none cached'] True True"
+    )

@@ -142,3 +142,21 @@ def test_clearing_one_worker_leaves_the_others_shared_blocks() -> None:
     idx.clear("a")
     assert idx.match([1, 2], ["a", "b"]) == {"a": 0, "b": 2}
     assert idx.blocks_of("a") == 0 and idx.covers("a")  # it holds nothing: known
+
+
+def test_bisection_agrees_with_the_block_walk_on_cached_prefixes() -> None:
+    import random
+
+    rng = random.Random(5)
+    for _ in range(50):
+        idx = KvIndex(max_blocks=10_000)
+        ids = [rng.randrange(1000) for _ in range(2 * rng.randrange(0, 40))]
+        workers = [f"w{i}" for i in range(rng.randrange(1, 9))]
+        h = 1
+        for w in workers:  # each holds a prefix of its own depth, as an engine does
+            depth = rng.randrange(0, len(ids) // 2 + 1)
+            if depth:
+                idx.apply(w, stored(list(range(h, h + depth)), None, ids[: 2 * depth]))
+                h += depth
+        walked = idx.match(ids, workers)
+        assert idx.match(ids, workers, {2: chain(ids, 2)}) == walked

@@ -48,10 +48,19 @@ class DnsWorkers:
     base_path: str = ""
     api_key: str | None = field(default=None, repr=False)
     labels: Mapping[str, str] = field(default_factory=dict)
+    #: per address, ``{host}`` being the address (see :class:`Worker`)
+    kv_events: str | None = None
+    kv_replay: str | None = None
 
     @classmethod
     def parse(
-        cls, url: str, *, api_key: str | None = None, labels: Mapping[str, str] | None = None
+        cls,
+        url: str,
+        *,
+        api_key: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        kv_events: str | None = None,
+        kv_replay: str | None = None,
     ) -> DnsWorkers:
         parts = urlsplit(url.strip())
         if parts.query or parts.fragment or "@" in parts.netloc:
@@ -70,6 +79,8 @@ class DnsWorkers:
             parts.path.rstrip("/"),
             api_key or None,
             {str(k): str(v) for k, v in (labels or {}).items()},
+            kv_events or None,
+            kv_replay or None,
         )
         entry.worker("127.0.0.1")  # the labels are checked now, not at the first answer
         return entry
@@ -82,7 +93,11 @@ class DnsWorkers:
     def worker(self, address: str) -> Worker:
         host = f"[{address}]" if ":" in address else address
         return Worker(
-            f"http://{host}:{self.port}{self.base_path}", api_key=self.api_key, labels=self.labels
+            f"http://{host}:{self.port}{self.base_path}",
+            api_key=self.api_key,
+            labels=self.labels,
+            kv_events=self.kv_events,
+            kv_replay=self.kv_replay,
         )
 
     def workers(self, addresses: Iterable[str], limit: int) -> tuple[Worker, ...]:
@@ -102,7 +117,14 @@ class DnsWorkers:
 
 def same_worker(a: Worker, b: Worker) -> bool:
     """Whether ``b`` needs no change to become ``a`` (same id, labels, key, TLS)."""
-    return a.id == b.id and a.labels == b.labels and a.api_key == b.api_key and a.tls == b.tls
+    return (
+        a.id == b.id
+        and a.labels == b.labels
+        and a.api_key == b.api_key
+        and a.tls == b.tls
+        and a.kv_events == b.kv_events
+        and a.kv_replay == b.kv_replay
+    )
 
 
 @dataclass(frozen=True)

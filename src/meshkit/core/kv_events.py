@@ -10,9 +10,10 @@ Framing (ZeroMQ multipart):
 
 * published: ``[topic, seq, payload]``; ``seq`` is an 8-byte big-endian counter
   that starts at 0 and grows by one per batch (a jump is a gap);
-* replayed (a DEALER asking the publisher's ROUTER from a sequence number, sent as
-  8 bytes big-endian): ``[seq, payload]`` per batch, then ``[-1 as 8 signed bytes,
-  b""]`` to say the replay is over. SGLang's replies have no topic frame either.
+* replayed (a DEALER asking the publisher's ROUTER from a sequence number: it sends
+  ``[b"", seq as 8 bytes big-endian]``): after the empty delimiter, ``[topic, seq,
+  payload]`` per batch (vLLM 0.32, captured) or ``[seq, payload]`` (older vLLM,
+  SGLang), then an end marker: seq -1 (8 signed bytes) with an empty payload.
 
 The payload is one msgpack ``KVEventBatch``: ``ts`` (float), ``events`` and the DP
 rank (vLLM: ``data_parallel_rank``; SGLang: ``attn_dp_rank``, the third field).
@@ -51,6 +52,7 @@ __all__ = [
     "KvEventError",
     "decode_batch",
     "decode_frames",
+    "decode_replay",
     "replay_request",
 ]
 
@@ -137,11 +139,21 @@ def decode_frames(frames: Sequence[bytes]) -> Frame:
     if len(seq) != 8:
         raise KvEventError("the sequence frame is not 8 bytes")
     number = int.from_bytes(seq, "big", signed=True)
-    if number == END_OF_REPLAY and topic is None:
+    if number == END_OF_REPLAY and not payload:
+        # vLLM 0.32's replay replies carry the topic frame, its end marker an empty one.
         return Frame(None, number, None)
     if number < 0:
         raise KvEventError("a negative sequence number outside a replay's end")
     return Frame(bytes(topic) if topic is not None else None, number, decode_batch(payload))
+
+
+def decode_replay(frames: Sequence[bytes]) -> Frame:
+    """One reply a DEALER receives from the publisher's ROUTER: the empty delimiter,
+    then ``[topic, seq, payload]`` (vLLM 0.32 keeps the topic) or ``[seq, payload]``
+    (older vLLM, SGLang); the end marker's topic and payload are empty."""
+    if frames and not frames[0]:
+        frames = frames[1:]
+    return decode_frames(frames)
 
 
 def decode_batch(payload: bytes) -> Batch:

@@ -41,6 +41,8 @@ __all__ = ["ROOT", "KvIndex", "chain"]
 #: the parent key of a prompt's first block
 ROOT = 0
 _MASK64 = (1 << 64) - 1
+#: candidate sets whose masks are remembered (cleared when a block size or a bit changes)
+_MAX_MASKS = 256
 
 
 def _key(parent: int, tokens: Sequence[int]) -> int:
@@ -94,6 +96,8 @@ class KvIndex:
         self._entries: dict[str, OrderedDict[int, int]] = {}
         #: key → bit mask of the workers holding it
         self._holders: dict[int, int] = {}
+        #: per candidate set: bit masks by block size (the fleet's sets recur)
+        self._masks: dict[tuple[str, ...], dict[int, int]] = {}
         #: stored blocks skipped: their parent was unknown, or the event was malformed
         self.unchained = 0
         #: entries dropped to stay within max_blocks
@@ -152,6 +156,7 @@ class KvIndex:
             self._clear(w)
             del self._by_bit[w.bit]
             self._free_bits.append(w.bit)
+            self._masks.clear()
 
     def _worker(self, worker_id: str, group: str) -> _Worker:
         w = self._workers.get(worker_id)
@@ -159,6 +164,7 @@ class KvIndex:
             bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)
             w = self._workers[worker_id] = _Worker(bit, group)
             self._by_bit[bit] = worker_id
+            self._masks.clear()
         elif w.group != group:
             self._clear(w)
             w.group = group
@@ -179,6 +185,7 @@ class KvIndex:
             if w.block_size is not None:
                 self._clear(w)
             w.block_size = size
+            self._masks.clear()
         if len(event.token_ids) != size * len(event.block_hashes):
             self.unchained += len(event.block_hashes)
             return
@@ -238,38 +245,64 @@ class KvIndex:
             (prepare does, off the lock); else they are computed block by block,
             only while some worker still holds the prefix.
         """
-        out: dict[str, int] = {}
-        by_size: dict[int, int] = {}
-        for wid in worker_ids:
-            out[wid] = 0
-            w = self._workers.get(wid)
-            if w is not None and w.count and w.block_size is not None:
-                by_size[w.block_size] = by_size.get(w.block_size, 0) | (1 << w.bit)
+        ids = tuple(worker_ids)
+        out = dict.fromkeys(ids, 0)
+        by_size = self._masks.get(ids)
+        if by_size is None:
+            by_size = {}
+            for wid in ids:
+                w = self._workers.get(wid)
+                if w is not None and w.block_size is not None:
+                    by_size[w.block_size] = by_size.get(w.block_size, 0) | (1 << w.bit)
+            if len(self._masks) >= _MAX_MASKS:
+                self._masks.clear()
+            self._masks[ids] = by_size
         holders = self._holders
         for size, alive in by_size.items():
             known = keys.get(size) if keys is not None else None
-            n = 0
             if known is not None:
-                for n, key in enumerate(known, 1):
-                    left = alive & holders.get(key, 0)
-                    if left != alive:
-                        self._credit(out, alive & ~left, (n - 1) * size)
-                        alive = left
-                        if not alive:
-                            break
-            else:
-                parent = ROOT
-                for n, start in enumerate(range(0, len(token_ids) - size + 1, size), 1):
-                    parent = _key(parent, token_ids[start : start + size])
-                    left = alive & holders.get(parent, 0)
-                    if left != alive:
-                        self._credit(out, alive & ~left, (n - 1) * size)
-                        alive = left
-                        if not alive:
-                            break
+                # Most workers share no block at all: one lookup tells them apart.
+                alive &= holders.get(known[0], 0) if known else 0
+                if alive:
+                    self._search(out, known, alive, 1, len(known), size)
+                continue
+            parent = ROOT
+            n = 0
+            for n, start in enumerate(range(0, len(token_ids) - size + 1, size), 1):
+                parent = _key(parent, token_ids[start : start + size])
+                left = alive & holders.get(parent, 0)
+                if left != alive:
+                    self._credit(out, alive & ~left, (n - 1) * size)
+                    alive = left
+                    if not alive:
+                        break
             if alive:
                 self._credit(out, alive, n * size)
         return out
+
+    def _search(
+        self, out: dict[str, int], keys: Sequence[int], mask: int, lo: int, hi: int, size: int
+    ) -> None:
+        """Credit each worker of ``mask`` with its held prefix of ``keys``, known to be
+        ``lo`` to ``hi`` blocks long, by bisection: an engine holding block *k* holds
+        the blocks before it (it caches prefixes and evicts their ends first), so a
+        long cached prompt costs a few lookups per distinct depth, not one per block."""
+        holders = self._holders
+        while mask:
+            if lo == hi:
+                if lo:
+                    self._credit(out, mask, lo * size)
+                return
+            mid = (lo + hi + 1) // 2
+            deeper = mask & holders.get(keys[mid - 1], 0)
+            if deeper and deeper != mask:
+                self._search(out, keys, deeper, mid, hi, size)
+                mask &= ~deeper
+                hi = mid - 1
+            elif deeper:
+                lo = mid
+            else:
+                hi = mid - 1
 
     def _credit(self, out: dict[str, int], mask: int, tokens: int) -> None:
         by_bit = self._by_bit

@@ -250,7 +250,16 @@ def place(
             if c.key == prefer:
                 return c
     ctx = PlacementContext(
-        cands, view, fleet.load, fleet.weight, rng, fleet.candidates, fleet.version, now, attempt
+        cands,
+        view,
+        fleet.placement_load(),
+        fleet.weight,
+        rng,
+        fleet.candidates,
+        fleet.version,
+        now,
+        attempt,
+        fleet.kv if view.prompt_ids else None,
     )
     chosen = policy.select(ctx)
     for c in cands:  # by identity first: Candidate.__eq__ is slow

@@ -150,6 +150,11 @@ class RequestView:
     routing_text: str = ""
     #: token ids of a prefix of the prompt, when a policy asks for tokens
     token_ids: list[int] | None = None
+    #: the prompt's leading token ids as the engine computes them (its chat
+    #: template rendered), when a policy matches them against KV events
+    prompt_ids: list[int] | None = None
+    #: their KV-index block keys per block size (computed with them, off the lock)
+    kv_keys: dict[int, list[int]] | None = None
     #: prompt-size estimate (characters) used by load-weighting policies
     prompt_weight: int = 0
     #: the client sent data_parallel_rank itself (the body must be rebuilt once)

@@ -36,6 +36,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from meshkit.core.endpoints import Api
+from meshkit.core.engine_load import EngineLoad, others
+from meshkit.core.kv_index import KvIndex
 from meshkit.errors import ConfigError
 
 __all__ = ["Candidate", "Fleet", "Tls", "Worker"]
@@ -60,6 +62,11 @@ class Worker:
         system's).
     :param tls_client_cert: a PEM client certificate for mutual TLS (with
         ``tls_client_key`` unless the file holds the key too).
+    :param kv_events: the engine's KV-event publisher (``tcp://host:5557``, vLLM's
+        ``--kv-events-config`` endpoint): its events tell ``cache_aware`` which
+        prefixes it holds. ``{host}`` stands for the worker URL's host.
+    :param kv_replay: the publisher's replay endpoint (a gap is then replayed
+        rather than forgotten); ``{host}`` likewise.
     """
 
     __slots__ = (
@@ -70,6 +77,8 @@ class Worker:
         "dp_size",
         "host",
         "id",
+        "kv_events",
+        "kv_replay",
         "labels",
         "model",
         "models",
@@ -93,6 +102,8 @@ class Worker:
         tls_ca_file: str | None = None,
         tls_client_cert: str | None = None,
         tls_client_key: str | None = None,
+        kv_events: str | None = None,
+        kv_replay: str | None = None,
     ) -> None:
         parts = urlsplit(url.strip())
         # Checked first, and the URL is not echoed: user info may hold a password.
@@ -136,6 +147,10 @@ class Worker:
         )
         #: None: the defaults (verify against the system's CAs, no client certificate)
         self.tls: Tls | None = None if tls == _DEFAULT_TLS else tls
+        self.kv_events = _zmq_endpoint("workers.kv_events", kv_events, host)
+        self.kv_replay = _zmq_endpoint("workers.kv_replay", kv_replay, host)
+        if self.kv_replay and not self.kv_events:
+            raise ConfigError("workers.kv_replay", "a replay endpoint needs kv_events too")
 
     @property
     def api_key(self) -> str | None:
@@ -159,6 +174,16 @@ class Worker:
 
     def __hash__(self) -> int:
         return hash(self.id)
+
+
+def _zmq_endpoint(key: str, raw: str | None, host: str) -> str | None:
+    if not raw:
+        return None
+    value = raw.strip().replace("{host}", host)
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest or "*" in rest:
+        raise ConfigError(key, f"not a ZeroMQ endpoint to connect to: {raw!r} (tcp://host:port)")
+    return value
 
 
 def _parse_apis(raw: str | None) -> frozenset[Api] | None:
@@ -234,8 +259,16 @@ class Fleet:
         *,
         max_in_flight: int = 0,
         max_in_flight_per_worker: int = 0,
+        kv_max_blocks: int = 1_000_000,
     ) -> None:
         self._workers: dict[str, Worker] = {}
+        #: the blocks workers with KV events hold (fed by the subscribers)
+        self.kv = KvIndex(kv_max_blocks)
+        #: per worker id: the engine's last load report, and the requests other
+        #: routers held there then (see :mod:`meshkit.core.engine_load`)
+        self.engine: dict[str, EngineLoad] = {}
+        #: per candidate key: those requests, spread over the worker's ranks
+        self.others: dict[str, int] = {}
         self.candidates: tuple[Candidate, ...] = ()
         self._by_worker: dict[str, tuple[Candidate, ...]] = {}
         #: in-flight requests per candidate key
@@ -290,6 +323,8 @@ class Fleet:
         old = self._workers.get(worker.id)
         if old is None:
             return False
+        if (old.kv_events, old.kv_replay) != (worker.kv_events, worker.kv_replay):
+            self.kv.forget(worker.id)  # another publisher: its subscriber starts afresh
         self._workers[worker.id] = worker
         if worker.dp_size > 1:
             cands = tuple(Candidate(worker, r) for r in range(worker.dp_size))
@@ -313,6 +348,7 @@ class Fleet:
         worker = self._workers.pop(worker_id, None)
         if worker is None:
             return None
+        self.report_load(worker_id, None)
         for c in self._by_worker.pop(worker_id, ()):
             # A removed worker's in-flight responses still release; keep counts
             # only while non-zero so memory stays bounded by live requests.
@@ -323,8 +359,40 @@ class Fleet:
             self.worker_load.pop(worker_id, None)
         self.unhealthy.discard(worker_id)
         self.learned.pop(worker_id, None)
+        self.kv.forget(worker_id)
         self._rebuild()
         return worker
+
+    def report_load(self, worker_id: str, report: EngineLoad | None) -> None:
+        """The engine's own load report (None: none now, count only ours)."""
+        cands = self._by_worker.get(worker_id, ())
+        if report is None or not cands:
+            self.engine.pop(worker_id, None)
+            for c in cands:
+                self.others.pop(c.key, None)
+            return
+        self.engine[worker_id] = report
+        extra = others(report, self.worker_load.get(worker_id, 0))
+        share, rest = divmod(extra, len(cands))
+        for i, c in enumerate(cands):
+            n = share + (1 if i < rest else 0)
+            if n:
+                self.others[c.key] = n
+            else:
+                self.others.pop(c.key, None)
+
+    def placement_load(self) -> Mapping[str, int]:
+        """In-flight requests per candidate as placement weighs them: this router's
+        own, plus what other routers held there at the engine's last report."""
+        if not self.others:
+            return self.load
+        extra = self.others
+        return {k: v + extra.get(k, 0) for k, v in self.load.items()}
+
+    def kv_group(self, worker: Worker) -> str:
+        """The index group of ``worker``'s blocks: the models it serves."""
+        models = self.models_of(worker)
+        return ",".join(sorted(models)) if models else ""
 
     def models_of(self, worker: Worker) -> frozenset[str] | None:
         """The models ``worker`` serves: its label's, else what it listed, else

@@ -47,9 +47,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from meshkit.config import UpstreamConfig
+from meshkit.core.engine_load import parse_metrics
 from meshkit.core.states import WorkerStates
 from meshkit.core.workers import Tls, Worker
 from meshkit.errors import InvalidRequest
+from meshkit.lifecycle.kv import KvSubscribers
 
 if TYPE_CHECKING:
     from meshkit.config import LifecycleConfig
@@ -113,6 +115,8 @@ class Lifecycle:
         self._models_at: dict[str, float] = {}
         #: dns:// entries and the workers file (set by the Mesh; runs on this thread)
         self.discovery: Discovery | None = None
+        #: the KV-event subscribers of workers that name a publisher
+        self.kv = KvSubscribers(router, router.config.kv)
 
     # -- thread control (any thread) ---------------------------------------------------
 
@@ -132,6 +136,7 @@ class Lifecycle:
             or cfg.idle_sleep_s is not None
             or any(w.sleep_mode for w in self.router.workers)
             or (self.discovery is not None and self.discovery.needed)
+            or self.kv.wanted(self.router.workers)
         ):
             self._start_thread()
 
@@ -162,6 +167,7 @@ class Lifecycle:
         if loop is not None and kick is not None and not self._stopping:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(kick.set)
+                loop.call_soon_threadsafe(self.kv.poke)
 
     def submit(self, factory: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
         """Run ``factory()`` on the runner's loop; the coroutine is created there,
@@ -271,6 +277,7 @@ class Lifecycle:
         try:
             if self.discovery is not None:
                 self.spawn(self.discovery.run())
+            self.spawn(self.kv.run())
             if self.config.probe:
                 self.spawn(self._probe_loop())
             if self.config.idle_sleep_s is not None:
@@ -291,7 +298,7 @@ class Lifecycle:
         return lock
 
     async def _call(
-        self, method: str, worker: Worker, path: str, timeout_s: float
+        self, method: str, worker: Worker, path: str, timeout_s: float, limit: int = _MAX_BODY
     ) -> tuple[int, bytes] | None:
         """One call to a worker; None when it could not be reached in time."""
         from meshkit.upstream.base import UpstreamFailure  # loaded with the thread
@@ -307,7 +314,7 @@ class Lifecycle:
                 exchange = await upstream.asend(call)
                 try:
                     # A worker is not trusted to be small.
-                    return exchange.status, await exchange.read(_MAX_BODY)
+                    return exchange.status, await exchange.read(limit)
                 finally:
                     await exchange.aclose()
         except (InvalidRequest, TimeoutError, ValueError, UpstreamFailure):
@@ -359,7 +366,23 @@ class Lifecycle:
                     sleeping = obj["is_sleeping"]
         if ok and worker.models is None and sleeping is not True and self._models_due(worker):
             await self._learn_models(worker)
+        if cfg.engine_metrics_path:
+            await self._read_load(worker, ok and sleeping is not True)
         return ok, sleeping
+
+    async def _read_load(self, worker: Worker, up: bool) -> None:
+        """The engine's own load (all routers' requests), for placement."""
+        report = None
+        if up:
+            cfg = self.config
+            path = cfg.engine_metrics_path
+            path = path if path.startswith("/") else "/" + path
+            res = await self._call(
+                "GET", worker, path, cfg.health_timeout_s, limit=cfg.max_metrics_bytes
+            )
+            if res is not None and res[0] == 200:
+                report = parse_metrics(res[1])
+        self.router.engine_report(worker.id, report)
 
     def _models_due(self, worker: Worker) -> bool:
         """At the first good probe, then every ``models_interval_s``: lists change

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from meshkit.core.endpoints import Api, Match, Op
+from meshkit.core.kv_index import chain
 from meshkit.core.requests import LocalResponse, RequestView, check_media, parse_request
 from meshkit.errors import InvalidRequest, RequestTooLarge
 
@@ -38,6 +39,8 @@ __all__ = ["Preparer"]
 _MAX_IDEMPOTENCY_KEY = 256
 _JSON = ((b"content-type", b"application/json"),)
 _TOKENIZE = Api.TOKENIZE
+#: the APIs whose prompts are matched against KV events (SGLang's /generate by its ids)
+_KV_APIS = frozenset({Api.CHAT, Api.COMPLETIONS, Api.GENERATE})
 #: request headers prepare reads (besides routing.session_header)
 _WANTED_HEADERS = (b"content-type", b"content-encoding", b"idempotency-key", b"x-mesh-wait")
 
@@ -59,8 +62,11 @@ class Preparer:
         pool: PreparePool,
         tokenizers: TokenizerRegistry,
         policy: Callable[[], Policy],
+        kv_sizes: Callable[[], frozenset[int]] = frozenset,
     ) -> None:
         self.pool = pool
+        self._kv_sizes = kv_sizes
+        self._match_tokens = config.kv.match_tokens
         self.tokenizers = tokenizers
         self._policy = policy
         self._inline = config.prepare.inline_threshold_bytes
@@ -107,17 +113,52 @@ class Preparer:
         if len(body) > self._inline:
             return heads, None, lambda: self._whole(match, body)
         view = self._parse(match, body)
-        if self._prefix(view, fast_only=True):
+        sizes = self._kv_wanted(view)
+        if self._prefix(view, fast_only=True) and not sizes:
             return heads, view, None
-        return heads, view, lambda: self._slow_prefix(view)
+        return heads, view, lambda: self._slow_prefix(view, sizes)
 
-    def _slow_prefix(self, view: RequestView) -> None:
+    def _slow_prefix(self, view: RequestView, sizes: frozenset[int]) -> None:
         self._prefix(view, fast_only=False)
+        if sizes:
+            self._engine_ids(view, sizes)
 
     def _whole(self, match: Match, body: bytes) -> RequestView:
         view = self._parse(match, body)
-        self._prefix(view, fast_only=False)
+        self._slow_prefix(view, self._kv_wanted(view))
         return view
+
+    def _kv_wanted(self, view: RequestView) -> frozenset[int]:
+        """The block sizes to compute ``view``'s KV keys for (empty: none wanted):
+        the policy matches KV events, some worker sends them, and a tokenizer
+        renders this model's prompts as its engine does."""
+        if not self._policy().needs.kv_events or view.match.endpoint.api not in _KV_APIS:
+            return frozenset()
+        sizes = self._kv_sizes()
+        if not sizes or self.tokenizers.get(view.model) is None:
+            return frozenset()
+        return sizes
+
+    def _engine_ids(self, view: RequestView, sizes: frozenset[int]) -> None:
+        """The prompt's token ids as the engine computes them, and their block keys.
+        A prompt meshkit cannot render (the worker will say why) is matched by text."""
+        ids = view.token_ids if view.match.endpoint.api is Api.GENERATE else None
+        if ids is None:
+            tok = self.tokenizers.get(view.model)
+            if tok is None or len(view.body) > self._max_tokenize:
+                return
+            from meshkit.prepare.jobs import prompt_ids  # templates: on first use
+
+            try:
+                body = msgspec.json.decode(view.body)
+                if not isinstance(body, dict):
+                    return
+                ids = prompt_ids(tok, body, max_tokenize_bytes=self._max_tokenize)
+            except (msgspec.DecodeError, RecursionError, InvalidRequest, RequestTooLarge):
+                return
+        ids = ids[: self._match_tokens]
+        view.prompt_ids = ids
+        view.kv_keys = {size: chain(ids, size) for size in sizes}
 
     def _parse(self, match: Match, body: bytes) -> RequestView:
         needs = self._policy().needs

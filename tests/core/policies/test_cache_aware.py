@@ -24,10 +24,12 @@ def _place(
 def test_defaults_and_needs() -> None:
     p = create_policy("cache_aware")
     assert isinstance(p, CacheAware)
-    assert p.needs == Needs(text=True)
+    assert p.needs == Needs(text=True, kv_events=True)
     assert (p.cache_threshold, p.balance_abs_threshold, p.balance_rel_threshold) == (0.3, 4, 1.2)
     assert p.max_tree_size == 8_000_000
-    assert CacheAware(match_chars=65536).needs == Needs(text=True, prefix_chars=65536)
+    assert CacheAware(match_chars=65536).needs == Needs(
+        text=True, prefix_chars=65536, kv_events=True
+    )
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from meshkit.core.kv_index import KvIndex
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
 
@@ -51,6 +52,9 @@ class Needs:
     prefix_tokens: int | None = None
     #: how many characters of routing text the policy reads (None: all)
     prefix_chars: int | None = None
+    #: match against the workers' KV events: the engine's prompt token ids
+    #: (``RequestView.prompt_ids``) while some worker publishes them
+    kv_events: bool = False
 
 
 @dataclass(slots=True)
@@ -67,6 +71,8 @@ class PlacementContext:
     fleet_version: int = 0
     now: float = 0.0
     attempt: int = 0
+    #: the blocks workers with KV events hold (None: no worker publishes them)
+    kv: KvIndex | None = None
 
     def load_of(self, cand: Candidate) -> int:
         return self.load.get(cand.key, 0)

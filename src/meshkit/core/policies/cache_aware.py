@@ -50,10 +50,12 @@ The model name comes from the client, so the number of trees is capped too
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
+from meshkit.core.policies.prefix_hash import conversation_head
 from meshkit.core.policies.radix import RadixTree
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
@@ -70,6 +72,37 @@ def _spread_key(digest: bytes, cand: Candidate) -> bytes:
 
 def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+class RecentWork:
+    """Work placed per candidate, decayed with a half-life, in O(1) per update: values
+    are kept scaled by ``2 ** (t / half_life)`` from one origin, so they all age
+    together; the origin moves forward before the scale gets large."""
+
+    def __init__(self, half_life_s: float) -> None:
+        self.half_life_s = half_life_s
+        self._t0 = 0.0
+        self._scaled: dict[str, float] = {}
+
+    def _scale(self, now: float) -> float:
+        exp = (now - self._t0) / self.half_life_s
+        if exp > 64 or exp < 0:  # rebase (or a clock that went back)
+            k = 2.0 ** -max(min(exp, 1e6), 0.0)
+            self._scaled = {key: v * k for key, v in self._scaled.items() if v * k > 1e-9}
+            self._t0, exp = now, 0.0
+        return float(2.0**exp)
+
+    def add(self, key: str, work: float, now: float) -> None:
+        self._scaled[key] = self._scaled.get(key, 0.0) + work * self._scale(now)
+
+    def values(self, keys: Sequence[str], now: float) -> list[float]:
+        scale = self._scale(now)
+        get = self._scaled.get
+        return [get(k, 0.0) / scale for k in keys]
+
+    def forget(self, worker_id: str) -> None:
+        for key in [k for k in self._scaled if k == worker_id or k.startswith(worker_id + "#")]:
+            del self._scaled[key]
 
 
 def least_loaded(cands: Sequence[Candidate], loads: Sequence[int], text: str) -> Candidate:
@@ -109,8 +142,17 @@ class CacheAware(BasePolicy):
         match_slack_chars: int = 64,
         max_models: int = 32,
         ttl_s: float | None = None,
+        load_factor: float | None = 1.25,
+        work_half_life_s: float = 300.0,
+        spill_prefix_chars: int = 256,
     ) -> None:
         key = "policies.cache_aware."
+        if load_factor is not None and not load_factor >= 1.0:
+            raise ConfigError(key + "load_factor", "must be >= 1.0 or unset")
+        if not work_half_life_s > 0:
+            raise ConfigError(key + "work_half_life_s", "must be > 0")
+        if spill_prefix_chars < 1:
+            raise ConfigError(key + "spill_prefix_chars", "must be >= 1")
         if not 0.0 <= cache_threshold <= 1.0:
             raise ConfigError(key + "cache_threshold", "must be in [0, 1]")
         if balance_abs_threshold < 0:
@@ -135,8 +177,12 @@ class CacheAware(BasePolicy):
         self.match_slack_chars = match_slack_chars
         self.max_models = max_models
         self.ttl_s = ttl_s
-        self.needs = Needs(text=True, prefix_chars=match_chars)
+        self.load_factor = None if load_factor is None else float(load_factor)
+        self.work_half_life_s = float(work_half_life_s)
+        self.spill_prefix_chars = spill_prefix_chars
+        self.needs = Needs(text=True, prefix_chars=match_chars, kv_events=True)
         self._trees: OrderedDict[str, RadixTree] = OrderedDict()
+        self._recent = RecentWork(self.work_half_life_s)
 
     # -- placement ---------------------------------------------------------------
 
@@ -154,34 +200,87 @@ class CacheAware(BasePolicy):
             return cands[0]
         text = self._text(ctx.view)
         loads = [ctx.load_of(c) for c in cands]
-        tree = self._trees.get(ctx.view.model or "")
-        if text and tree is not None:
-            matched = tree.match(text, {c.origin for c in cands})
-            best = max(matched.values(), default=0)
-            if best / len(text) > self.cache_threshold:
-                picked = self._by_match(cands, loads, text, matched, best)
+        # The bound moves new conversations; a follow-up stays with its history
+        # (only the in-flight gate moves it).
+        head = conversation_head(text, self.spill_prefix_chars * 64)
+        over = self._over(cands, ctx.now) if head is None or head[1] else None
+        spread = _digest(text[: self.spill_prefix_chars])
+        rates = self._rates(ctx, cands, text)
+        if rates is not None:
+            best = max(rates)
+            if best > self.cache_threshold:
+                slack = self.match_slack_chars / max(1, len(text))
+                picked = self._by_match(cands, loads, spread, rates, best - slack, over)
                 if picked is not None:
                     return picked
+        if over:
+            # Spilling: the least loaded of the rest, ties by the prompt's head, so
+            # every router sends a tenant's overflow to the same next worker.
+            rest = [(c, load) for c, load, o in zip(cands, loads, over, strict=True) if not o]
+            if rest:
+                low = min(load for _, load in rest)
+                return min(
+                    (c for c, load in rest if load == low), key=lambda c: _spread_key(spread, c)
+                )
         return least_loaded(cands, loads, text)
+
+    def _over(self, cands: Sequence[Candidate], now: float) -> list[bool] | None:
+        """Which candidates took more than ``load_factor`` times their share of the
+        recent work (None: none did, or the bound is off). In-flight counts say
+        little at 1-4 requests in flight; what was placed lately does."""
+        if self.load_factor is None:
+            return None
+        recent = self._recent.values([c.key for c in cands], now)
+        share = (sum(recent) + 1) / len(cands)
+        # A few requests over the share are noise, not a hot worker (a cold start,
+        # an idle fleet): the same absolute slack as the in-flight gate.
+        bound = max(math.ceil(self.load_factor * share), share + self.balance_abs_threshold)
+        over = [r + 1 > bound for r in recent]
+        return over if any(over) else None
+
+    def _rates(
+        self, ctx: PlacementContext, cands: Sequence[Candidate], text: str
+    ) -> list[float] | None:
+        """Per candidate, the share of the prompt it holds: from the KV index for
+        workers whose events it has (in tokens), from this router's tree for the
+        others (in characters). None: nothing to match."""
+        ids, kv = ctx.view.prompt_ids, ctx.kv
+        by_events: dict[str, int] = {}
+        if ids and kv is not None:
+            covered = [c.worker.id for c in cands if kv.covers(c.worker.id)]
+            if covered:
+                by_events = kv.match(ids, covered, ctx.view.kv_keys)
+        tree = self._trees.get(ctx.view.model or "")
+        by_text: dict[str, int] = {}
+        if text and tree is not None and len(by_events) < len(cands):
+            by_text = tree.match(text, {c.origin for c in cands})
+        if not by_events and not by_text:
+            return None
+        n_ids, n_text = len(ids or ()) or 1, len(text) or 1
+        return [
+            by_events[c.worker.id] / n_ids
+            if c.worker.id in by_events
+            else by_text.get(c.origin, 0) / n_text
+            for c in cands
+        ]
 
     def _by_match(
         self,
         cands: Sequence[Candidate],
         loads: Sequence[int],
-        text: str,
-        matched: dict[str, int],
-        best: int,
+        spread: bytes,
+        rates: Sequence[float],
+        near: float,
+        over: Sequence[bool] | None,
     ) -> Candidate | None:
-        floor = self.cache_threshold * len(text)
-        near = best - self.match_slack_chars
-        digest = _digest(text)
+        floor = self.cache_threshold
         ranked = []
         for i, c in enumerate(cands):
-            m = matched.get(c.origin, 0)
-            if m > floor:
+            m = rates[i]
+            if m > floor and (over is None or not over[i]):
                 # Near-best matches rank by load alone; farther ones by match first.
                 ranked.append(
-                    (m < near, 0 if m >= near else -m, loads[i], _spread_key(digest, c), i)
+                    (m < near, 0.0 if m >= near else -m, loads[i], _spread_key(spread, c), i)
                 )
         ranked.sort()
         mean = sum(loads) / len(cands)
@@ -197,6 +296,7 @@ class CacheAware(BasePolicy):
         return self._trees.get(model or "")
 
     def on_placed(self, cand: Candidate, view: RequestView, now: float) -> None:
+        self._recent.add(cand.key, 1.0, now)
         text = self._text(view)
         if not text:
             return
@@ -211,6 +311,7 @@ class CacheAware(BasePolicy):
         tree.insert(text, cand.origin, now)
 
     def on_removed(self, worker: Worker) -> None:
+        self._recent.forget(worker.id)
         for model, tree in list(self._trees.items()):
             tree.remove_tenant(worker.origin)
             if not tree.node_count:

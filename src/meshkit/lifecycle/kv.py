@@ -1,0 +1,253 @@
+"""
+KV-event subscribers
+====================
+
+One task per worker that names a publisher (``Worker(kv_events=...)``), on the
+lifecycle thread's loop: a ZeroMQ SUB socket connected to the engine's publisher
+(all topics), each message decoded (:mod:`meshkit.core.kv_events`) and applied to
+the fleet's :class:`~meshkit.core.kv_index.KvIndex` under the routing lock, at most
+``kv.apply_batch`` batches per hold so a burst never stalls placement.
+
+Sequence numbers grow by one per batch; what breaks that is handled so the index
+never claims a block the engine may have dropped:
+
+* **a gap** (a jump forward: ZeroMQ dropped messages past ``kv.receive_hwm`` for
+  a subscriber that fell behind, or the connection broke): the missed batches are
+  asked of the replay endpoint (``kv_replay``, a DEALER to the publisher's
+  ROUTER) within ``kv.replay_timeout_s``; without a replay endpoint, or when it
+  cannot fill the gap, the worker's entries are dropped and rebuilt from the
+  events that follow (``mesh_kv_gaps_total{outcome="cleared"}``);
+* **a restart** (the sequence goes back: the engine came back, its cache empty):
+  the worker's entries are dropped;
+* **subscribing**: with a replay endpoint, what the publisher still buffers is
+  replayed at once (their live copies arriving after are skipped), so blocks
+  stored before meshkit subscribed, even on an idle engine, are known;
+* a payload that does not decode counts ``mesh_kv_errors_total`` and is treated
+  as a gap (its events are lost);
+* a worker that leaves the fleet, or names another publisher, has its task
+  cancelled and its entries dropped (:meth:`Fleet.remove` / ``Fleet.replace``).
+
+The tasks follow the fleet: :meth:`KvSubscribers.sync` runs every second and on a
+fleet change. Nothing here is on a request's path: a slow or dead publisher only
+leaves the index behind (the ``cache_aware`` match then falls back to its own tree
+for workers without entries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from meshkit.core.kv_events import (
+    END_OF_REPLAY,
+    Batch,
+    KvEventError,
+    decode_frames,
+    decode_replay,
+    replay_request,
+)
+from meshkit.core.workers import Worker
+from meshkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from meshkit.config import KvConfig
+    from meshkit.router import Router
+
+__all__ = ["KvSubscribers", "require_zmq"]
+
+log = logging.getLogger("meshkit.kv")
+
+_SYNC_S = 1.0
+#: "to the end": a first replay takes everything the publisher still buffers
+_ALL = 1 << 62
+_Key = tuple[str, str, str | None]
+
+
+def require_zmq() -> Any:
+    """pyzmq's asyncio module, or a ConfigError saying which extra brings it."""
+    try:
+        import zmq.asyncio
+    except ImportError:
+        raise ConfigError(
+            "workers.kv_events", "KV events need pyzmq: pip install 'meshkit[kv]'"
+        ) from None
+    return zmq.asyncio
+
+
+class KvSubscribers:
+    """The subscriber tasks of one Mesh (see the module docstring)."""
+
+    def __init__(self, router: Router, config: KvConfig) -> None:
+        self.router = router
+        self.config = config
+        self._tasks: dict[_Key, asyncio.Task[None]] = {}
+        self._ctx: Any = None
+        self._poke: asyncio.Event | None = None
+        self._warned = False
+
+    @staticmethod
+    def wanted(workers: tuple[Worker, ...]) -> bool:
+        return any(w.kv_events for w in workers)
+
+    def poke(self) -> None:
+        """(the loop) The fleet changed: sync now."""
+        if self._poke is not None:
+            self._poke.set()
+
+    async def run(self) -> None:
+        self._poke = asyncio.Event()
+        try:
+            while True:
+                self.sync()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._poke.wait(), _SYNC_S)
+                self._poke.clear()
+        finally:
+            tasks = list(self._tasks.values())
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._tasks.clear()
+            if self._ctx is not None:
+                self._ctx.destroy(linger=0)
+                self._ctx = None
+
+    def sync(self) -> None:
+        want = {(w.id, w.kv_events, w.kv_replay): w for w in self.router.workers if w.kv_events}
+        for key in [k for k in self._tasks if k not in want]:
+            self._tasks.pop(key).cancel()
+        fresh = [k for k in want if k not in self._tasks]
+        if not fresh:
+            return
+        if self._ctx is None:
+            try:
+                zmq_asyncio = require_zmq()
+            except ConfigError as exc:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("%s", exc)
+                return
+            self._ctx = zmq_asyncio.Context()
+        for key in fresh:
+            wid, events, replay = key
+            assert events is not None
+            task = asyncio.ensure_future(self._follow(wid, events, replay))
+            self._tasks[key] = task
+
+    # -- one worker -----------------------------------------------------------------------
+
+    async def _follow(self, worker_id: str, endpoint: str, replay: str | None) -> None:
+        import zmq
+
+        metrics = self.router.metrics
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)
+        log.info("kv events: subscribed to %s for %s", endpoint, worker_id)
+        expected: int | None = None
+        #: batches the first replay brought: their live copies may still arrive
+        window = False
+        try:
+            if replay is not None:
+                # Subscribed first, then asked: what the publisher stored before
+                # (or while) meshkit joined is not missed, even on an idle engine.
+                got = await self._replay(replay, 0, _ALL)
+                if got is not None:
+                    for i in range(0, len(got[1]), self.config.apply_batch):
+                        self.router.kv_apply(worker_id, got[1][i : i + self.config.apply_batch])
+                    metrics.kv_batches.labels(worker_id).inc(len(got[1]))
+                    # From here on a batch the SUB missed while joining is a gap.
+                    expected, window = got[0] + len(got[1]), True
+            while True:
+                messages = [await sub.recv_multipart(copy=True)]
+                # What else is queued already, up to one lock hold's worth.
+                while len(messages) < self.config.apply_batch and (
+                    sub.getsockopt(zmq.EVENTS) & zmq.POLLIN
+                ):
+                    messages.append(await sub.recv_multipart(copy=True))
+                batches: list[Batch] = []
+                for frames in messages:
+                    try:
+                        frame = decode_frames(frames)
+                    except KvEventError:
+                        # Its events are lost: start the worker afresh from the next.
+                        metrics.kv_errors.labels(worker_id).inc()
+                        batches.clear()
+                        self.router.kv_clear(worker_id)
+                        expected, window = None, False
+                        continue
+                    if frame.batch is None:
+                        continue
+                    seq = frame.seq
+                    if expected is not None and seq < expected:
+                        if window:
+                            continue  # already applied from the first replay
+                        metrics.kv_gaps.labels(worker_id, "restart").inc()
+                        log.info("kv events: %s restarted its publisher", worker_id)
+                        batches.clear()
+                        self.router.kv_clear(worker_id)
+                    elif expected is not None and seq > expected:
+                        await self._gap(worker_id, replay, batches, expected, seq)
+                    window = False
+                    batches.append(frame.batch)
+                    expected = seq + 1
+                if batches:
+                    self.router.kv_apply(worker_id, batches)
+                    metrics.kv_batches.labels(worker_id).inc(len(batches))
+        finally:
+            sub.close(linger=0)
+
+    async def _gap(
+        self, worker_id: str, replay: str | None, batches: list[Batch], start: int, end: int
+    ) -> None:
+        """Batches ``start`` to ``end - 1`` were missed: replay them, or forget."""
+        if replay is not None:
+            got = await self._replay(replay, start, end)
+            if got is not None and got[0] == start and got[0] + len(got[1]) == end:
+                batches.extend(got[1])
+                self.router.metrics.kv_gaps.labels(worker_id, "replayed").inc()
+                return
+        self.router.metrics.kv_gaps.labels(worker_id, "cleared").inc()
+        log.info(
+            "kv events: %s missed batches %d-%d; its entries are rebuilt", worker_id, start, end - 1
+        )
+        batches.clear()
+        self.router.kv_clear(worker_id)
+
+    async def _replay(self, endpoint: str, start: int, end: int) -> tuple[int, list[Batch]] | None:
+        """The batches from ``start`` (or the first the publisher still has after it)
+        to ``end - 1``, in order and without a hole: (the first's number, them).
+        None when the replay fails, times out or has a hole."""
+        import zmq
+
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        first: int | None = None
+        got: list[Batch] = []
+        try:
+            dealer.connect(endpoint)
+            async with asyncio.timeout(self.config.replay_timeout_s):
+                # vLLM's ROUTER reads [identity, b"", seq]: a DEALER sends the empty
+                # delimiter itself and receives it back before each reply.
+                await dealer.send_multipart([b"", replay_request(start)])
+                while True:
+                    frame = decode_replay(await dealer.recv_multipart())
+                    if frame.seq == END_OF_REPLAY or frame.seq >= end:
+                        break
+                    if frame.batch is None or frame.seq < start:
+                        continue
+                    if first is None:
+                        first = frame.seq
+                    elif frame.seq != first + len(got):
+                        return None
+                    got.append(frame.batch)
+        except (TimeoutError, KvEventError, zmq.ZMQError):
+            return None
+        finally:
+            dealer.close(linger=0)
+        # An empty answer is an answer: nothing from ``start`` on was published yet.
+        return (first if first is not None else start, got)

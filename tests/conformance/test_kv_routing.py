@@ -1,0 +1,117 @@
+"""Two independent routers over one fleet of workers that publish KV events:
+the second router, which never saw the first turns, sends each follow-up to the
+worker whose engine cached them, in every mode (the real openai SDK, mock workers
+publishing vLLM-format events, prompts tokenized with the model's chat template)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("zmq")
+
+from harness import MODE_CLASSES, MODES
+from meshkit import Mesh
+from meshkit.core.workers import Worker
+from meshkit.mock.thread import MockWorkerThread
+
+TOKENIZER = str(Path(__file__).resolve().parents[1] / "prepare" / "data" / "tiny")
+TOPICS = ["billing", "weather", "recipes", "travel", "music", "gardens"]
+
+
+def system(topic: str) -> str:
+    return f"You answer questions about {topic} only. " * 6
+
+
+def first_turn(topic: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": system(topic)},
+        {"role": "user", "content": f"tell me about {topic} today"},
+    ]
+
+
+def chat(mode: Any, messages: list[dict[str, str]]) -> tuple[str, str, int]:
+    """(worker, reply, cached prompt tokens) of one chat turn through the SDK."""
+    if hasattr(mode, "async_openai"):  # the async transport: the async SDK on its loop
+        aclient = mode.async_openai(max_retries=0)
+
+        async def go() -> Any:
+            return await aclient.chat.completions.with_raw_response.create(
+                model="tiny", messages=messages, max_tokens=4
+            )
+
+        raw = mode.run(go)
+    else:
+        client = mode.openai(max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=4
+        )
+    answer = raw.parse()
+    details = answer.usage.prompt_tokens_details if answer.usage else None
+    cached = (details.cached_tokens or 0) if details else 0
+    return raw.headers["x-mock-worker"], answer.choices[0].message.content or "", cached
+
+
+def router(mesh_factory: Callable[..., Mesh], fleet: list[MockWorkerThread]) -> Mesh:
+    workers = [
+        Worker(w.url, kv_events=w.kv_events_endpoint, kv_replay=w.kv_replay_endpoint) for w in fleet
+    ]
+    mesh = mesh_factory(
+        workers=workers, policy="cache_aware", tokenizer=TOKENIZER, lifecycle={"probe": False}
+    )
+    mesh.lifecycle.start()
+    return mesh
+
+
+@pytest.mark.parametrize("mode_name", MODES)
+def test_the_second_router_follows_the_engines_cache(
+    mode_name: str,
+    mock_factory: Callable[..., MockWorkerThread],
+    mesh_factory: Callable[..., Mesh],
+) -> None:
+    fleet = [
+        mock_factory(
+            name=name,
+            cache_tokens=1_000_000,
+            block_size=4,
+            tokenizer=TOKENIZER,
+            kv_events="tcp://127.0.0.1:0",
+            kv_replay="tcp://127.0.0.1:0",
+        )
+        for name in ("a", "b")
+    ]
+    r1, r2 = router(mesh_factory, fleet), router(mesh_factory, fleet)
+    mode = MODE_CLASSES[mode_name](r1)
+    try:
+        firsts = {t: chat(mode, first_turn(t)) for t in TOPICS}
+    finally:
+        mode.close()
+    # Router 2 subscribed at start; what it missed while joining is replayed.
+    deadline = time.monotonic() + 20
+    while not all(r2.fleet.kv.blocks_of(w.url) for w in fleet):
+        assert time.monotonic() < deadline, "router 2 never saw the workers' events"
+        time.sleep(0.05)
+    expected = sum(r1.fleet.kv.blocks_of(w.url) for w in fleet)
+    while sum(r2.fleet.kv.blocks_of(w.url) for w in fleet) < expected:
+        assert time.monotonic() < deadline, "router 2's index stayed behind router 1's"
+        time.sleep(0.05)
+    assert [row["prefix_match"] for row in r2.router.describe()] == ["events", "events"]
+
+    mode = MODE_CLASSES[mode_name](r2)
+    try:
+        for topic, (worker, reply, _) in firsts.items():
+            follow_up = [
+                *first_turn(topic),
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "and tomorrow?"},
+            ]
+            got, _, cached = chat(mode, follow_up)
+            assert got == worker, f"{topic}: router 2 sent the follow-up to {got}, not {worker}"
+            assert cached > 0  # the engine (the mock's cache model) hit the prefix
+    finally:
+        mode.close()
+    assert len({w for w, _, _ in firsts.values()}) == 2  # both workers took conversations

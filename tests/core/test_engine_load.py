@@ -1,0 +1,70 @@
+"""Engine load from Prometheus text (:mod:`meshkit.core.engine_load`), pinned on the
+lines vLLM and SGLang print, and what other routers hold."""
+
+from __future__ import annotations
+
+from meshkit.core.engine_load import EngineLoad, others, parse_metrics
+from meshkit.core.workers import Fleet, Worker
+
+# As vLLM's /metrics prints them (prometheus_client, one sample per engine/model).
+VLLM = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 4.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:num_requests_running_total_not_this 99
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 1234.0
+"""
+SGLANG = b"""# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m",tp_rank="0"} 7
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} 1
+sglang:token_usage{model_name="m",tp_rank="0"} 0.5
+"""
+
+
+def test_vllm_lines_are_summed_over_engines() -> None:
+    assert parse_metrics(VLLM) == EngineLoad(5, 4, 0.25)
+
+
+def test_sglang_lines() -> None:
+    assert parse_metrics(SGLANG) == EngineLoad(7, 1, 0.5)
+
+
+def test_no_load_gauges_is_no_report() -> None:
+    assert parse_metrics(b"# llama.cpp without --metrics\nfoo 1\n") is None
+    assert parse_metrics(b"") is None
+    # garbage and NaN are skipped, not a crash
+    assert (
+        parse_metrics(b"vllm:num_requests_running{ nonsense\nvllm:num_requests_waiting NaN\n")
+        is None
+    )
+    assert parse_metrics(b"vllm:num_requests_waiting 2\n") == EngineLoad(0, 2, None)
+
+
+def test_others_are_the_engines_load_minus_ours() -> None:
+    assert others(EngineLoad(5, 4), 3) == 6
+    assert others(EngineLoad(1, 0), 3) == 0  # our requests not yet there: never negative
+
+
+def test_placement_weighs_other_routers_requests() -> None:
+    a = Worker("http://a:1")
+    dp = Worker("http://b:1", labels={"mesh.dp_size": "2"})
+    fleet = Fleet([a, dp])
+    (ca,) = fleet.candidates_of(a)
+    fleet.load[ca.key] = 2
+    fleet.worker_load[a.id] = 2
+    assert fleet.placement_load() is fleet.load  # no report: only ours
+    fleet.report_load(a.id, EngineLoad(running=6, waiting=1))
+    assert fleet.placement_load()[ca.key] == 2 + 5
+    fleet.report_load(dp.id, EngineLoad(running=3, waiting=0))
+    b0, b1 = fleet.candidates_of(dp)
+    assert (fleet.others[b0.key], fleet.others[b1.key]) == (2, 1)  # spread over the ranks
+    fleet.report_load(a.id, None)  # it stopped answering: ours only again
+    assert fleet.placement_load()[ca.key] == 2
+    fleet.remove(dp.id)
+    assert not fleet.others and not fleet.engine

@@ -1,0 +1,216 @@
+"""The KV-event subscriber (:mod:`meshkit.lifecycle.kv`) against a real ZeroMQ
+publisher in vLLM's wire format: batches reach the index, a gap is replayed or
+forgotten, a restarted publisher is seen, a bad payload drops what it may have
+changed, a removed worker's task and entries go."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from meshkit import Mesh  # noqa: E402
+from meshkit.core.workers import Worker  # noqa: E402
+from meshkit.mock.kv_publisher import BlockStored, KVEventBatch  # noqa: E402
+
+URL = "http://127.0.0.1:9"  # never called: probes are off
+BLOCK = 4
+
+
+def free_endpoint(ctx: zmq.Context, kind: int) -> tuple[zmq.Socket, str]:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:*")
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class Publisher:
+    """A vLLM-like publisher the test steers: it can skip sequence numbers, start
+    again from 0, and answer replays from what it kept."""
+
+    def __init__(self, replay: bool) -> None:
+        self.ctx = zmq.Context()
+        self.pub, self.endpoint = free_endpoint(self.ctx, zmq.PUB)
+        self.kept: list[tuple[int, bytes]] = []
+        self.seq = 0
+        self.replays = 0
+        self.replay_endpoint: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if replay:
+            self.router, self.replay_endpoint = free_endpoint(self.ctx, zmq.ROUTER)
+            self._thread = threading.Thread(target=self._serve, daemon=True)
+            self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(50):
+                continue
+            ident, _, start = self.router.recv_multipart()
+            self.replays += 1
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self.kept):
+                if seq >= first:
+                    self.router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
+            self.router.send_multipart([ident, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def payload(self, hashes: list[int], parent: int | None, tokens: list[int]) -> bytes:
+        event = BlockStored(hashes, parent, tokens, BLOCK, None, "GPU", None)
+        return msgspec.msgpack.encode(KVEventBatch(time.time(), [event], 0))
+
+    def send(self, payload: bytes, *, publish: bool = True) -> None:
+        self.kept.append((self.seq, payload))
+        if publish:
+            self.pub.send_multipart([b"kv", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+    def store(self, hashes: list[int], parent: int | None, tokens: list[int], **kw: bool) -> None:
+        self.send(self.payload(hashes, parent, tokens), **kw)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.ctx.destroy(linger=0)
+
+
+def until(check: Callable[[], bool], what: str) -> None:
+    """Wait for ``check``: the subscriber runs on the lifecycle thread."""
+    deadline = time.monotonic() + 20
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(params=[False, True], ids=["no-replay", "replay"])
+def pub(request: pytest.FixtureRequest) -> Iterator[Publisher]:
+    p = Publisher(replay=request.param)
+    yield p
+    p.close()
+
+
+def mesh_for(pub: Publisher) -> Mesh:
+    w = Worker(URL, kv_events=pub.endpoint, kv_replay=pub.replay_endpoint)
+    mesh = Mesh(workers=[w], policy="cache_aware", lifecycle={"probe": False})
+    mesh.lifecycle.start()
+    return mesh
+
+
+def connected(mesh: Mesh, pub: Publisher) -> None:
+    """Publish a root block until the subscriber has it (the slow-joiner wait)."""
+    kv = mesh.router.fleet.kv
+    deadline = time.monotonic() + 20
+    while not kv.blocks_of(URL):
+        if time.monotonic() > deadline:
+            raise AssertionError("the subscriber never received a batch")
+        pub.store([pub.seq + 10_000], None, [0, 0, 0, pub.seq])
+        time.sleep(0.05)
+
+
+def holds(mesh: Mesh, tokens: list[int]) -> int:
+    return mesh.router.fleet.kv.match(tokens, [URL])[URL]
+
+
+def gaps(mesh: Mesh, outcome: str) -> float:
+    value = mesh.metrics.registry.get_sample_value(
+        "mesh_kv_gaps_total", {"worker": URL, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+def test_batches_reach_the_index_and_chain(pub: Publisher) -> None:
+    with mesh_for(pub) as mesh:
+        connected(mesh, pub)
+        pub.store([1, 2], None, [1, 2, 3, 4, 5, 6, 7, 8])
+        pub.store([3], 2, [9, 10, 11, 12])
+        until(lambda: holds(mesh, list(range(1, 13))) == 12, "the chained blocks")
+        row = mesh.router.describe(URL)[0]
+        assert row["prefix_match"] == "events" and row["kv_blocks"] >= 3
+        text = mesh.metrics.render().decode()
+        assert f'mesh_worker_prefix_match{{kind="events",worker="{URL}"}} 1.0' in text
+
+
+def test_a_gap_is_replayed_or_forgotten(pub: Publisher) -> None:
+    with mesh_for(pub) as mesh:
+        connected(mesh, pub)
+        pub.store([1], None, [1, 2, 3, 4])
+        until(lambda: holds(mesh, [1, 2, 3, 4]) == 4, "the first block")
+        pub.store([2], 1, [5, 6, 7, 8], publish=False)  # lost on the way
+        pub.store([3], 2, [9, 10, 11, 12])
+        if pub.replay_endpoint:
+            until(lambda: holds(mesh, list(range(1, 13))) == 12, "the replayed chain")
+            assert gaps(mesh, "replayed") == 1 and gaps(mesh, "cleared") == 0
+        else:
+            # Without replay the worker's entries go: it may have dropped anything.
+            until(lambda: gaps(mesh, "cleared") == 1, "the gap")
+            assert holds(mesh, [1, 2, 3, 4]) == 0
+            assert mesh.router.fleet.kv.unchained >= 1  # block 3's parent is unknown now
+            pub.store([4], None, [1, 2, 3, 4])  # the index rebuilds from what follows
+            until(lambda: holds(mesh, [1, 2, 3, 4]) == 4, "the rebuilt block")
+
+
+def test_a_restarted_publisher_clears_the_worker(pub: Publisher) -> None:
+    with mesh_for(pub) as mesh:
+        connected(mesh, pub)
+        pub.store([1], None, [1, 2, 3, 4])
+        until(lambda: holds(mesh, [1, 2, 3, 4]) == 4, "the block")
+        pub.seq = 0  # the engine came back: its cache is empty, its counter too
+        pub.kept.clear()
+        pub.store([7], None, [5, 5, 5, 5])
+        until(lambda: gaps(mesh, "restart") == 1, "the restart")
+        until(lambda: holds(mesh, [5, 5, 5, 5]) == 4, "the new block")
+        assert holds(mesh, [1, 2, 3, 4]) == 0
+
+
+def test_a_bad_payload_drops_the_workers_entries(pub: Publisher) -> None:
+    with mesh_for(pub) as mesh:
+        connected(mesh, pub)
+        pub.store([1], None, [1, 2, 3, 4])
+        until(lambda: holds(mesh, [1, 2, 3, 4]) == 4, "the block")
+        pub.send(b"\xc1 not msgpack")
+        errors = lambda: mesh.metrics.registry.get_sample_value(  # noqa: E731
+            "mesh_kv_errors_total", {"worker": URL}
+        )
+        until(lambda: errors() == 1, "the error")
+        assert holds(mesh, [1, 2, 3, 4]) == 0
+
+
+def test_first_subscription_replays_what_the_publisher_kept() -> None:
+    pub = Publisher(replay=True)
+    try:
+        # Stored before meshkit subscribed: only a replay can tell it.
+        pub.store([1], None, [1, 2, 3, 4], publish=False)
+        with mesh_for(pub) as mesh:
+            connected(mesh, pub)
+            until(lambda: holds(mesh, [1, 2, 3, 4]) == 4, "the block stored before")
+            assert pub.replays >= 1
+    finally:
+        pub.close()
+
+
+def test_a_removed_worker_is_forgotten(pub: Publisher) -> None:
+    with mesh_for(pub) as mesh:
+        connected(mesh, pub)
+        mesh.remove_worker(URL)
+        assert mesh.router.fleet.kv.blocks_of(URL) == 0
+        assert not mesh.router.fleet.kv.covers(URL)
+
+
+def test_a_batch_missed_while_joining_an_idle_publisher_is_replayed() -> None:
+    pub = Publisher(replay=True)
+    try:
+        with mesh_for(pub) as mesh:
+            until(lambda: pub.replays >= 1, "the first replay")  # nothing buffered yet
+            # Published before the subscription reached the publisher: the SUB misses it.
+            pub.store([1], None, [1, 2, 3, 4], publish=False)
+            connected(mesh, pub)
+            until(lambda: holds(mesh, [1, 2, 3, 4]) == 4, "the missed batch")
+            assert gaps(mesh, "replayed") == 1
+    finally:
+        pub.close()

@@ -1,0 +1,66 @@
+"""Workers' KV-event publishers (``kv_events``, ``kv_replay``) and ``[kv]`` in the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshkit.config import KvConfig, MeshConfig
+from meshkit.core.discovery import same_worker
+from meshkit.core.workers import Worker
+from meshkit.errors import ConfigError
+
+
+def test_a_workers_table_names_its_publisher(tmp_path: Path) -> None:
+    path = tmp_path / "m.toml"
+    path.write_text(
+        '[[workers]]\nurl = "http://gpu-1:8000"\n'
+        'kv_events = "tcp://{host}:5557"\nkv_replay = "tcp://{host}:5558"\n'
+        '[[workers]]\nurl = "dns://vllm:8000"\nkv_events = "tcp://{host}:5557"\n'
+        "[kv]\nmax_blocks_per_model = 5000\nreplay_timeout_s = 0.5\n"
+    )
+    c = MeshConfig.from_file(path)
+    (w,) = c.workers
+    assert (w.kv_events, w.kv_replay) == ("tcp://gpu-1:5557", "tcp://gpu-1:5558")
+    (entry,) = c.dns_workers
+    assert entry.worker("10.0.0.7").kv_events == "tcp://10.0.0.7:5557"  # per pod
+    assert (c.kv.max_blocks_per_model, c.kv.replay_timeout_s) == (5000, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("events", "replay", "key"),
+    [
+        ("http://gpu:5557", None, "workers.kv_events"),
+        ("tcp://*:5557", None, "workers.kv_events"),  # vLLM binds that; meshkit connects
+        ("tcp://", None, "workers.kv_events"),
+        (None, "tcp://gpu:5558", "workers.kv_replay"),
+    ],
+)
+def test_bad_endpoints_name_their_key(events: str | None, replay: str | None, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Worker("http://gpu:8000", kv_events=events, kv_replay=replay)
+    assert info.value.key == key
+
+
+def test_a_new_publisher_is_a_change_to_apply() -> None:
+    a = Worker("http://gpu:8000", kv_events="tcp://gpu:5557")
+    assert same_worker(a, Worker("http://gpu:8000", kv_events="tcp://gpu:5557"))
+    assert not same_worker(a, Worker("http://gpu:8000", kv_events="tcp://gpu:6000"))
+    assert not same_worker(a, Worker("http://gpu:8000"))
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"max_blocks_per_model": 0},
+        {"match_tokens": 0},
+        {"apply_batch": 0},
+        {"receive_hwm": 0},
+        {"replay_timeout_s": 0.0},
+    ],
+)
+def test_kv_bounds_are_checked(values: dict[str, float]) -> None:
+    with pytest.raises(ConfigError) as info:
+        KvConfig(**values)  # type: ignore[arg-type]
+    assert info.value.key == "kv." + next(iter(values))
