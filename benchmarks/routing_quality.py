@@ -430,6 +430,8 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
         {"balance_abs_threshold": 32, "balance_rel_threshold": 1.5},
     ),
     ("cache_aware (max_tree_size=2M)", "cache_aware", {"max_tree_size": 2_000_000}),
+    # Without the recent-work bound: in-flight gates only (the 0.1 behaviour).
+    ("cache_aware (load_factor off)", "cache_aware", {"load_factor": None}),
 ]
 
 

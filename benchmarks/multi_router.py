@@ -1,0 +1,1034 @@
+"""
+Many routers, one fleet: placement quality, live
+================================================
+
+K independent router processes share one fleet of mock workers (issue 17, item 6).
+Unlike ``routing_quality.py`` (a simulation), everything here is real: sockets,
+meshkit's ``Mesh`` behind ``MeshTransport`` in each router process, the mock
+workers' finite LRU prefix caches and their vLLM-format KV events over ZeroMQ.
+
+Processes (``multiprocessing``, spawn)
+--------------------------------------
+- **fleet**: one process holds ``--workers`` mock workers (``MockWorkerThread``),
+  each with a ``--cache-tokens`` LRU prefix cache of 16-token blocks, the tiny BPE
+  tokenizer (chat template rendered, as an engine does), and a KV-event publisher
+  with replay. A fresh fleet per run: every run starts with cold caches.
+- **routers**: K processes, each one ``Mesh`` (probes every 0.5 s, which also read
+  each engine's load from its ``/metrics``) and ``ceil(C / K)`` threads that pull
+  turns from ONE shared work queue, as behind a load balancer: any router may get
+  any turn of any conversation.
+- **coordinator** (this process): owns the queue. Concurrency C is the number of
+  turns in flight over all routers: C closed-loop "users", each running its
+  conversations one after another; a conversation's next turn is enqueued only
+  after the previous answer came back, with the assistant reply in its history.
+
+Configurations (each for K = 1 and K = 4 by default)
+----------------------------------------------------
+- ``cache_aware+events``: workers named with ``kv_events`` / ``kv_replay``; the
+  routers match prompts against the engines' real cached blocks.
+- ``cache_aware``: the same policy, workers without ``kv_events``: each router's
+  own approximate tree of what *it* sent.
+- ``prefix_hash``: deterministic, coordination-free (same tokenizer).
+- ``round_robin``: the baseline (each router has its own counter).
+
+Workloads
+---------
+- ``zipf C=2`` / ``zipf C=32``: 12 tenants, Zipf 1.1 popularity (the hottest has
+  ~35 % of the conversations, above 1/N of the traffic), each tenant a long shared
+  system prompt (1.2-2.4k tokens), conversations of 1-6 turns.
+- ``conversations``: 3 tenants, 16 conversations of 16 turns each (the history
+  grows to ~3.5k tokens), C=8.
+- ``one-off``: unique single-turn prompts, no sharing, C=8 (only balance matters;
+  the bound is ~0 so there is no ratio).
+
+Metrics
+-------
+- **hit**: cached / prompt tokens, summed from the mock workers' own counters
+  (``stats.cached_tokens_total`` / ``prompt_tokens_total``); the responses' usage
+  is summed too and must agree.
+- **bound**: the hit rate of ONE cache of unlimited size, same block size and
+  tokenization (``meshkit.mock.cache.PrefixCache``), fed the requests in the order
+  the routers sent them. No placement can beat it.
+- **ratio** = hit / bound; **max/mean** = requests per worker (from
+  ``x-mock-worker``), max over mean; **wall** = seconds of traffic (start-up
+  excluded); **failed** = requests that did not answer 200 (counted, not fatal).
+- **events**: for ``cache_aware+events``, the smallest number of workers any router
+  matched on events at the end (``router.describe()`` ``prefix_match``).
+
+Usage::
+
+    python benchmarks/multi_router.py                  # full matrix -> MULTI_ROUTER.md, plots/
+    python benchmarks/multi_router.py --quick          # fewer requests, 1 repeat, prints only
+    python benchmarks/multi_router.py [--workers 4] [--routers 1,4]
+        [--out benchmarks/MULTI_ROUTER.md] [--png benchmarks/plots/multi_router.png]
+
+Each cell runs ``--repeat`` times (2; ``--quick``: 1) on the same workload; the
+table shows the means and the ratio's range (identical runs differ by up to ~0.05).
+By default src/meshkit is copied at start and every process imports the copy, so
+one run measures one version even while src/ is edited (``--live-src``: import
+src/ itself); the report names the commit and a digest of the uncommitted diff.
+``--dump FILE`` writes every answer (router, worker, tokens, times) as JSON lines.
+
+Prints a Markdown table. ``--png`` needs matplotlib (not a meshkit dependency).
+A hand-written ``## Reading`` section already in ``--out`` is kept on rewrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(ROOT, "tests", "prepare", "data", "tiny")
+BLOCK = 16
+MODEL = "tiny"
+CONFIGS = ("cache_aware+events", "cache_aware", "prefix_hash", "round_robin")
+#: seconds without any answer before a run is abandoned
+STALL_S = 60.0
+START_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 30.0
+
+#: the vocabulary of the generated text (the tiny BPE makes ~1.8 characters a token)
+VOCABULARY = (
+    "the of and to in is for on that with as by at from this be are or an it not "
+    "router worker cache prefix tenant request token model policy fleet engine block "
+    "answer question system prompt latency queue balance event index memory replica "
+    "account invoice order product customer support ticket refund shipping delivery "
+    "weather travel booking flight hotel recipe garden music movie history science"
+)
+WORDS = VOCABULARY.split()
+
+
+# -- workload ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Conversation:
+    cid: int
+    tenant: int  # -1: no shared system prompt
+    system: str | None
+    users: list[str]
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    concurrency: int
+    convs: list[Conversation]
+    note: str = ""
+
+    @property
+    def requests(self) -> int:
+        return sum(len(c.users) for c in self.convs)
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        w = rng.choice(WORDS)
+        if rng.random() < 0.08:
+            w = f"{w}{rng.randrange(1000)}"
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
+
+
+def _zipf(n: int, s: float) -> list[float]:
+    w = [1.0 / k**s for k in range(1, n + 1)]
+    total = sum(w)
+    return [x / total for x in w]
+
+
+def build_workloads(args: argparse.Namespace) -> list[Workload]:
+    rng = random.Random(args.seed)
+    scale = 0.4 if args.quick else 1.0
+    out: list[Workload] = []
+
+    # (a) multi-tenant Zipf: ~1.8 characters per tiny-BPE token
+    systems = [
+        f"You are the assistant of tenant {t}. " + _text(rng, rng.randrange(2200, 4400))
+        for t in range(args.tenants)
+    ]
+    weights = _zipf(args.tenants, args.zipf)
+    for conc in (2, 32):
+        target = int(300 * scale)
+        convs: list[Conversation] = []
+        total = 0
+        while total < target:
+            tenant = rng.choices(range(args.tenants), weights)[0]
+            turns = min(6, 1 + int(rng.expovariate(1 / 1.2)), target - total)
+            users = [_text(rng, rng.randrange(150, 500)) for _ in range(turns)]
+            convs.append(Conversation(len(convs), tenant, systems[tenant], users))
+            total += turns
+        share = Counter(c.tenant for c in convs).most_common(1)[0][1] / len(convs)
+        out.append(
+            Workload(
+                f"zipf C={conc}",
+                conc,
+                convs,
+                f"{args.tenants} tenants, Zipf {args.zipf}, hottest {share:.0%} of conversations",
+            )
+        )
+
+    # (b) growing conversations: few tenants, many turns
+    n_conv, n_turns = (8, 12) if args.quick else (16, 16)
+    csys = [f"You are assistant {t}. " + _text(rng, rng.randrange(1600, 2000)) for t in range(3)]
+    convs = [
+        Conversation(
+            i, i % 3, csys[i % 3], [_text(rng, rng.randrange(150, 400)) for _ in range(n_turns)]
+        )
+        for i in range(n_conv)
+    ]
+    out.append(Workload("conversations", 8, convs, f"3 tenants, {n_conv} x {n_turns} turns"))
+
+    # (c) one-off prompts: nothing shared
+    n = int(300 * scale)
+    convs = [Conversation(i, -1, None, [_text(rng, rng.randrange(1000, 3600))]) for i in range(n)]
+    out.append(Workload("one-off", 8, convs, f"{n} unique prompts"))
+    return [w for w in out if not args.workloads or w.name.split()[0] in args.workloads]
+
+
+# -- fleet process -------------------------------------------------------------------
+
+
+def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
+    """Run the mock workers until told to stop (or the coordinator goes away)."""
+    from meshkit.mock import MockConfig, MockWorkerThread
+
+    mocks = [
+        MockWorkerThread(
+            MockConfig(
+                name=f"w{i}",
+                model=MODEL,
+                cache_tokens=cfg["cache_tokens"],
+                block_size=BLOCK,
+                tokenizer=cfg["tokenizer"],
+                kv_events="tcp://127.0.0.1:0",
+                kv_replay="tcp://127.0.0.1:0",
+                first_token_ms=cfg["first_token_ms"],
+                per_token_ms=cfg["per_token_ms"],
+                prefill_ms_per_token=cfg["prefill_ms_per_token"],
+                output_tokens=cfg["output_tokens"],
+            )
+        )
+        for i in range(cfg["workers"])
+    ]
+    try:
+        for m in mocks:
+            m.start()
+        conn.send([(m.url, m.kv_events_endpoint, m.kv_replay_endpoint) for m in mocks])
+        deadline = time.monotonic() + cfg["max_life_s"]
+        while time.monotonic() < deadline:
+            if conn.poll(0.5):
+                conn.recv()
+                break
+        stats = []
+        for i, m in enumerate(mocks):
+            s = m.worker.stats
+            n = sum(v for k, v in s.requests_total.items() if "chat" in k)
+            cache = m.worker.app.cache
+            blocks = len(cache) if cache is not None else 0
+            stats.append((f"w{i}", s.prompt_tokens_total, s.cached_tokens_total, n, blocks))
+        conn.send(stats)
+    finally:
+        for m in mocks:
+            try:
+                m.stop()
+            except Exception as exc:  # never hang on shutdown
+                print(f"fleet: stopping {m.url}: {exc!r}", file=sys.stderr)
+
+
+# -- router process ------------------------------------------------------------------
+
+
+def router_main(
+    idx: int,
+    cfg: dict[str, Any],
+    tasks: Any,
+    results: Any,
+    stop: Any,
+) -> None:
+    """One independent router: a Mesh and ``threads`` loops over the shared queue."""
+    import httpx2
+
+    import meshkit
+    from meshkit.core.workers import Worker
+
+    events = cfg["config"] == "cache_aware+events"
+    policy = "cache_aware" if cfg["config"].startswith("cache_aware") else cfg["config"]
+    workers = [
+        Worker(url, kv_events=ev, kv_replay=rep) if events else Worker(url)
+        for url, ev, rep in cfg["fleet"]
+    ]
+    mesh = meshkit.Mesh(
+        workers=workers,
+        policy=policy,
+        tokenizer=cfg["tokenizer"] if policy != "round_robin" else None,
+        lifecycle={"health_interval_s": 0.5},  # probes read the engines' load too
+    )
+    try:
+        mesh.lifecycle.start()
+        time.sleep(0.5)  # let the KV-event subscribers connect before traffic
+
+        def loop() -> None:
+            client = httpx2.Client(
+                transport=meshkit.MeshTransport(mesh),
+                base_url="http://mesh",
+                timeout=REQUEST_TIMEOUT_S,
+            )
+            with client:
+                while not stop.is_set():
+                    try:
+                        task = tasks.get(timeout=0.1)
+                    except queue.Empty:
+                        continue
+                    key, body = task
+                    res: dict[str, Any] = {"key": key, "router": idx}
+                    res["t_send"] = time.monotonic()
+                    try:
+                        r = client.post("/v1/chat/completions", json=body)
+                        res["status"] = r.status_code
+                        res["worker"] = r.headers.get("x-mock-worker")
+                        if r.status_code == 200:
+                            data = r.json()
+                            usage = data["usage"]
+                            res["prompt"] = usage["prompt_tokens"]
+                            res["cached"] = (usage.get("prompt_tokens_details") or {}).get(
+                                "cached_tokens", 0
+                            )
+                            res["reply"] = data["choices"][0]["message"]["content"]
+                        else:
+                            res["error"] = r.text[:200]
+                    except Exception as exc:  # counted by the coordinator
+                        res["status"] = None
+                        res["error"] = repr(exc)[:200]
+                    res["t_done"] = time.monotonic()
+                    results.put(("result", res))
+
+        threads = [
+            threading.Thread(target=loop, name=f"router{idx}-{i}", daemon=True)
+            for i in range(cfg["threads"])
+        ]
+        for t in threads:
+            t.start()
+        results.put(("ready", idx, meshkit.__file__))
+        for t in threads:
+            t.join(cfg["max_life_s"])
+        rows = mesh.router.describe()
+        info = {
+            "events": sum(1 for r in rows if r.get("prefix_match") == "events"),
+            "kv_blocks": [r.get("kv_blocks") for r in rows],
+        }
+        results.put(("bye", idx, info))
+    except Exception as exc:
+        results.put(("crash", idx, repr(exc)))
+    finally:
+        mesh.close()
+
+
+# -- one run -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Run:
+    workload: str
+    config: str
+    routers: int
+    requests: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    usage_prompt: int = 0
+    usage_cached: int = 0
+    bound: float = 0.0
+    per_worker: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    events: int | None = None
+    token_mismatch: int = 0
+    notes: list[str] = field(default_factory=list)
+    #: one record per answer (``--dump``)
+    log: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def hit(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.hit / self.bound if self.bound > 0.01 else math.nan
+
+    @property
+    def moved(self) -> tuple[int, int]:
+        """(turns placed on another worker than their conversation's previous turn,
+        turns that had a previous turn)."""
+        last: dict[int, Any] = {}
+        moved = later = 0
+        for rec in sorted(self.log, key=lambda r: r["t_send"] or 0.0):
+            if rec["status"] != 200:
+                continue
+            prev = last.get(rec["conv"])
+            if prev is not None:
+                later += 1
+                moved += prev != rec["worker"]
+            last[rec["conv"]] = rec["worker"]
+        return moved, later
+
+    @property
+    def imbalance(self) -> float:
+        xs = list(self.per_worker.values())
+        mean = sum(xs) / len(xs) if xs else 0.0
+        return max(xs) / mean if mean else math.nan
+
+
+@dataclass(slots=True)
+class Cell:
+    """The repeats of one (workload, config, K): means, and the ratio's range."""
+
+    workload: str
+    config: str
+    routers: int
+    runs: list[Run]
+
+    def _mean(self, xs: Sequence[float]) -> float:
+        xs = [x for x in xs if not math.isnan(x)]
+        return sum(xs) / len(xs) if xs else math.nan
+
+    @property
+    def requests(self) -> int:
+        return sum(r.requests for r in self.runs)
+
+    @property
+    def failed(self) -> int:
+        return sum(r.failed for r in self.runs)
+
+    @property
+    def hit(self) -> float:
+        return self._mean([r.hit for r in self.runs])
+
+    @property
+    def bound(self) -> float:
+        return self._mean([r.bound for r in self.runs])
+
+    @property
+    def ratio(self) -> float:
+        return self._mean([r.ratio for r in self.runs])
+
+    @property
+    def ratios(self) -> list[float]:
+        return [r.ratio for r in self.runs if not math.isnan(r.ratio)]
+
+    @property
+    def imbalance(self) -> float:
+        return self._mean([r.imbalance for r in self.runs])
+
+    @property
+    def per_worker(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.runs:
+            for w, n in r.per_worker.items():
+                out[w] = out.get(w, 0) + n
+        return out
+
+    @property
+    def moved(self) -> tuple[int, int]:
+        pairs = [r.moved for r in self.runs]
+        return sum(m for m, _ in pairs), sum(n for _, n in pairs)
+
+    @property
+    def events(self) -> int | None:
+        evs = [r.events for r in self.runs if r.events is not None]
+        return min(evs) if evs else None
+
+    @property
+    def wall_s(self) -> float:
+        return self._mean([r.wall_s for r in self.runs])
+
+
+def cells(runs: Sequence[Run]) -> list[Cell]:
+    out: dict[tuple[str, str, int], Cell] = {}
+    for r in runs:
+        key = (r.workload, r.config, r.routers)
+        if key not in out:
+            out[key] = Cell(*key, [])
+        out[key].runs.append(r)
+    return list(out.values())
+
+
+class Bound:
+    """The one-big-cache bound, with the prompts' token ids memoised across runs."""
+
+    def __init__(self, tokenizer: str) -> None:
+        from meshkit.prepare.tokenizers import TokenizerSpec
+
+        self.tok = TokenizerSpec(tokenizer).load()
+        self.ids: dict[str, list[int]] = {}
+
+    def prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        from meshkit.prepare.jobs import prompt_ids
+
+        key = json.dumps(body["messages"])
+        ids = self.ids.get(key)
+        if ids is None:
+            ids = self.ids[key] = prompt_ids(self.tok, body)
+        return ids
+
+    def hit_rate(self, bodies: Sequence[dict[str, Any]]) -> float:
+        from meshkit.mock.cache import PrefixCache
+
+        cache = PrefixCache(1 << 62, BLOCK)
+        hit = total = 0
+        for body in bodies:
+            ids = self.prompt_ids(body)
+            hashes = cache.block_hashes(ids)
+            hit += cache.lookup(hashes, len(ids))
+            cache.insert(hashes)
+            total += len(ids)
+        return hit / total if total else 0.0
+
+
+def run_one(
+    ctx: Any, args: argparse.Namespace, wl: Workload, config: str, k: int, bound: Bound
+) -> Run:
+    run = Run(wl.name, config, k)
+    max_life = 900.0
+    fleet_cfg = {
+        "workers": args.workers,
+        "cache_tokens": args.cache_tokens,
+        "tokenizer": args.tokenizer,
+        "first_token_ms": args.first_token_ms,
+        "per_token_ms": args.per_token_ms,
+        "prefill_ms_per_token": args.prefill_ms_per_token,
+        "output_tokens": args.output_tokens,
+        "max_life_s": max_life,
+    }
+    parent, child = ctx.Pipe()
+    fleet = ctx.Process(target=fleet_main, args=(fleet_cfg, child), name="fleet", daemon=True)
+    fleet.start()
+    child.close()  # the fleet's end: a fleet that dies is then an EOF here, not a wait
+    routers: list[Any] = []
+    stop = ctx.Event()
+    tasks = ctx.Queue()
+    results = ctx.Queue()
+    served: list[tuple[float, dict[str, Any], int]] = []  # (sent at, body, prompt tokens)
+    infos: list[dict[str, Any]] = []
+    true_blocks: list[int] = []  # per worker, what its cache holds at the end
+    try:
+        if not parent.poll(START_TIMEOUT_S):
+            raise RuntimeError("the fleet did not start")
+        endpoints = parent.recv()
+        rcfg = {
+            "config": config,
+            "fleet": endpoints,
+            "tokenizer": args.tokenizer,
+            "threads": max(1, math.ceil(wl.concurrency / k)),
+            "max_life_s": max_life,
+        }
+        for i in range(k):
+            p = ctx.Process(
+                target=router_main,
+                args=(i, rcfg, tasks, results, stop),
+                name=f"router{i}",
+                daemon=True,
+            )
+            p.start()
+            routers.append(p)
+        ready = 0
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while ready < k:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{k - ready} router(s) did not start")
+            try:
+                msg = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.name for p in routers if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"{', '.join(dead)} exited at start-up") from None
+                continue
+            if msg[0] == "ready":
+                ready += 1
+                if args.snapshot and not str(msg[2]).startswith(args.snapshot):
+                    run.notes.append(f"router {msg[1]} imported {msg[2]}, not the copy")
+            elif msg[0] == "crash":
+                raise RuntimeError(f"router {msg[1]} failed to start: {msg[2]}")
+        drive(run, wl, tasks, results, served)
+    except Exception as exc:
+        run.notes.append(f"aborted: {exc!r}")
+    finally:
+        stop.set()
+        deadline = time.monotonic() + 30
+        while len(infos) < len(routers) and time.monotonic() < deadline:
+            try:
+                msg = results.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if msg[0] == "bye":
+                infos.append(msg[2])
+            elif msg[0] == "crash":
+                run.notes.append(f"router {msg[1]}: {msg[2]}")
+                infos.append({})
+        for p in routers:
+            p.join(15)
+            if p.is_alive():
+                run.notes.append(f"{p.name} did not exit: terminated")
+                p.terminate()
+                p.join(5)
+        try:
+            parent.send("stop")
+            if parent.poll(30):
+                for name, prompt, cached, n, blocks in parent.recv():
+                    true_blocks.append(blocks)
+                    run.prompt_tokens += prompt
+                    run.cached_tokens += cached
+                    run.per_worker.setdefault(name, 0)
+                    if n != run.per_worker[name]:
+                        run.notes.append(
+                            f"{name}: {n} chat requests seen, {run.per_worker[name]} answered"
+                        )
+            else:
+                run.notes.append("no stats from the fleet")
+        except (OSError, EOFError) as exc:
+            run.notes.append(f"fleet: {exc!r}")
+        fleet.join(30)
+        if fleet.is_alive():
+            run.notes.append("fleet did not exit: terminated")
+            fleet.terminate()
+            fleet.join(5)
+        for q in (tasks, results):
+            q.close()
+            q.cancel_join_thread()
+    if config == "cache_aware+events" and infos:
+        run.events = min(int(i.get("events", 0)) for i in infos)
+        # Each router's index should hold exactly what the engines hold.
+        for r, info in enumerate(infos):
+            seen = info.get("kv_blocks") or []
+            if len(seen) == len(true_blocks) and list(seen) != true_blocks:
+                run.notes.append(f"router {r}: index blocks {seen}, engines hold {true_blocks}")
+    # The bound: every answered request, in the order the routers sent them.
+    served.sort(key=lambda x: x[0])
+    run.bound = bound.hit_rate([b for _, b, _ in served])
+    run.token_mismatch = sum(1 for _, b, p in served if len(bound.prompt_ids(b)) != p)
+    return run
+
+
+def drive(
+    run: Run,
+    wl: Workload,
+    tasks: Any,
+    results: Any,
+    served: list[tuple[float, dict[str, Any], int]],
+) -> None:
+    """C closed-loop users over the conversations; one shared queue of turns."""
+    pending = list(reversed(wl.convs))
+    history: dict[int, list[dict[str, str]]] = {}
+    turn_of: dict[int, int] = {}
+    bodies: dict[tuple[int, int], dict[str, Any]] = {}
+    by_id = {c.cid: c for c in wl.convs}
+    in_flight = 0
+
+    def send(conv: Conversation) -> None:
+        nonlocal in_flight
+        t = turn_of[conv.cid]
+        msgs = history[conv.cid]
+        msgs.append({"role": "user", "content": conv.users[t]})
+        body = {"model": MODEL, "messages": list(msgs), "max_tokens": 64}
+        bodies[(conv.cid, t)] = body
+        tasks.put(((conv.cid, t), body))
+        in_flight += 1
+
+    def start_next() -> None:
+        if pending:
+            conv = pending.pop()
+            history[conv.cid] = (
+                [{"role": "system", "content": conv.system}] if conv.system is not None else []
+            )
+            turn_of[conv.cid] = 0
+            send(conv)
+
+    t0 = time.monotonic()
+    for _ in range(wl.concurrency):
+        start_next()
+    while in_flight:
+        try:
+            msg = results.get(timeout=STALL_S)
+        except queue.Empty:
+            run.failed += in_flight
+            run.notes.append(f"stalled: no answer for {STALL_S:.0f} s, {in_flight} lost")
+            break
+        if msg[0] == "crash":
+            run.notes.append(f"router {msg[1]}: {msg[2]}")
+            continue
+        if msg[0] != "result":
+            continue
+        res = msg[1]
+        in_flight -= 1
+        cid, t = res["key"]
+        conv = by_id[cid]
+        run.requests += 1
+        run.log.append(
+            {k: res.get(k) for k in ("router", "worker", "status", "prompt", "cached", "t_send")}
+            | {"conv": cid, "turn": t, "tenant": conv.tenant, "t_done": res.get("t_done")}
+        )
+        worker = res.get("worker")
+        if worker:
+            run.per_worker[worker] = run.per_worker.get(worker, 0) + 1
+        if res.get("status") != 200:
+            run.failed += 1
+            if len(run.notes) < 5:
+                run.notes.append(f"failed: {res.get('status')} {res.get('error')}")
+            start_next()  # the conversation ends here
+            continue
+        run.usage_prompt += res["prompt"]
+        run.usage_cached += res["cached"]
+        served.append((res["t_send"], bodies.pop((cid, t)), res["prompt"]))
+        history[cid].append({"role": "assistant", "content": res["reply"]})
+        if t + 1 < len(conv.users):
+            turn_of[cid] = t + 1
+            send(conv)
+        else:
+            del history[cid]
+            start_next()
+    run.wall_s = time.monotonic() - t0
+
+
+# -- report --------------------------------------------------------------------------
+
+
+def fmt_table(runs: Sequence[Cell]) -> list[str]:
+    lines = [
+        "| workload | config | K | requests | failed | hit | bound | ratio | ratio range "
+        "| max/mean | per worker | moved | events | wall (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in runs:
+        ratio = "—" if math.isnan(r.ratio) else f"{r.ratio:.3f}"
+        rs = r.ratios
+        spread = f"{min(rs):.3f}-{max(rs):.3f}" if len(rs) > 1 else "—"
+        per = "/".join(str(r.per_worker[w]) for w in sorted(r.per_worker))
+        ev = "—" if r.events is None else f"{r.events}/{len(r.per_worker)}"
+        moved, later = r.moved
+        mv = f"{moved}/{later}" if later else "—"
+        lines.append(
+            f"| {r.workload} | {r.config} | {r.routers} | {r.requests} | {r.failed} "
+            f"| {r.hit:.1%} | {r.bound:.1%} | {ratio} | {spread} | {r.imbalance:.2f} | {per} "
+            f"| {mv} | {ev} "
+            f"| {r.wall_s:.1f} |"
+        )
+    return lines
+
+
+def targets(runs: Sequence[Cell], ks: Sequence[int]) -> list[str]:
+    """The issue's targets, per workload that shares prefixes."""
+    out = []
+    kmin, kmax = min(ks), max(ks)
+    for wl in dict.fromkeys(r.workload for r in runs):
+        if wl.startswith("one-off"):
+            continue
+        get = {(r.config, r.routers): r for r in runs if r.workload == wl}
+        ev1, evk = get.get(("cache_aware+events", kmin)), get.get(("cache_aware+events", kmax))
+        if evk is not None:
+            ok = evk.ratio >= 0.95 and evk.imbalance <= 1.25
+            line = (
+                f"- {wl}: events K={kmax} ratio {evk.ratio:.3f} at max/mean {evk.imbalance:.2f} "
+                f"(target >= 0.95 at <= 1.25: {'met' if ok else 'NOT met'})"
+            )
+            if ev1 is not None and kmin != kmax:
+                d = evk.ratio - ev1.ratio
+                line += f"; vs K={kmin}: {d:+.4f} ({'met' if abs(d) <= 0.02 else 'NOT met'})"
+            out.append(line)
+        for k in sorted(set(ks)):
+            ne = get.get(("cache_aware", k))
+            if ne is not None:
+                ok = ne.ratio >= 0.90
+                out.append(
+                    f"- {wl}: no events K={k} ratio {ne.ratio:.3f} at max/mean {ne.imbalance:.2f} "
+                    f"(target >= 0.90: {'met' if ok else 'NOT met'})"
+                )
+    return out
+
+
+def source_state() -> str:
+    """The commit and a digest of the uncommitted changes under src/ (what was measured)."""
+    import hashlib
+    import subprocess
+
+    def git(*cmd: str) -> str:
+        try:
+            out = subprocess.run(
+                ["git", "-C", ROOT, *cmd], capture_output=True, text=True, timeout=10
+            )
+            return out.stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    diff = git("diff", "HEAD", "--", "src")
+    if not diff:
+        return f"commit {head}, src/ clean"
+    digest = hashlib.sha256(diff.encode()).hexdigest()[:12]
+    return f"commit {head} + uncommitted src/ changes (diff sha256 {digest})"
+
+
+def machine() -> str:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{os.cpu_count()} cores ({model or platform.processor() or 'unknown CPU'}), "
+        f"{platform.system()} {platform.release()}, Python {platform.python_version()}"
+    )
+
+
+def write_report(
+    path: str,
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    wls: Sequence[Workload],
+    runs: Sequence[Run],
+    table: Sequence[Cell],
+    total_s: float,
+) -> None:
+    reading = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        at = old.find("\n## Reading")
+        if at >= 0:
+            reading = old[at + 1 :].rstrip() + "\n"
+    cmd = " ".join(["python", "benchmarks/multi_router.py", *argv])
+    lines = [
+        "# Many routers, one fleet (benchmarks/multi_router.py)",
+        "",
+        f"Command ({time.strftime('%d %b %Y, %H:%M UTC', time.gmtime())}; {total_s:.0f} s wall):",
+        "",
+        f"    {cmd}",
+        "",
+        f"Machine: {machine()}. Everything (fleet, K routers, coordinator) shares it.",
+        "",
+        f"meshkit measured: {args.source}.",
+        "",
+        f"Fleet: {args.workers} mock workers in one process, {args.cache_tokens} cached tokens "
+        f"each (LRU, {BLOCK}-token blocks), the tiny BPE tokenizer with its chat template, "
+        f"KV events + replay on every worker; latency {args.first_token_ms} ms first token "
+        f"+ {args.prefill_ms_per_token} ms per uncached prompt token + {args.per_token_ms} ms "
+        f"per output token, {args.output_tokens} output tokens. A fresh fleet per run.",
+        "",
+        "Workloads:",
+        "",
+        *[f"- **{w.name}**: {w.note}; {w.requests} requests, C={w.concurrency}" for w in wls],
+        "",
+        f"Each cell is the mean of {args.repeat} run(s) of the same workload; ratio range: "
+        "the runs' extremes; requests, per worker and moved are summed over them. "
+        "hit = cached / prompt tokens (the workers' counters); bound = one unlimited cache, "
+        "same blocks, requests in the order sent; ratio = hit / bound; max/mean = requests "
+        "per worker; moved = turns of a running conversation sent to another worker than its "
+        "previous turn; events = workers matched on KV events by every router at the end.",
+        "",
+        *fmt_table(table),
+        "",
+        "Targets (issue 17), on the means over the repeats:",
+        "",
+        *targets(table, args.routers),
+        "",
+    ]
+    notes = [f"- {r.workload} / {r.config} / K={r.routers}: {n}" for r in runs for n in r.notes]
+    checks = [
+        f"- {r.workload} / {r.config} / K={r.routers}: responses' usage {r.usage_cached}/"
+        f"{r.usage_prompt} vs workers' counters {r.cached_tokens}/{r.prompt_tokens}"
+        for r in runs
+        if (r.usage_cached, r.usage_prompt) != (r.cached_tokens, r.prompt_tokens)
+    ]
+    checks += [
+        f"- {r.workload} / {r.config} / K={r.routers}: {r.token_mismatch} prompts whose "
+        "token count differs from the bound's tokenization"
+        for r in runs
+        if r.token_mismatch
+    ]
+    if notes or checks:
+        lines += ["Run notes and consistency checks:", "", *notes, *checks, ""]
+    if args.png:
+        lines += [f"Plot: `{os.path.relpath(args.png, os.path.dirname(path) or '.')}`", ""]
+    if reading:
+        lines.append(reading)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    print(f"report written to {path}")
+
+
+def plot(path: str, runs: Sequence[Cell]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    wls = list(dict.fromkeys(r.workload for r in runs))
+    fig, axes = plt.subplots(1, len(wls), figsize=(4.2 * len(wls), 4.4), squeeze=False)
+    colors = dict(zip(CONFIGS, ("tab:green", "tab:blue", "tab:orange", "tab:grey"), strict=True))
+    ks = sorted({r.routers for r in runs})
+    markers = dict(zip(ks, "os^Dv", strict=False))
+    for ax, wl in zip(axes[0], wls, strict=True):
+        one_off = wl.startswith("one-off")
+        for r in runs:
+            if r.workload != wl:
+                continue
+            y = r.hit * 100 if one_off else r.ratio
+            filled = r.routers == ks[0]
+            ax.scatter(
+                r.imbalance,
+                y,
+                s=60,
+                marker=markers.get(r.routers, "o"),
+                facecolors=colors[r.config] if filled else "none",
+                edgecolors=colors[r.config],
+                linewidths=1.5,
+                label=f"{r.config}, K={r.routers}",
+            )
+        ax.axvline(1.25, linestyle="--", color="grey", linewidth=0.8)
+        if not one_off:
+            ax.axhline(0.95, linestyle=":", color="green", linewidth=0.8)
+            ax.axhline(0.90, linestyle=":", color="blue", linewidth=0.8)
+        ax.set_title(wl)
+        ax.set_xlabel("requests per worker, max / mean")
+        ax.set_ylabel("hit rate (%)" if one_off else "hit rate / one-big-cache bound")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="~40 %% of the requests; prints only")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--routers", default="1,4", help="router process counts, e.g. 1,4")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--workloads", default="", help="zipf,conversations,one-off (default all)")
+    ap.add_argument("--tenants", type=int, default=12)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--cache-tokens", type=int, default=16_000, help="per worker")
+    ap.add_argument("--first-token-ms", type=float, default=5.0)
+    ap.add_argument("--per-token-ms", type=float, default=0.5)
+    ap.add_argument("--prefill-ms-per-token", type=float, default=0.01)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument(
+        "--repeat", type=int, help="runs per cell, same workload (default 2; --quick: 1)"
+    )
+    ap.add_argument("--tokenizer", default=TOKENIZER)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", help="Markdown report (default: benchmarks/MULTI_ROUTER.md)")
+    ap.add_argument("--png", help="plot (default: benchmarks/plots/multi_router.png)")
+    ap.add_argument("--dump", help="write every answer as JSON lines here (debugging)")
+    ap.add_argument(
+        "--live-src",
+        action="store_true",
+        help="import src/ as it is at each run's start (default: a copy taken at start)",
+    )
+    args = ap.parse_args(argv)
+    if not args.quick:
+        args.out = args.out or os.path.join(ROOT, "benchmarks", "MULTI_ROUTER.md")
+        args.png = args.png or os.path.join(ROOT, "benchmarks", "plots", "multi_router.png")
+    args.repeat = args.repeat or (1 if args.quick else 2)
+    args.routers = [int(x) for x in str(args.routers).split(",") if x]
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        ap.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    args.workloads = [w for w in args.workloads.split(",") if w]
+
+    t0 = time.monotonic()
+    args.source = source_state()
+    snapshot = args.snapshot = None
+    if not args.live_src:
+        # Measure one version of meshkit: src/ may be edited while the matrix runs,
+        # and every run spawns fresh processes that would import the edits.
+        snapshot = tempfile.mkdtemp(prefix="meshkit-src-")
+        shutil.copytree(
+            os.path.join(ROOT, "src", "meshkit"),
+            os.path.join(snapshot, "meshkit"),
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+        sys.path.insert(0, snapshot)  # spawned children inherit sys.path
+        args.snapshot = snapshot
+        args.source += " (a copy taken at start)"
+    try:
+        return _main(args, configs, argv, t0)
+    finally:
+        if snapshot is not None:
+            shutil.rmtree(snapshot, ignore_errors=True)
+
+
+def _main(args: argparse.Namespace, configs: list[str], argv: list[str], t0: float) -> int:
+    ctx = mp.get_context("spawn")
+    wls = build_workloads(args)
+    bound = Bound(args.tokenizer)
+    for w in wls:
+        print(f"{w.name}: {w.note}; {w.requests} requests, C={w.concurrency}", flush=True)
+    runs: list[Run] = []
+    for rep in range(args.repeat):
+        if args.repeat > 1:
+            print(f"repeat {rep + 1} of {args.repeat}", flush=True)
+        for wl, config, k in [(w, c, k) for w in wls for c in configs for k in args.routers]:
+            run = run_one(ctx, args, wl, config, k, bound)
+            runs.append(run)
+            ratio = "—" if math.isnan(run.ratio) else f"{run.ratio:.3f}"
+            print(
+                f"  {wl.name:14} {config:19} K={k}: hit {run.hit:.1%} bound {run.bound:.1%} "
+                f"ratio {ratio} max/mean {run.imbalance:.2f} failed {run.failed} "
+                f"{run.wall_s:.1f} s {'; '.join(run.notes)}",
+                flush=True,
+            )
+    total = time.monotonic() - t0
+    if args.live_src:
+        after = source_state()
+        if after != args.source:
+            args.source += f"; CHANGED during the run, at the end: {after}"
+    print(f"source: {args.source}")
+    if args.dump:
+        with open(args.dump, "w") as f:
+            for r in runs:
+                for rec in r.log:
+                    rec = {"workload": r.workload, "config": r.config, "k": r.routers} | rec
+                    f.write(json.dumps(rec) + "\n")
+    print()
+    table = cells(runs)
+    print("\n".join(fmt_table(table)))
+    print()
+    print("\n".join(targets(table, args.routers)))
+    print(f"\ntotal {total:.0f} s")
+    if args.png:
+        plot(args.png, table)
+    if args.out:
+        write_report(args.out, args, argv, wls, runs, table, total)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
