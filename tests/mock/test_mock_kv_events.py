@@ -46,21 +46,16 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 
 
 @pytest.fixture
-def spawn() -> Iterator[Callable[..., MockWorkerThread]]:
-    started: list[MockWorkerThread] = []
+def spawn(mock_factory: Callable[..., MockWorkerThread]) -> Callable[..., MockWorkerThread]:
+    """Mock workers with a prefix cache and KV events on free ports."""
 
     def make(**kw: Any) -> MockWorkerThread:
         kw.setdefault("cache_tokens", 4096)
         kw.setdefault("kv_events", "tcp://127.0.0.1:0")
         kw.setdefault("kv_replay", "tcp://127.0.0.1:0")
-        m = MockWorkerThread(MockConfig(**kw))
-        m.start()
-        started.append(m)
-        return m
+        return mock_factory(**kw)
 
-    yield make
-    for m in started:
-        m.stop()
+    return make
 
 
 @pytest.fixture
