@@ -486,6 +486,13 @@ class Router:
         with self._lock:
             self.fleet.report_load(worker_id, report)
 
+    def kv_attach(self, worker_id: str) -> None:
+        """The subscriber of ``worker_id`` is connected and caught up."""
+        with self._lock:
+            worker = self.fleet.get(worker_id)
+            if worker is not None:
+                self.fleet.kv.attach(worker_id, self.fleet.kv_group(worker))
+
     def kv_clear(self, worker_id: str) -> None:
         """Forget what ``worker_id`` held (a gap, a restart, a bad payload)."""
         with self._lock:

@@ -214,3 +214,15 @@ def test_a_batch_missed_while_joining_an_idle_publisher_is_replayed() -> None:
             assert gaps(mesh, "replayed") == 1
     finally:
         pub.close()
+
+
+def test_a_subscribed_idle_worker_is_matched_on_its_events() -> None:
+    pub = Publisher(replay=True)
+    try:
+        with mesh_for(pub) as mesh:
+            # Nothing stored yet: the replay answered, so the worker is known to hold
+            # nothing (not left to this router's own guesses).
+            until(lambda: mesh.router.describe(URL)[0]["prefix_match"] == "events", "events")
+            assert mesh.router.describe(URL)[0]["kv_blocks"] == 0
+    finally:
+        pub.close()

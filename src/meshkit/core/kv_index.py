@@ -119,9 +119,14 @@ class KvIndex:
         return w.count if w is not None else 0
 
     def covers(self, worker_id: str) -> bool:
-        """Whether ``worker_id``'s events are in the index (it stored something)."""
-        w = self._workers.get(worker_id)
-        return w is not None and w.block_size is not None
+        """Whether ``worker_id``'s events are in the index: it is subscribed (what it
+        holds is known, if only to be nothing yet)."""
+        return worker_id in self._workers
+
+    def attach(self, worker_id: str, group: str = "") -> None:
+        """A subscription to ``worker_id``'s events began: until it stores a block it
+        is known to hold none (its matches are 0, not this router's guesses)."""
+        self._worker(worker_id, group)
 
     def group_sizes(self) -> dict[str, int]:
         return {g: len(e) for g, e in self._entries.items()}

@@ -162,6 +162,7 @@ class KvSubscribers:
                     metrics.kv_batches.labels(worker_id).inc(len(got[1]))
                     # From here on a batch the SUB missed while joining is a gap.
                     expected, window = got[0] + len(got[1]), True
+                    self.router.kv_attach(worker_id)
             while True:
                 messages = [await sub.recv_multipart(copy=True)]
                 # What else is queued already, up to one lock hold's worth.
