@@ -226,3 +226,26 @@ def test_a_subscribed_idle_worker_is_matched_on_its_events() -> None:
             assert mesh.router.describe(URL)[0]["kv_blocks"] == 0
     finally:
         pub.close()
+
+
+def test_a_subscriber_that_fails_is_started_again(pub: Publisher) -> None:
+    with mesh_for(pub) as mesh:
+        connected(mesh, pub)
+        real = mesh.router.kv_apply
+        failed: list[bool] = []
+
+        def once(*args: object) -> None:
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("a bug in applying")
+            real(*args)  # type: ignore[arg-type]
+
+        mesh.router.kv_apply = once  # type: ignore[method-assign]
+        pub.store([5], None, [5, 6, 7, 8])
+        until(lambda: bool(failed), "the failure")
+        # Started again on the next sync: what follows is applied.
+        deadline = time.monotonic() + 20
+        while not holds(mesh, [9, 9, 9, 9]):
+            assert time.monotonic() < deadline, "the subscriber never came back"
+            pub.store([pub.seq + 500], None, [9, 9, 9, 9])
+            time.sleep(0.1)

@@ -28,7 +28,8 @@ never claims a block the engine may have dropped:
   cancelled and its entries dropped (:meth:`Fleet.remove` / ``Fleet.replace``).
 
 The tasks follow the fleet: :meth:`KvSubscribers.sync` runs every second and on a
-fleet change. Nothing here is on a request's path: a slow or dead publisher only
+fleet change; a task that ended on an error is started again there (the worker's
+entries dropped, then replayed or rebuilt). Nothing here is on a request's path: a slow or dead publisher only
 leaves the index behind (the ``cache_aware`` match then falls back to its own tree
 for workers without entries).
 """
@@ -118,6 +119,14 @@ class KvSubscribers:
         want = {(w.id, w.kv_events, w.kv_replay): w for w in self.router.workers if w.kv_events}
         for key in [k for k in self._tasks if k not in want]:
             self._tasks.pop(key).cancel()
+        for key, task in list(self._tasks.items()):
+            if task.done():  # a bug or a socket error ended it: start it again
+                del self._tasks[key]
+                if not task.cancelled() and task.exception() is not None:
+                    log.warning(
+                        "kv events: the subscriber of %s stopped: %r", key[0], task.exception()
+                    )
+                self.router.kv_clear(key[0])
         fresh = [k for k in want if k not in self._tasks]
         if not fresh:
             return
