@@ -512,10 +512,16 @@ def test_a_plain_body_cut_short_is_an_error_never_a_short_answer(
         mode = run_mode(mesh)
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         if mode_name == "extproc":
-            # Envoy holds the head until the picker answers it, so the cut comes
-            # before any byte reached the client: Envoy's own 502, not a short body.
-            r = mode.request("POST", "/v1/chat/completions", json=body)
-            assert r.status == 502 and TruncatingWorker.PART not in r.body
+            # Envoy holds the head until the picker answers it, so the cut mostly
+            # comes before any byte reached the client: Envoy's own 502. When the
+            # picker answered first, Envoy has relayed the head and the client sees
+            # the cut as a protocol error (seen once in CI). Never a short body.
+            try:
+                r = mode.request("POST", "/v1/chat/completions", json=body)
+            except httpx2.TransportError:
+                pass
+            else:
+                assert r.status == 502 and TruncatingWorker.PART not in r.body
         else:
             with pytest.raises(httpx2.TransportError):
                 mode.request("POST", "/v1/chat/completions", json=body)
