@@ -29,9 +29,9 @@ never claims a block the engine may have dropped:
 
 The tasks follow the fleet: :meth:`KvSubscribers.sync` runs every second and on a
 fleet change; a task that ended on an error is started again there (the worker's
-entries dropped, then replayed or rebuilt). Nothing here is on a request's path: a slow or dead publisher only
-leaves the index behind (the ``cache_aware`` match then falls back to its own tree
-for workers without entries).
+entries dropped, then replayed or rebuilt). Nothing here is on a request's path: a
+slow or dead publisher only leaves the index behind (the ``cache_aware`` match then
+falls back to its own tree for workers without entries).
 """
 
 from __future__ import annotations
