@@ -40,7 +40,7 @@ from meshkit.core.engine_load import EngineLoad, others
 from meshkit.core.kv_index import KvIndex
 from meshkit.errors import ConfigError
 
-__all__ = ["Candidate", "Fleet", "Tls", "Worker"]
+__all__ = ["Candidate", "Fleet", "Tls", "Worker", "candidates_for"]
 
 _ROLES = frozenset({"regular", "prefill", "decode"})
 #: weight of the newest sample in :attr:`Fleet.hold_s`
@@ -244,6 +244,13 @@ class Candidate:
         return self.worker.origin
 
 
+def candidates_for(worker: Worker) -> tuple[Candidate, ...]:
+    """What a policy picks among for ``worker``: one candidate per DP rank, or itself."""
+    if worker.dp_size > 1:
+        return tuple(Candidate(worker, r) for r in range(worker.dp_size))
+    return (Candidate(worker),)
+
+
 class Fleet:
     """Workers, their candidates, and in-flight load per candidate (no locking).
 
@@ -305,10 +312,7 @@ class Fleet:
         if worker.id in self._workers:
             raise ConfigError("workers.url", f"duplicate worker {worker.url}")
         self._workers[worker.id] = worker
-        if worker.dp_size > 1:
-            cands = tuple(Candidate(worker, r) for r in range(worker.dp_size))
-        else:
-            cands = (Candidate(worker),)
+        cands = candidates_for(worker)
         self._by_worker[worker.id] = cands
         for c in cands:
             self.load.setdefault(c.key, 0)
@@ -326,10 +330,7 @@ class Fleet:
         if (old.kv_events, old.kv_replay) != (worker.kv_events, worker.kv_replay):
             self.kv.forget(worker.id)  # another publisher: its subscriber starts afresh
         self._workers[worker.id] = worker
-        if worker.dp_size > 1:
-            cands = tuple(Candidate(worker, r) for r in range(worker.dp_size))
-        else:
-            cands = (Candidate(worker),)
+        cands = candidates_for(worker)
         keep = {c.key for c in cands}
         for c in self._by_worker.get(worker.id, ()):
             if c.key not in keep and self.load.get(c.key, 0) == 0:

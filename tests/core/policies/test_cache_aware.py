@@ -240,3 +240,12 @@ def test_empty_text_and_single_candidate(kit: SimpleNamespace) -> None:
     load = {cs[0].key: 2, cs[1].key: 0, cs[2].key: 1}
     assert p.select(kit.ctx(cs, kit.view(""), load=load)) == cs[1]
     assert p.select(kit.ctx(cs[:1], kit.view("x"))) == cs[0]
+
+
+def test_a_removed_workers_recent_work_is_forgotten_on_every_rank(kit: SimpleNamespace) -> None:
+    cs = kit.cands(2, dp=2)  # two workers, two ranks each
+    p = CacheAware()
+    for c in cs:
+        p.on_placed(c, kit.view("x"), 0.0)
+    p.on_removed(cs[0].worker)
+    assert p._recent.values([c.key for c in cs], 0.0) == [0.0, 0.0, 1.0, 1.0]

@@ -52,13 +52,13 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.policies.prefix_hash import conversation_head
 from meshkit.core.policies.radix import RadixTree
 from meshkit.core.requests import RequestView
-from meshkit.core.workers import Candidate, Worker
+from meshkit.core.workers import Candidate, Worker, candidates_for
 from meshkit.errors import ConfigError
 
 __all__ = ["CacheAware", "least_loaded"]
@@ -100,9 +100,9 @@ class RecentWork:
         get = self._scaled.get
         return [get(k, 0.0) / scale for k in keys]
 
-    def forget(self, worker_id: str) -> None:
-        for key in [k for k in self._scaled if k == worker_id or k.startswith(worker_id + "#")]:
-            del self._scaled[key]
+    def forget(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._scaled.pop(key, None)
 
 
 def least_loaded(cands: Sequence[Candidate], loads: Sequence[int], text: str) -> Candidate:
@@ -311,7 +311,7 @@ class CacheAware(BasePolicy):
         tree.insert(text, cand.origin, now)
 
     def on_removed(self, worker: Worker) -> None:
-        self._recent.forget(worker.id)
+        self._recent.forget(c.key for c in candidates_for(worker))
         for model, tree in list(self._trees.items()):
             tree.remove_tenant(worker.origin)
             if not tree.node_count:
