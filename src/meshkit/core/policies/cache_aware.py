@@ -52,11 +52,12 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.policies.prefix_hash import conversation_head
 from meshkit.core.policies.radix import RadixTree
+from meshkit.core.policies.shares import Decayed
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker, candidates_for
 from meshkit.errors import ConfigError
@@ -72,37 +73,6 @@ def _spread_key(digest: bytes, cand: Candidate) -> bytes:
 
 def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-
-
-class RecentWork:
-    """Work placed per candidate, decayed with a half-life, in O(1) per update: values
-    are kept scaled by ``2 ** (t / half_life)`` from one origin, so they all age
-    together; the origin moves forward before the scale gets large."""
-
-    def __init__(self, half_life_s: float) -> None:
-        self.half_life_s = half_life_s
-        self._t0 = 0.0
-        self._scaled: dict[str, float] = {}
-
-    def _scale(self, now: float) -> float:
-        exp = (now - self._t0) / self.half_life_s
-        if exp > 64 or exp < 0:  # rebase (or a clock that went back)
-            k = 2.0 ** -max(min(exp, 1e6), 0.0)
-            self._scaled = {key: v * k for key, v in self._scaled.items() if v * k > 1e-9}
-            self._t0, exp = now, 0.0
-        return float(2.0**exp)
-
-    def add(self, key: str, work: float, now: float) -> None:
-        self._scaled[key] = self._scaled.get(key, 0.0) + work * self._scale(now)
-
-    def values(self, keys: Sequence[str], now: float) -> list[float]:
-        scale = self._scale(now)
-        get = self._scaled.get
-        return [get(k, 0.0) / scale for k in keys]
-
-    def forget(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            self._scaled.pop(key, None)
 
 
 def least_loaded(cands: Sequence[Candidate], loads: Sequence[int], text: str) -> Candidate:
@@ -182,7 +152,7 @@ class CacheAware(BasePolicy):
         self.spill_prefix_chars = spill_prefix_chars
         self.needs = Needs(text=True, prefix_chars=match_chars, kv_events=True)
         self._trees: OrderedDict[str, RadixTree] = OrderedDict()
-        self._recent = RecentWork(self.work_half_life_s)
+        self._recent: Decayed[str] = Decayed(self.work_half_life_s)
 
     # -- placement ---------------------------------------------------------------
 

@@ -60,6 +60,15 @@ load the choice depends on the prefix only. The spill memory is per process: a
 second mesh that did not see a spill sends the conversation's next turn to the
 owner when the owner has room, else to the same spill target.
 
+Traffic shares
+--------------
+
+With ``share_fit`` set (the default), a prefix's workers come from a plan made of
+each prefix's share of recent traffic (:mod:`meshkit.core.policies.shares`): the
+one thing K independent routers see alike. A hot prefix gets several slots and a
+conversation picks one by jump hash; the in-flight bound becomes a guard against
+bursts (``burst_factor``).
+
 Choose ``prefix_token_count`` deeper than prompts' shared part (a common system
 prompt plus tools) when requests are single-turn: a key that covers only the
 shared part sends every request to the same place and leaves the load bound to
@@ -73,6 +82,7 @@ do all the balancing.
     load_factor = 1.25
     first_turn_load_factor = 1.0
     spill_memory = 16384
+    share_fit = 1.1
 
 .. autoclass:: PrefixHash
 .. autofunction:: conversation_head
@@ -82,10 +92,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.policies.ring import HashRing, bounded_load_pick, hash_bytes, hash_token_ids
+from meshkit.core.policies.shares import TrafficShares, jump_hash
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
 from meshkit.errors import ConfigError
@@ -121,6 +132,17 @@ def conversation_head(text: str, limit: int) -> tuple[int, bool] | None:
     # The head runs past the window: every turn has the same first ``limit``
     # characters, and whether this one is the first is not known.
     return limit, False
+
+
+def _slot(slots: tuple[str, ...], spread: int, eligible: Mapping[str, object]) -> str:
+    """The slot ``spread`` falls in; when its worker cannot take requests, the next
+    slot that can (the other slots keep their conversations)."""
+    at = jump_hash(spread, len(slots))
+    for step in range(len(slots)):
+        key = slots[(at + step) % len(slots)]
+        if key in eligible:
+            return key
+    return slots[at]
 
 
 class RingCache:
@@ -166,6 +188,12 @@ class PrefixHash(BasePolicy):
         are remembered (least recently used forgotten first); ``0`` remembers none.
     :param conversation_chars: how far into the routing text the end of the first
         user message is looked for.
+    :param share_fit: the traffic-share plan keeps a worker's planned share near
+        ``share_fit / n``; ``0`` turns the plan off.
+    :param share_half_life_s: the decay of the shares.
+    :param share_memory: prefixes whose share is tracked.
+    :param burst_factor: with the plan, a request moves only when its worker's
+        in-flight load would pass ``ceil(burst_factor * (total + n) / n)``.
     """
 
     name = "prefix_hash"
@@ -179,6 +207,10 @@ class PrefixHash(BasePolicy):
         first_turn_load_factor: float = 1.0,
         spill_memory: int = 16384,
         conversation_chars: int = 32768,
+        share_fit: float = 1.1,
+        share_half_life_s: float = 300.0,
+        share_memory: int = 4096,
+        burst_factor: float = 2.0,
     ) -> None:
         if prefix_token_count < 1:
             raise ConfigError("policies.prefix_hash.prefix_token_count", "must be >= 1")
@@ -196,6 +228,16 @@ class PrefixHash(BasePolicy):
             raise ConfigError("policies.prefix_hash.spill_memory", "must be >= 0")
         if conversation_chars < 1:
             raise ConfigError("policies.prefix_hash.conversation_chars", "must be >= 1")
+        if share_fit != 0 and not 1.0 <= share_fit <= load_factor:
+            raise ConfigError(
+                "policies.prefix_hash.share_fit", "must be 0 (off) or >= 1 and <= load_factor"
+            )
+        if not share_half_life_s > 0:
+            raise ConfigError("policies.prefix_hash.share_half_life_s", "must be > 0")
+        if share_memory < 1:
+            raise ConfigError("policies.prefix_hash.share_memory", "must be >= 1")
+        if not burst_factor >= load_factor:
+            raise ConfigError("policies.prefix_hash.burst_factor", "must be >= load_factor")
 
         self.prefix_token_count = prefix_token_count
         self.virtual_nodes = virtual_nodes
@@ -208,6 +250,15 @@ class PrefixHash(BasePolicy):
             text=True,
             prefix_tokens=prefix_token_count,
             prefix_chars=max(prefix_chars, conversation_chars),
+        )
+        self.share_fit = float(share_fit)
+        self.share_half_life_s = float(share_half_life_s)
+        self.share_memory = share_memory
+        self.burst_factor = float(burst_factor)
+        self._shares = (
+            TrafficShares(fit=share_fit, half_life_s=share_half_life_s, max_prefixes=share_memory)
+            if share_fit
+            else None
         )
         self._rings = RingCache(virtual_nodes)
         #: conversation point -> candidate key, for conversations placed off their owner
@@ -252,20 +303,44 @@ class PrefixHash(BasePolicy):
         for c in cands:
             by_key[c.key] = c
             total += load.get(c.key, 0)
-        share = (total + 1) / len(by_key)
-        bound = math.ceil(self.load_factor * share)
-        owner = ring.owner(point)
+        n = len(by_key)
+        shares = self._shares
+        conv_first: tuple[int, bool] | None = None
+        conv_known = False
+        if shares is None:
+            share = (total + 1) / n
+            owner = ring.owner(point)
+        else:
+            # The in-flight bound is only a guard against a burst here, so it is
+            # smoothed by one request per worker: at 1-4 requests in flight the
+            # counts are noise that K routers would each read differently.
+            share = (total + n) / n
+            if ctx.attempt == 0:
+                shares.observe(point, ctx.now)
+            slots = shares.plan(ring, ring.keys, ctx.now).workers_for(point, ring)
+            owner = slots[0] if slots else None
+            if len(slots) > 1:
+                conv_first = self.conversation_point(ctx.view, point)
+                conv_known = True
+                owner = _slot(slots, self._spread_point(ctx.view, point, conv_first), by_key)
+        if shares is None:
+            bound = math.ceil(self.load_factor * share)
+            first_limit = math.ceil(self.first_turn_load_factor * share)
+        else:
+            # The plan balances the expected load; in flight, only a burst past
+            # ``burst_factor`` times the mean moves a request.
+            bound = first_limit = math.ceil(self.burst_factor * share)
         if owner not in by_key:
             owner = next((k for k in ring.walk(point) if k in by_key), None)
             if owner is None:  # no eligible candidate is on the ring (no fleet given)
                 return bounded_load_pick(ring, point, cands, load, self.load_factor)
         owner_load = load.get(owner, 0)
-        first_limit = math.ceil(self.first_turn_load_factor * share)
         spilled = self._spilled
         if owner_load + 1 <= first_limit and not spilled:
             return by_key[owner]  # room for any request, and nothing to send elsewhere
 
-        conv_first = self.conversation_point(ctx.view, point)
+        if not conv_known:
+            conv_first = self.conversation_point(ctx.view, point)
         if conv_first is None:
             # Not a chat: the owner, else clockwise from the prefix.
             if owner_load + 1 <= bound:
@@ -316,6 +391,17 @@ class PrefixHash(BasePolicy):
             if len(spilled) > self.spill_memory:
                 spilled.popitem(last=False)
         return by_key[chosen]
+
+    def _spread_point(
+        self, view: RequestView, point: int, conv_first: tuple[int, bool] | None
+    ) -> int:
+        """What picks a hot prefix's slot: the conversation, else the longer text."""
+        if conv_first is not None:
+            return conv_first[0]
+        text = view.routing_text[: self.conversation_chars]
+        if text:
+            return hash_bytes(b"s:%d:" % point + text.encode("utf-8", "surrogatepass"))
+        return point
 
     def on_removed(self, worker: Worker) -> None:
         """Forget the conversations spilled to a worker that left the fleet."""
