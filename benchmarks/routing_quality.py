@@ -422,7 +422,8 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ("prefix_hash (load_factor=1.5)", "prefix_hash", {"load_factor": 1.5}),
     # prefix_hash without each part of its conversation handling:
     ("prefix_hash (spill_memory=0)", "prefix_hash", {"spill_memory": 0}),
-    ("prefix_hash (first_turn_load_factor=1.25)", "prefix_hash", {"first_turn_load_factor": 1.25}),
+    # Without the traffic-share plan: the ring and the in-flight bound (before 2 Dec).
+    ("prefix_hash (share plan off)", "prefix_hash", {"share_fit": 0}),
     # The spill gate sized for SGLang's defaults never trips at these loads:
     (
         "cache_aware (abs=32, rel=1.5)",

@@ -214,7 +214,13 @@ class TrafficShares:
             # share alone, so a small difference in another prefix's estimate
             # (another router's sample) changes nothing here.
             count = min(n, max(1, math.ceil(share / unit - 1e-9)))
-            chosen = tuple(itertools.islice((k for k in ring.walk(point) if k in planned), count))
+            walk = [k for k in ring.walk(point) if k in planned]
+            # Skip workers the hotter prefixes already filled (the first ones are
+            # placed on an empty plan: their slots depend on their share alone).
+            room = [k for k in walk if planned[k] < limit - 1e-12]
+            chosen = tuple(
+                itertools.islice(itertools.chain(room, (k for k in walk if k not in room)), count)
+            )
             part = share / len(chosen)
             for key in chosen:
                 planned[key] += part
