@@ -16,9 +16,9 @@ bounded loads places keys, but on expected shares instead of instantaneous load:
 * a prefix whose share is above ``fit / n`` (``n`` workers) is cut into
   ``ceil(share / (fit / n))`` equal *slots*, so one tenant hotter than a worker's
   fair share spreads over a second (third…) worker;
-* prefixes are placed hottest first; a slot goes to the first worker clockwise
-  from the prefix's ring point whose planned share stays within ``fit / n``
-  (the least planned one when none does);
+* prefixes are placed hottest first; their slots are the first workers
+  clockwise from the prefix's ring point that the hotter prefixes did not fill
+  (planned share below ``fit / n``), then the filled ones;
 * traffic outside the tracked hot prefixes is spread evenly as background;
 * a prefix not in the plan goes to the first worker on its walk that the plan
   did not fill.
@@ -210,13 +210,11 @@ class TrafficShares:
         slots: dict[int, tuple[str, ...]] = {}
         unit = limit * SLOT_FRACTION
         for share, point in hot:
-            # The first workers of the prefix's own walk: its slots depend on its
-            # share alone, so a small difference in another prefix's estimate
-            # (another router's sample) changes nothing here.
+            # The first workers of the prefix's own walk that hotter prefixes did
+            # not fill, not a best fit: a small difference in a cooler prefix's
+            # estimate (another router's sample) never moves a hotter one.
             count = min(n, max(1, math.ceil(share / unit - 1e-9)))
             walk = [k for k in ring.walk(point) if k in planned]
-            # Skip workers the hotter prefixes already filled (the first ones are
-            # placed on an empty plan: their slots depend on their share alone).
             room = [k for k in walk if planned[k] < limit - 1e-12]
             chosen = tuple(
                 itertools.islice(itertools.chain(room, (k for k in walk if k not in room)), count)
