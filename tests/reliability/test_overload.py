@@ -50,6 +50,11 @@ def rss_bytes() -> int:
     return 0
 
 
+def _done(futures: list[Any]) -> list[Any]:
+    """What the requests already ended with (for a failure's message)."""
+    return [(f.result().status, f.result().body[:120]) if f.done() else None for f in futures]
+
+
 def _gate_preparation(mesh: Mesh) -> threading.Event:
     """Make every preparation wait on a gate: a slow path meshkit cannot skip."""
     gate = threading.Event()
@@ -70,7 +75,15 @@ def test_prepare_overload_is_refused_at_once_and_recovers(
     mock = mock_factory(name="o")
     mesh: Mesh = mesh_factory(
         workers=[Worker(mock.url)],
-        prepare={"workers": 1, "queue_capacity": QUEUE, "inline_threshold_bytes": 0},
+        # A queue wait long enough for the slowest machine: the admitted requests
+        # wait on the gate for as long as the excess takes to be refused.
+        prepare={
+            "workers": 1,
+            "queue_capacity": QUEUE,
+            "inline_threshold_bytes": 0,
+            "queue_timeout_ms": 120_000,
+            "timeout_ms": 120_000,
+        },
         lifecycle={"probe": False},
     )
     gate = _gate_preparation(mesh)
@@ -80,9 +93,14 @@ def test_prepare_overload_is_refused_at_once_and_recovers(
     rss_before = rss_bytes()
     total = 10 * CAPACITY
     with ThreadPoolExecutor(total) as pool:
-        admitted = [pool.submit(mode.request, "POST", PATH, json=CHAT) for _ in range(CAPACITY)]
-        # A condition, polled; a busy machine can take a while to start five requests.
-        assert wait_until(lambda: mesh.pool.running == 1 and mesh.pool.queued == QUEUE, 30)
+        admitted = []
+        for i in range(CAPACITY):
+            # One at a time, each seen by the pool before the next: on a busy
+            # machine requests sent together can reach it in any order and time.
+            admitted.append(pool.submit(mode.request, "POST", PATH, json=CHAT))
+            seen = wait_until(lambda n=i + 1: mesh.pool.running + mesh.pool.queued == n, 60)
+            assert seen, (i, mesh.pool.running, mesh.pool.queued, _done(admitted))
+        assert (mesh.pool.running, mesh.pool.queued) == (1, QUEUE)
         excess = [
             pool.submit(mode.request, "POST", PATH, json=CHAT) for _ in range(total - CAPACITY)
         ]
