@@ -53,6 +53,7 @@ class Accounting:
             streaming=view.stream and status < 400,
             started_at=lease.started,
             max_line_bytes=router.config.bounds.max_sse_line_bytes,
+            state_ids=view.match.endpoint.answers_state,
         )
         self._done = False
         # A streamed Response names its id in its first event: remember the owner

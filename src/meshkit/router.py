@@ -206,8 +206,9 @@ class Router:
         now = self.clock()
         with self._lock:
             owner = None
-            if view.previous_response_id:
-                owner = self.affinity.owner(view.previous_response_id, now)
+            sid = view.state_id
+            if sid:
+                owner = self.affinity.owner(sid, now)
             states = self.states
             try:
                 cand = states.place(
@@ -372,10 +373,11 @@ class Router:
     # -- what responses teach ---------------------------------------------------------
 
     def lookup_targets(self, view: RequestView) -> list[Candidate]:
-        """Where to ask for the owner of ``view.previous_response_id``: one candidate
-        per origin (healthy first) when this process knows no owner, the workers
-        share no state domain and the id was not looked up in vain lately."""
-        rid = view.previous_response_id
+        """Where to ask for the owner of ``view.state_id`` (a response or a
+        conversation): one candidate per origin (healthy first) when this process
+        knows no owner, the workers share no state domain and the id was not looked
+        up in vain lately."""
+        rid = view.state_id
         if not rid:
             return []
         now = self.clock()
@@ -397,13 +399,15 @@ class Router:
             self.missing.remember(response_id, "", now)
 
     def remember_response(self, response_id: str, origin: str) -> None:
-        """Responses affinity: ``response_id`` lives on ``origin``."""
+        """Responses affinity: ``response_id`` (a response or a conversation) lives
+        on ``origin``."""
         now = self.clock()
         with self._lock:
             self.affinity.remember(response_id, origin, now)
 
     def completed(self, cand: Candidate, view: RequestView, done: Completion) -> None:
-        """A response ended: affinity learns its id, the policy hears of it."""
+        """A response ended: affinity learns the id of the state object it answered
+        (a response, a conversation), the policy hears of it."""
         now = self.clock()
         with self._lock:
             if done.response_id and done.ok:

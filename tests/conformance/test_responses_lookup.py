@@ -1,6 +1,8 @@
 """A Responses follow-up through a router that did not place the first turn
 (issue 17, item 5): it asks the origins once (``GET /v1/responses/{id}``), remembers
 the owner, routes there; 501 when nobody holds the id, 502 when the owner is down.
+A ``conversation`` is looked up the same way (``GET /v1/conversations/{id}``): a
+conversation created through one router is continued through another.
 In every mode, and through two transports in two processes (two gateways:
 tests/server/test_serve_responses_lookup.py)."""
 
@@ -12,96 +14,183 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from harness import TransportMode
+import pytest
+
+from harness import AsyncTransportMode, Mode, TransportMode
 from meshkit import Mesh, Worker
 from meshkit.mock import MockWorkerThread
 
 FIRST = {"model": "m", "input": "hello"}
+#: what a follow-up names: the response it continues, or its conversation
+KINDS = pytest.mark.parametrize("kind", ["previous_response_id", "conversation"])
+#: where each kind is created, and where a router asks for it
+CREATE = {"previous_response_id": "/v1/responses", "conversation": "/v1/conversations"}
+LOOKUP = {"previous_response_id": "/v1/responses/", "conversation": "/v1/conversations/"}
+CREATE_BODY = {
+    "previous_response_id": FIRST,
+    "conversation": {"items": [{"role": "user", "content": "hello"}]},
+}
 
 
-def _follow(rid: str) -> dict[str, Any]:
-    return {"model": "m", "input": "and then?", "previous_response_id": rid}
+def _follow(rid: str, kind: str = "previous_response_id") -> dict[str, Any]:
+    return {"model": "m", "input": "and then?", kind: rid}
 
 
-def _lookups(mocks: list[MockWorkerThread], rid: str) -> int:
-    return sum(m.worker.stats.requests_total.get(f"/v1/responses/{rid}", 0) for m in mocks)
+def _lookups(mocks: list[MockWorkerThread], rid: str, kind: str = "previous_response_id") -> int:
+    path = LOOKUP[kind] + rid
+    return sum(m.worker.stats.requests_total.get(path, 0) for m in mocks)
 
 
 def _fleet(mock_factory: Callable[..., MockWorkerThread]) -> list[MockWorkerThread]:
     return [mock_factory(name=f"w{i}") for i in range(3)]
 
 
-def _first_turn(mesh_factory: Any, urls: list[str]) -> tuple[str, str]:
-    """The first turn, placed by a router of its own: (response id, its worker)."""
+def _first_turn(
+    mesh_factory: Any, urls: list[str], kind: str = "previous_response_id"
+) -> tuple[str, str]:
+    """The first turn (or the conversation), placed by a router of its own: (its id,
+    its worker)."""
     router = TransportMode(mesh_factory(workers=urls, lifecycle={"probe": False}))
     try:
-        created = router.request("POST", "/v1/responses", json=FIRST)
+        created = router.request("POST", CREATE[kind], json=CREATE_BODY[kind])
     finally:
         router.close()
+    assert created.status == 200, created.body
     return created.json()["id"], created.headers["x-mock-worker"]
 
 
+@KINDS
 def test_a_follow_up_through_another_router_finds_its_owner(
-    mock_factory: Any, mesh_factory: Any, run_mode: Any
+    mock_factory: Any, mesh_factory: Any, run_mode: Any, kind: str
 ) -> None:
     mocks = _fleet(mock_factory)
     urls = [m.url for m in mocks]
-    rid, owner = _first_turn(mesh_factory, urls)
+    rid, owner = _first_turn(mesh_factory, urls, kind)
     mesh = mesh_factory(workers=[Worker(u) for u in urls], lifecycle={"probe": False})
     mode = run_mode(mesh)  # a second router: it never saw the first turn
+    asked = []
     for _ in range(3):
-        nxt = mode.request("POST", "/v1/responses", json=_follow(rid))
+        nxt = mode.request("POST", "/v1/responses", json=_follow(rid, kind))
         assert nxt.status == 200, nxt.body
         assert nxt.headers["x-mock-worker"] == owner
+        asked.append(_lookups(mocks, rid, kind))
     # asked once, stopping at the owner; then remembered
-    assert 1 <= _lookups(mocks, rid) <= len(mocks)
+    assert 1 <= asked[0] <= len(mocks)
+    assert asked == [asked[0]] * 3
     assert mesh.affinity.owner(rid, mesh.clock()) is not None
     assert mesh.total_load() == 0
 
 
+@KINDS
 def test_an_id_nobody_holds_is_501_and_asked_once(
-    mock_factory: Any, mesh_factory: Any, run_mode: Any
+    mock_factory: Any, mesh_factory: Any, run_mode: Any, kind: str
 ) -> None:
     mocks = _fleet(mock_factory)
     mesh = mesh_factory(workers=[m.url for m in mocks], lifecycle={"probe": False})
     mode = run_mode(mesh)
+    nobody = "resp_nobody" if kind == "previous_response_id" else "conv_nobody"
     for _ in range(2):
-        r = mode.request("POST", "/v1/responses", json=_follow("resp_nobody"))
+        r = mode.request("POST", "/v1/responses", json=_follow(nobody, kind))
         assert r.status == 501, r.body
         assert r.json()["error"]["code"] == "stateful_routing_unsupported"
-    assert _lookups(mocks, "resp_nobody") == len(mocks)  # one round, not two
+    assert _lookups(mocks, nobody, kind) == len(mocks)  # one round, not two
+    assert sum(m.worker.stats.requests_total.get("/v1/responses", 0) for m in mocks) == 0
     assert mesh.total_load() == 0
 
 
-def test_the_owner_down_is_502_not_a_move(mock_factory: Any, mesh_factory: Any) -> None:
+@KINDS
+def test_the_owner_down_is_502_not_a_move(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any, kind: str
+) -> None:
     mocks = _fleet(mock_factory)
     urls = [m.url for m in mocks]
-    rid, owner = _first_turn(mesh_factory, urls)
+    rid, owner = _first_turn(mesh_factory, urls, kind)
     next(m for m in mocks if m.worker.config.name == owner).kill()
-    mode = TransportMode(mesh_factory(workers=urls, lifecycle={"probe": False}))
-    try:
-        r = mode.request("POST", "/v1/responses", json=_follow(rid))
-    finally:
-        mode.close()
+    mesh = mesh_factory(workers=urls, lifecycle={"probe": False})
+    mode = run_mode(mesh)
+    r = mode.request("POST", "/v1/responses", json=_follow(rid, kind))
     assert r.status == 502, r.body
     assert r.json()["error"]["code"] == "upstream_error"
+    # the others were asked, and none was given the request
+    assert _lookups(mocks, rid, kind) == len(mocks) - 1
+    assert sum(m.worker.stats.requests_total.get("/v1/responses", 0) for m in mocks) == (
+        1 if kind == "previous_response_id" else 0  # the first turn itself
+    )
+    assert mesh.affinity.owner(rid, mesh.clock()) is None
+    assert mesh.total_load() == 0
+
+
+def _sdk_turns(mode: Mode, conv_id: str, texts: list[str]) -> list[tuple[str, Any]]:
+    """(worker, Response) of each turn, sent by ``mode``'s own openai client."""
+    if isinstance(mode, AsyncTransportMode):
+        aclient = mode.async_openai(max_retries=0)
+
+        async def turns() -> list[tuple[str, Any]]:
+            out = []
+            for text in texts:
+                r = await aclient.responses.with_raw_response.create(
+                    model="m", input=text, conversation=conv_id
+                )
+                out.append((r.headers["x-mock-worker"], r.parse()))
+            return out
+
+        return mode.run(turns)  # type: ignore[no-any-return]
+    client = mode.openai(max_retries=0)
+    out = []
+    for text in texts:
+        r = client.responses.with_raw_response.create(model="m", input=text, conversation=conv_id)
+        out.append((r.headers["x-mock-worker"], r.parse()))
+    return out
+
+
+def test_a_conversation_across_two_routers_with_the_openai_sdk(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    mocks = _fleet(mock_factory)
+    urls = [m.url for m in mocks]
+    one = TransportMode(mesh_factory(workers=urls, lifecycle={"probe": False}))
+    mesh = mesh_factory(workers=urls, lifecycle={"probe": False})
+    two = run_mode(mesh)
+    try:
+        first = one.openai(max_retries=0)
+        raw = first.conversations.with_raw_response.create(
+            items=[{"role": "user", "content": "one two three"}]
+        )
+        conv = raw.parse()
+        owner = raw.headers["x-mock-worker"]
+        # the router that created it knows its owner: it was in the answer
+        assert one.mesh.affinity.owner(conv.id, one.mesh.clock()) is not None
+        placed = _sdk_turns(two, conv.id, ["four", "five"])
+        assert [worker for worker, _ in placed] == [owner, owner]
+        turns = [t for _, t in placed]
+        assert all(t.conversation is not None and t.conversation.id == conv.id for t in turns)
+        # the owner prepended the conversation and appended each turn to it
+        assert [t.usage.input_tokens for t in turns if t.usage] == [3 + 1, 3 + 1 + 8 + 1]
+        assert 1 <= _lookups(mocks, conv.id, "conversation") <= len(mocks)  # the second's
+        items = first.conversations.items.list(conv.id, order="asc")
+        assert [i.type for i in items.data] == ["message"] * 5
+    finally:
+        one.close()
+    assert mesh.total_load() == 0
 
 
 _OTHER_PROCESS = """
 import json, sys, httpx2
 from meshkit import Mesh, MeshTransport
-with Mesh(workers=sys.argv[1:], lifecycle={"probe": False}) as mesh:
+path, body = sys.argv[1], json.loads(sys.argv[2])
+with Mesh(workers=sys.argv[3:], lifecycle={"probe": False}) as mesh:
     with httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh") as c:
-        r = c.post("/v1/responses", json={"model": "m", "input": "hello"})
+        r = c.post(path, json=body)
         print(json.dumps({"id": r.json()["id"], "owner": r.headers["x-mock-worker"]}))
 """
 
 
-def test_two_transports_in_two_processes(mock_factory: Any) -> None:
+@KINDS
+def test_two_transports_in_two_processes(mock_factory: Any, kind: str) -> None:
     mocks = _fleet(mock_factory)
     urls = [m.url for m in mocks]
     out = subprocess.run(
-        [sys.executable, "-c", _OTHER_PROCESS, *urls],
+        [sys.executable, "-c", _OTHER_PROCESS, CREATE[kind], json.dumps(CREATE_BODY[kind]), *urls],
         capture_output=True,
         text=True,
         timeout=60,
@@ -111,14 +200,15 @@ def test_two_transports_in_two_processes(mock_factory: Any) -> None:
     with Mesh(workers=urls, lifecycle={"probe": False}) as mesh:
         mode = TransportMode(mesh)
         try:
-            r = mode.request("POST", "/v1/responses", json=_follow(first["id"]))
+            r = mode.request("POST", "/v1/responses", json=_follow(first["id"], kind))
         finally:
             mode.close()
     assert r.status == 200, r.body
     assert r.headers["x-mock-worker"] == first["owner"]
 
 
-def test_the_miss_is_remembered_for_its_ttl_only(mock_factory: Any) -> None:
+@KINDS
+def test_the_miss_is_remembered_for_its_ttl_only(mock_factory: Any, kind: str) -> None:
     mocks = _fleet(mock_factory)
     now = [1000.0]
     mesh = Mesh(
@@ -128,13 +218,14 @@ def test_the_miss_is_remembered_for_its_ttl_only(mock_factory: Any) -> None:
         clock=lambda: now[0],
     )
     mode = TransportMode(mesh)
+    gone = "gone_1"
     try:
-        ask = lambda: mode.request("POST", "/v1/responses", json=_follow("resp_gone")).status  # noqa: E731
-        assert ask() == 501 and _lookups(mocks, "resp_gone") == len(mocks)
+        ask = lambda: mode.request("POST", "/v1/responses", json=_follow(gone, kind)).status  # noqa: E731
+        assert ask() == 501 and _lookups(mocks, gone, kind) == len(mocks)
         now[0] += 29.0
-        assert ask() == 501 and _lookups(mocks, "resp_gone") == len(mocks)  # remembered
+        assert ask() == 501 and _lookups(mocks, gone, kind) == len(mocks)  # remembered
         now[0] += 2.0
-        assert ask() == 501 and _lookups(mocks, "resp_gone") == 2 * len(mocks)  # asked again
+        assert ask() == 501 and _lookups(mocks, gone, kind) == 2 * len(mocks)  # asked again
     finally:
         mode.close()
         mesh.close()

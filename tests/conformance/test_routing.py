@@ -94,7 +94,47 @@ REJECTIONS: list[Any] = [
         id="501-bare-item-reference",
     ),
     pytest.param(
+        "POST",
+        "/v1/responses",
+        {"model": "m", "input": "hi", "conversation": {"id": "conv_1"}},
+        {},
+        (501, "stateful_routing_unsupported"),
+        id="501-conversation",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/responses",
+        {"model": "m", "input": "hi", "conversation": "conv_1", "previous_response_id": "r"},
+        {},
+        (400, "invalid_request"),
+        id="400-conversation-and-previous",
+    ),
+    pytest.param(
         "GET", "/v1/responses/bad%2Fid", None, {}, (400, "invalid_request"), id="400-resource-id"
+    ),
+    pytest.param(
+        "GET",
+        "/v1/conversations/bad%2Fid/items",
+        None,
+        {},
+        (400, "invalid_request"),
+        id="400-conversation-id",
+    ),
+    pytest.param(
+        "DELETE",
+        "/v1/conversations/conv_1/items/a%2E%2E",
+        None,
+        {},
+        (400, "invalid_request"),
+        id="400-item-id",
+    ),
+    pytest.param(
+        "GET",
+        "/v1/conversations/conv_1/other",
+        None,
+        {},
+        (404, "unknown_endpoint"),
+        id="404-conversation-sub",
     ),
     pytest.param(
         "POST", "/v1/chat/completions", b"x" * 5000, {}, (413, "request_too_large"), id="413"
@@ -332,6 +372,75 @@ def test_responses_resource_operations(mock_factory: Any, mesh_factory: Any, run
     assert gone.status == 200
     missing = mode.request("GET", f"/v1/responses/{rid}")
     assert _err(missing)[0] == 404
+    assert wait_until(lambda: mesh.total_load() == 0)
+
+
+@pytest.mark.not_in_extproc("resource operations are 501 unsupported_in_ext_proc (tests/extproc)")
+def test_conversations_resource_operations(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    mocks = _fleet(mock_factory, 3)
+    urls = [m.url for m in mocks]
+    mesh = mesh_factory(workers=[Worker(u) for u in urls])
+    mode = run_mode(mesh)
+    created = mode.request(
+        "POST",
+        "/v1/conversations",
+        json={"items": [{"role": "user", "content": "hi"}], "metadata": {"k": "v"}},
+    )
+    assert created.status == 200, created.body
+    cid, owner = created.json()["id"], created.headers["x-mock-worker"]
+    base = f"/v1/conversations/{cid}"
+
+    def op(method: str, path: str, body: Any = None, status: int = 200) -> Any:
+        r = mode.request(method, path, json=body)
+        assert r.status == status, (method, path, r.body)
+        assert r.headers["x-mock-worker"] == owner  # the owner only: affinity
+        return r.json()
+
+    assert op("GET", base)["metadata"] == {"k": "v"}
+    assert op("POST", base, {"metadata": {"k": "w"}})["metadata"] == {"k": "w"}
+    added = op("POST", base + "/items", {"items": [{"role": "user", "content": "more"}]})
+    item_id = added["data"][0]["id"]
+    listed = op("GET", base + "/items?order=asc&limit=5")
+    assert [i["id"] for i in listed["data"]][-1] == item_id
+    assert op("GET", f"{base}/items/{item_id}")["id"] == item_id
+    assert op("DELETE", f"{base}/items/{item_id}")["id"] == cid
+    op("GET", f"{base}/items/{item_id}", status=404)
+    others = [m for m in mocks if m.worker.config.name != owner]
+    assert not any(
+        p.startswith("/v1/conversations/") for m in others for p in m.worker.stats.requests_total
+    )
+
+    # Another router over the same workers finds it by asking each origin in turn.
+    other = run_mode(mesh_factory(workers=[Worker(u) for u in urls]))
+    got = other.request("GET", base)
+    assert got.status == 200 and got.headers["x-mock-worker"] == owner
+    gone = other.request("DELETE", base)
+    assert gone.json() == {"id": cid, "object": "conversation.deleted", "deleted": True}
+    missing = op("GET", base, status=404)
+    assert missing["error"]["param"] == "conversation_id"
+    assert wait_until(lambda: mesh.total_load() == 0)
+
+
+def test_a_conversation_follows_its_owner(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    mocks = _fleet(mock_factory, 3)
+    mesh = mesh_factory(workers=[Worker(m.url) for m in mocks])
+    mode = run_mode(mesh)
+    created = mode.request("POST", "/v1/conversations", json={})
+    assert created.status == 200, created.body
+    cid, owner = created.json()["id"], created.headers["x-mock-worker"]
+    for ref in (cid, {"id": cid}, cid):
+        nxt = mode.request(
+            "POST", "/v1/responses", json={"model": "m", "input": "more", "conversation": ref}
+        )
+        assert nxt.status == 200, nxt.body
+        assert nxt.headers["x-mock-worker"] == owner
+        assert nxt.json()["conversation"] == {"id": cid}
+    # the answer that created it named its owner: nobody had to be asked
+    assert all(m.worker.stats.requests_total.get(f"/v1/conversations/{cid}", 0) == 0 for m in mocks)
     assert wait_until(lambda: mesh.total_load() == 0)
 
 

@@ -82,6 +82,86 @@ RESOLVES = [
         "resp_1",
         id="resp.input_items",
     ),
+    P(
+        "POST",
+        "/v1/conversations",
+        A.RESPONSES,
+        OP.CREATE_STATE,
+        S.NONE,
+        "openai",
+        None,
+        id="conv.create",
+    ),
+    P(
+        "GET",
+        "/v1/conversations/conv_1",
+        A.RESPONSES,
+        OP.RETRIEVE,
+        S.NONE,
+        "openai",
+        "conv_1",
+        id="conv.retrieve",
+    ),
+    P(
+        "POST",
+        "/v1/conversations/conv_1",
+        A.RESPONSES,
+        OP.UPDATE,
+        S.NONE,
+        "openai",
+        "conv_1",
+        id="conv.update",
+    ),
+    P(
+        "DELETE",
+        "/v1/conversations/conv_1",
+        A.RESPONSES,
+        OP.DELETE,
+        S.NONE,
+        "openai",
+        "conv_1",
+        id="conv.delete",
+    ),
+    P(
+        "GET",
+        "/v1/conversations/conv_1/items",
+        A.RESPONSES,
+        OP.LIST,
+        S.NONE,
+        "openai",
+        "conv_1",
+        id="conv.items.list",
+    ),
+    P(
+        "POST",
+        "/v1/conversations/conv_1/items",
+        A.RESPONSES,
+        OP.ADD_ITEMS,
+        S.NONE,
+        "openai",
+        "conv_1",
+        id="conv.items.create",
+    ),
+    P(
+        "GET",
+        "/v1/conversations/conv_1/items/msg_2",
+        A.RESPONSES,
+        OP.RETRIEVE,
+        S.NONE,
+        "openai",
+        "conv_1",
+        id="conv.items.retrieve",
+    ),
+    P(
+        "DELETE",
+        "/v1/conversations/conv_1/items/msg_2",
+        A.RESPONSES,
+        OP.DELETE,
+        S.NONE,
+        "openai",
+        "conv_1",
+        id="conv.items.delete",
+    ),
     P("POST", "/generate", A.GENERATE, OP.CREATE, S.GENERATE, "openai", None, id="generate"),
     P("POST", "/v1/tokenize", A.TOKENIZE, OP.TOKENIZE, S.NONE, "openai", None, id="tokenize"),
     P("POST", "/tokenize", A.TOKENIZE, OP.TOKENIZE, S.NONE, "openai", None, id="tokenize.bare"),
@@ -173,9 +253,31 @@ def test_model_id_over_the_bound_is_400(raw: str) -> None:
 def test_every_registry_entry_resolves_from_its_template() -> None:
     for ep in ENDPOINTS:
         for method in ep.methods:
-            m = resolve(method, ep.path("abc-1_Z") if ep.is_resource else ep.template)
+            m = resolve(method, ep.path("abc-1_Z", "it-2") if ep.is_resource else ep.template)
             assert m is not None
             assert m.endpoint is ep
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_a_conversation_item_resolves_with_both_ids(method: str) -> None:
+    m = resolve(method, "/v1/conversations/conv%5F1/items/msg_%32")
+    assert m is not None
+    assert m.endpoint.name == f"conversations.items.{'retrieve' if method == 'GET' else 'delete'}"
+    assert (m.resource_id, m.item_id) == ("conv_1", "msg_2")
+    assert m.path == "/v1/conversations/conv_1/items/msg_2"  # rebuilt from both, decoded
+
+
+def test_the_answers_that_are_state_objects() -> None:
+    # Affinity learns the id of these answers: the origin that gave it holds it.
+    names = {e.name for e in ENDPOINTS if e.answers_state}
+    assert names == {
+        "responses",
+        "responses.retrieve",
+        "conversations.create",
+        "conversations.retrieve",
+        "conversations.update",
+        "conversations.items.delete",
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -196,6 +298,10 @@ def test_every_registry_entry_resolves_from_its_template() -> None:
         P("/v1/responses/resp_1/other", id="responses-unknown-sub"),
         P("/v1/responses/resp_1/cancel/x", id="responses-cancel-subpath"),
         P("/v1/responses/resp_1/", id="responses-trailing-slash"),
+        P("/v1/conversations/conv_1/", id="conversation-trailing-slash"),
+        P("/v1/conversations/conv_1/other", id="conversation-unknown-sub"),
+        P("/v1/conversations/conv_1/items/msg_1/x", id="conversation-item-subpath"),
+        P("/v1/conversations/conv_1/items/msg_1/", id="conversation-item-trailing-slash"),
         P("/generate/x", id="generate-subpath"),
         P("/v1/tokenize/x", id="tokenize-subpath"),
         P("/detokenize/x", id="detokenize-subpath"),
@@ -218,6 +324,7 @@ def test_unknown_path_under_inference_prefix_is_404(path: str) -> None:
         P("/v1/chatx", id="chatx-not-under-chat"),
         P("/v1/completionsx", id="completionsx"),
         P("/v1/messagesx", id="messagesx"),
+        P("/v1/conversationsx", id="conversationsx"),
         P("/generatex", id="generatex"),
         P("/docs", id="docs"),
         P("/v2/chat/completions", id="v2"),
@@ -249,6 +356,10 @@ def test_non_inference_paths_pass_through(method: str, path: str) -> None:
         P("PATCH", "/v1/responses/resp_1", b"DELETE, GET", id="resource-patch"),
         P("GET", "/v1/responses/resp_1/cancel", b"POST", id="cancel-get"),
         P("POST", "/v1/responses/resp_1/input_items", b"GET", id="input-items-post"),
+        P("GET", "/v1/conversations", b"POST", id="conversations-get"),
+        P("PUT", "/v1/conversations/c_1", b"DELETE, GET, POST", id="conversation-put"),
+        P("DELETE", "/v1/conversations/c_1/items", b"GET, POST", id="conversation-items-delete"),
+        P("POST", "/v1/conversations/c_1/items/m_1", b"DELETE, GET", id="conversation-item-post"),
         P("GET", "/generate", b"POST", id="generate-get"),
         P("GET", "/v1/tokenize", b"POST", id="tokenize-get"),
         P("POST", "/v1/models", b"GET", id="models-post"),
@@ -295,6 +406,8 @@ VALID_IDS = [
         P("DELETE", "/v1/responses/{id}", id="delete"),
         P("POST", "/v1/responses/{id}/cancel", id="cancel"),
         P("GET", "/v1/responses/{id}/input_items", id="input_items"),
+        P("GET", "/v1/conversations/{id}", id="conversation"),
+        P("POST", "/v1/conversations/{id}/items", id="conversation-items"),
     ],
 )
 def test_valid_resource_ids(method: str, template: str, raw: str, decoded: str) -> None:
@@ -304,6 +417,14 @@ def test_valid_resource_ids(method: str, template: str, raw: str, decoded: str) 
     # the forwarded path is rebuilt from the template and the decoded id
     assert m.path == template.replace("{id}", decoded)
     assert m.endpoint.template == template
+
+
+@pytest.mark.parametrize(("raw", "decoded"), VALID_IDS)
+def test_valid_item_ids(raw: str, decoded: str) -> None:
+    m = resolve("GET", f"/v1/conversations/conv_1/items/{raw}")
+    assert m is not None
+    assert m.item_id == decoded
+    assert m.path == f"/v1/conversations/conv_1/items/{decoded}"
 
 
 INVALID_IDS = [
@@ -348,6 +469,25 @@ def test_invalid_resource_ids_are_400(method: str, template: str, raw: str) -> N
         resolve(method, template.replace("{id}", raw))
     assert ei.value.status == 400
     assert ei.value.param == "response_id"
+
+
+@pytest.mark.parametrize("raw", INVALID_IDS)
+@pytest.mark.parametrize(
+    ("method", "template", "param"),
+    [
+        P("GET", "/v1/conversations/{id}", "conversation_id", id="conversation"),
+        P("GET", "/v1/conversations/{id}/items", "conversation_id", id="items"),
+        P("DELETE", "/v1/conversations/{id}/items/msg_1", "conversation_id", id="item-conv"),
+        P("GET", "/v1/conversations/conv_1/items/{id}", "item_id", id="item"),
+    ],
+)
+def test_invalid_conversation_and_item_ids_are_400(
+    method: str, template: str, param: str, raw: str
+) -> None:
+    with pytest.raises(InvalidRequest) as ei:
+        resolve(method, template.replace("{id}", raw))
+    assert ei.value.status == 400
+    assert ei.value.param == param
 
 
 def test_match_path_is_canonical_not_client_bytes() -> None:
@@ -397,6 +537,8 @@ _SEGMENTS = st.sampled_from(
         "responses",
         "cancel",
         "input_items",
+        "conversations",
+        "items",
         "generate",
         "tokenize",
         "detokenize",
@@ -423,7 +565,16 @@ def _paths(draw: st.DrawFn) -> str:
         return "/" + "/".join(segs)
     prefix = draw(
         st.sampled_from(
-            ["/v1/responses/", "/v1/chat/", "/v1/messages/", "/generate", "/v1/models/", "/"]
+            [
+                "/v1/responses/",
+                "/v1/conversations/",
+                "/v1/conversations/conv_1/items/",
+                "/v1/chat/",
+                "/v1/messages/",
+                "/generate",
+                "/v1/models/",
+                "/",
+            ]
         )
     )
     return prefix + draw(st.text(max_size=40))
@@ -447,7 +598,14 @@ def test_resolve_never_leaves_the_registry(method: str, path: str) -> None:
     if m.endpoint.is_resource:
         assert m.resource_id is not None
         assert _ID_RE.fullmatch(m.resource_id)
-        assert m.path == m.endpoint.template.replace("{id}", m.resource_id)
+        expected = m.endpoint.template.replace("{id}", m.resource_id)
+        if "{item_id}" in expected:
+            assert m.item_id is not None
+            assert _ID_RE.fullmatch(m.item_id)
+            expected = expected.replace("{item_id}", m.item_id)
+        else:
+            assert m.item_id is None
+        assert m.path == expected
     elif m.model is not None:
         assert m.endpoint.name == "models.retrieve"
         assert m.path == "/v1/models"  # the model id is never forwarded

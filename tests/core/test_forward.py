@@ -198,6 +198,13 @@ def header(attempt: Attempt, name: bytes) -> list[bytes]:
     return [v for k, v in attempt.headers if k == name]
 
 
+def _err(status: int, marker: str) -> AttemptResult:
+    body = json.dumps({"error": {"message": marker}}).encode()
+    return AttemptResult(
+        status=status, headers=((b"content-type", b"application/json"),), body=body
+    )
+
+
 # --------------------------------------------------------------------------------------
 # forward_flow
 # --------------------------------------------------------------------------------------
@@ -440,6 +447,8 @@ def test_no_worker_key_keeps_client_credentials() -> None:
         P("/v1/messages", {"messages": []}, "messages", True, id="messages-declared"),
         P("/v1/responses", {"input": "x"}, None, False, id="responses-undeclared"),
         P("/v1/responses", {"input": "x"}, "chat,responses", True, id="responses-declared"),
+        # a conversation is the server's, not a rank's: nothing to add to its body
+        P("/v1/conversations", {}, "chat,responses", False, id="conversation-create"),
     ],
 )
 def test_rank_only_where_the_worker_takes_it(
@@ -597,15 +606,97 @@ def test_every_lease_released_once_or_returned(
 
 
 # --------------------------------------------------------------------------------------
-# resource_flow
+# the lookup of a referenced response or conversation this process did not place
 # --------------------------------------------------------------------------------------
 
 
-def _err(status: int, marker: str) -> AttemptResult:
-    body = json.dumps({"error": {"message": marker}}).encode()
-    return AttemptResult(
-        status=status, headers=((b"content-type", b"application/json"),), body=body
-    )
+class LookupPlacer(FakePlacer):
+    """Knows no owner: asks every origin (as ``Router.lookup_targets`` does), and
+    places on the owner it was told of."""
+
+    def __init__(self, workers: Iterable[Worker]) -> None:
+        super().__init__(workers)
+        self.owners: dict[str, str] = {}
+        self.missing: list[str] = []
+
+    def lookup_targets(self, view: RequestView) -> list[Candidate]:
+        sid = view.state_id
+        if not sid or sid in self.owners or sid in self.missing:
+            return []
+        return self.targets(view)
+
+    def remember_response(self, response_id: str, origin: str) -> None:
+        self.owners[response_id] = origin
+
+    def remember_missing(self, response_id: str) -> None:
+        self.missing.append(response_id)
+
+    def place(self, view: RequestView, *, exclude: frozenset[str], attempt: int) -> Candidate:
+        owner = self.owners.get(view.state_id or "")
+        return place(self.fleet, self.policy, view, self.rng, exclude=exclude, owner=owner)
+
+
+STATE_REFS = [
+    P({"previous_response_id": "resp_1"}, "/v1/responses/resp_1", id="response"),
+    P({"conversation": "conv_1"}, "/v1/conversations/conv_1", id="conversation"),
+    P({"conversation": {"id": "conv_1"}}, "/v1/conversations/conv_1", id="conversation-obj"),
+]
+
+
+@pytest.mark.parametrize(("ref", "lookup"), STATE_REFS)
+def test_the_owner_is_asked_for_at_the_state_objects_path(ref: Any, lookup: str) -> None:
+    placer = LookupPlacer([W("a", key="sk-a"), W("b", key="sk-b"), W("c")])
+    v = view_of("/v1/responses", {"model": "m", "input": "x", **ref})
+    run = drive(fwd(placer, v), [_err(404, "a"), OK, OK], placer)
+    ask_a, ask_b, final = run.attempts
+    for ask, host in ((ask_a, "a"), (ask_b, "b")):
+        assert (ask.method, ask.url, ask.body) == ("GET", f"http://{host}:8000{lookup}", b"")
+        assert ask.probe
+        assert ask.read_body == "always"
+        assert header(ask, b"authorization") == [f"Bearer sk-{host}".encode()]
+    # stops at the owner, remembers it, and the request goes there
+    assert placer.owners == {v.state_id: "http://b:8000"}
+    assert final is run.final
+    assert not final.probe
+    assert (final.method, final.url) == ("POST", "http://b:8000/v1/responses")
+    assert placer.release_counts() == [1, 1, 0]
+
+
+@pytest.mark.parametrize(("ref", "lookup"), STATE_REFS)
+def test_an_id_no_origin_holds_is_remembered_and_501(ref: Any, lookup: str) -> None:
+    from meshkit.errors import StatefulRoutingUnsupported
+
+    placer = LookupPlacer([W("a"), W("b")])
+    v = view_of("/v1/responses", {"model": "m", "input": "x", **ref})
+    run = drive(fwd(placer, v), [_err(404, "a"), _err(404, "b")], placer)
+    assert [a.url for a in run.attempts] == [f"http://a:8000{lookup}", f"http://b:8000{lookup}"]
+    assert type(run.error) is StatefulRoutingUnsupported
+    assert placer.missing == [v.state_id]
+    # asked once: the next request with it asks nobody
+    again = drive(fwd(placer, v), [], placer)
+    assert again.attempts == []
+    assert type(again.error) is StatefulRoutingUnsupported
+    assert placer.release_counts() == [1, 1]
+
+
+@pytest.mark.parametrize(("ref", "lookup"), STATE_REFS)
+@pytest.mark.parametrize("down", [CONNECT, TIMEOUT, _err(503, "down")])
+def test_an_origin_that_cannot_be_asked_is_502_never_a_move(
+    ref: Any, lookup: str, down: AttemptResult
+) -> None:
+    placer = LookupPlacer([W("a"), W("b"), W("c")])
+    v = view_of("/v1/responses", {"model": "m", "input": "x", **ref})
+    run = drive(fwd(placer, v), [_err(404, "a"), down, _err(404, "c")], placer)
+    assert all(a.probe and a.url.endswith(lookup) for a in run.attempts)
+    assert type(run.error) is UpstreamError
+    assert (placer.owners, placer.missing) == ({}, [])  # asked again next time
+    assert placer.release_counts() == [1, 1, 1]
+    assert placer.leases[1].releases == [(False, down.status)]
+
+
+# --------------------------------------------------------------------------------------
+# resource_flow
+# --------------------------------------------------------------------------------------
 
 
 def res(placer: FakePlacer, method: str = "GET", path: str = "/v1/responses/resp_1") -> ForwardFlow:
@@ -662,6 +753,34 @@ def test_resource_cancel_posts_to_the_canonical_path() -> None:
     run = drive(res(placer, "POST", "/v1/responses/r%5F9/cancel"), [OK], placer)
     assert run.attempts[0].url == "http://a:8000/v1/responses/r_9/cancel"
     assert run.attempts[0].method == "POST"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "canonical"),
+    [
+        P("GET", "/v1/conversations/c%5F1", "/v1/conversations/c_1", id="retrieve"),
+        P("POST", "/v1/conversations/c_1/items", "/v1/conversations/c_1/items", id="add-items"),
+        P(
+            "DELETE",
+            "/v1/conversations/c_1/items/m%5F2",
+            "/v1/conversations/c_1/items/m_2",
+            id="delete-item",
+        ),
+    ],
+)
+def test_resource_conversation_paths_are_canonical(method: str, path: str, canonical: str) -> None:
+    placer = FakePlacer([W("a"), W("b")])
+    m = resolve(method, path)
+    assert m is not None
+    v = parse_request(m, b'{"items": []}' if m.endpoint.has_body else b"")
+    flow = resource_flow(placer, v, CLIENT_HEADERS, method=method)
+    run = drive(flow, [_err(404, "a"), OK], placer)
+    assert [a.url for a in run.attempts] == [
+        f"http://a:8000{canonical}",
+        f"http://b:8000{canonical}",
+    ]
+    assert all(a.method == method for a in run.attempts)
+    assert run.final is run.attempts[1]
 
 
 def test_resource_asks_each_origin_once() -> None:

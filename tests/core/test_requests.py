@@ -383,6 +383,40 @@ def test_responses_state_refs(
     assert v.conversation == conv
     assert v.item_references == refs
     assert v.stateful is bool(prev or conv or refs)
+    # what a router that did not place it looks up (an item alone cannot be)
+    assert v.state_id == (prev or conv)
+
+
+@pytest.mark.parametrize(
+    ("body", "path"),
+    [
+        P({"previous_response_id": "resp_1"}, "/v1/responses/resp_1", id="response"),
+        P({"conversation": "conv_1"}, "/v1/conversations/conv_1", id="conversation-str"),
+        P({"conversation": {"id": "conv_2"}}, "/v1/conversations/conv_2", id="conversation-obj"),
+        P({"conversation": "c/../x?y"}, "/v1/conversations/c%2F..%2Fx%3Fy", id="quoted"),
+        P({"input": [{"id": "msg_1"}]}, None, id="item-reference"),
+        P({"input": "x"}, None, id="stateless"),
+    ],
+)
+def test_the_lookup_path_of_the_referenced_state(body: Any, path: str | None) -> None:
+    assert parse(RESPONSES, {"input": "x", **body}).state_path == path
+
+
+@pytest.mark.parametrize("body", [b"", b" \n"])
+def test_a_conversation_create_may_have_no_body(body: bytes) -> None:
+    m = resolve("POST", "/v1/conversations")
+    assert m is not None
+    assert parse_request(m, body).body == body
+    with pytest.raises(InvalidRequest):
+        parse_request(m, b"[1")
+
+
+def test_a_conversation_create_is_not_read_as_a_response() -> None:
+    m = resolve("POST", "/v1/conversations")
+    assert m is not None
+    v = parse(m, {"items": [{"role": "user", "content": "hi"}], "conversation": "conv_1"})
+    assert v.state_id is None
+    assert not v.stateful  # it creates state; it references none
 
 
 @pytest.mark.parametrize(

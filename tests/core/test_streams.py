@@ -986,3 +986,29 @@ def test_odd_usage_values_never_raise(usage: dict[str, Any]) -> None:
     acc.feed(b"data: " + body + b"\n\n", 1.0)
     u = acc.usage
     assert u is None or min(u.input_tokens, u.output_tokens, u.cached_tokens) >= 0
+
+
+CONVERSATION_BODY = b'{"id":"conv_1","object":"conversation","created_at":1,"metadata":{}}'
+
+
+@pytest.mark.parametrize(
+    ("fmt", "state_ids", "body", "expected"),
+    [
+        pytest.param(
+            StreamFormat.NONE, True, CONVERSATION_BODY, "conv_1", id="conversation-create"
+        ),
+        pytest.param(StreamFormat.NONE, None, CONVERSATION_BODY, None, id="not-a-state-answer"),
+        pytest.param(StreamFormat.NONE, True, b'{"object":"list","data":[]}', None, id="no-id"),
+        pytest.param(
+            StreamFormat.RESPONSES, None, b'{"id":"resp_1","output":[]}', "resp_1", id="response"
+        ),
+        pytest.param(StreamFormat.RESPONSES, False, b'{"id":"resp_1"}', None, id="response-delete"),
+    ],
+)
+def test_the_id_of_a_stored_state_answer(
+    fmt: StreamFormat, state_ids: bool | None, body: bytes, expected: str | None
+) -> None:
+    acc = StreamAccountant(fmt, streaming=False, started_at=0.0, state_ids=state_ids)
+    acc.feed(body, 1.0)
+    acc.finish(1.0)
+    assert acc.response_id == expected

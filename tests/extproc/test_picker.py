@@ -125,7 +125,13 @@ def test_what_meshkit_answers_itself(
         assert models.status_code == 200
         assert {m["id"] for m in models.json()["data"]} == {"alpha", "beta"}  # the union
 
-        for method, path in [("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/r")]:
+        resources = [
+            ("GET", "/v1/responses/resp_1"),
+            ("DELETE", "/v1/responses/r"),
+            ("GET", "/v1/conversations/conv_1"),
+            ("DELETE", "/v1/conversations/conv_1/items/msg_1"),
+        ]
+        for method, path in resources:
             r = c.request(method, path)
             assert r.status_code == 501
             assert r.headers["content-type"] == "application/json"
@@ -139,7 +145,10 @@ def test_what_meshkit_answers_itself(
 
         other = c.get("/health")  # not inference: a healthy worker answers it
         assert other.status_code == 200 and other.headers["x-mock-worker"] in ("a", "b")
-    assert metric(mesh, "mesh_router_rejections_total", code="unsupported_in_ext_proc") == 2
+    assert metric(mesh, "mesh_router_rejections_total", code="unsupported_in_ext_proc") == 4
+    assert not any(
+        p.startswith("/v1/conversations") for w in (a, b) for p in w.worker.stats.requests_total
+    )
     assert wait_until(lambda: mesh.total_load() == 0)
 
 

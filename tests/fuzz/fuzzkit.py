@@ -40,6 +40,7 @@ STATIC = (
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/responses",
+    "/v1/conversations",
     "/generate",
     "/v1/tokenize",
     "/tokenize",
@@ -47,7 +48,10 @@ STATIC = (
     "/detokenize",
     "/v1/models",
 )
-RESOURCE = re.compile(r"/v1/responses/[A-Za-z0-9_-]{1,256}(/cancel|/input_items)?")
+_RID = r"[A-Za-z0-9_-]{1,256}"
+RESOURCE = re.compile(
+    rf"/v1/responses/{_RID}(/cancel|/input_items)?|/v1/conversations/{_RID}(/items(/{_RID})?)?"
+)
 #: GET /v1/models/{model}: answered by meshkit from the listing (forwards /v1/models)
 MODEL_PATH = "/v1/models/"
 PREFIXES = (
@@ -55,6 +59,7 @@ PREFIXES = (
     "/v1/completions",
     "/v1/messages",
     "/v1/responses",
+    "/v1/conversations",
     "/generate",
     "/v1/tokenize",
     "/tokenize",
@@ -284,12 +289,16 @@ def paths(draw: st.DrawFn) -> str:
                 "/v1/responses/{id}",
                 "/v1/responses/{id}/cancel",
                 "/v1/responses/{id}/input_items",
+                "/v1/conversations/{id}",
+                "/v1/conversations/{id}/items",
+                "/v1/conversations/{id}/items/{item_id}",
                 "/v1/models/{model}",
                 *_PASS,
             ]
         )
     )
-    path = base.replace("{id}", draw(_IDS)).replace("{model}", draw(_MODELS))
+    path = base.replace("{item_id}", draw(_IDS)).replace("{id}", draw(_IDS))
+    path = path.replace("{model}", draw(_MODELS))
     mutation = draw(
         st.sampled_from(
             [

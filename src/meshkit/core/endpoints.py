@@ -12,8 +12,13 @@ the same way,
 - a known path with the wrong method (405 ``method_not_allowed``),
 - anything else, which is not meshkit's business (``None``: adapters pass it through).
 
-Security: the forwarded path is rebuilt from the matched template and a validated
-resource id, never copied from the client, so dot segments or encoded slashes can
+Responses state lives in two kinds of stored objects: responses
+(``/v1/responses/{id}``) and conversations (``/v1/conversations/{id}``, with their
+items at ``/v1/conversations/{id}/items/{item_id}``). Their resource operations are
+placed by owner, like the responses they continue (:mod:`meshkit.core.fanout`).
+
+Security: the forwarded path is rebuilt from the matched template and validated
+resource ids, never copied from the client, so dot segments or encoded slashes can
 never reach a path outside this registry. ``GET /v1/models/{model}`` (the OpenAI
 SDKs' ``models.retrieve``) is answered by the mesh from the merged model list: its
 model id (any characters, slashes included, percent-decoded) is only compared with
@@ -68,6 +73,10 @@ class Op(enum.StrEnum):
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
     LIST = "list"
+    UPDATE = "update"
+    #: stores a new state object without inference (``POST /v1/conversations``)
+    CREATE_STATE = "create_state"
+    ADD_ITEMS = "add_items"
 
 
 class StreamFormat(enum.StrEnum):
@@ -91,6 +100,9 @@ class Endpoint:
     template: str
     stream_format: StreamFormat = StreamFormat.NONE
     shape: ErrorShape = "openai"
+    #: a whole answer is a stored state object (a response, a conversation): the
+    #: origin that gave it holds its ``id`` (Responses affinity learns it)
+    answers_state: bool = False
 
     @property
     def has_body(self) -> bool:
@@ -98,11 +110,11 @@ class Endpoint:
 
     @property
     def is_resource(self) -> bool:
-        """Retrieve/delete/cancel/input_items on a stored Response."""
+        """An operation on a stored Response or Conversation (placed by its owner)."""
         return "{id}" in self.template
 
-    def path(self, resource_id: str | None = None) -> str:
-        """The canonical path to forward (the id has been validated by :func:`resolve`).
+    def path(self, resource_id: str | None = None, item_id: str | None = None) -> str:
+        """The canonical path to forward (the ids have been validated by :func:`resolve`).
 
         A model retrieve forwards the listing it is answered from, ``/v1/models``.
         """
@@ -110,7 +122,8 @@ class Endpoint:
             return _MODELS
         if resource_id is None:
             return self.template
-        return self.template.replace("{id}", resource_id)
+        path = self.template.replace("{id}", resource_id)
+        return path if item_id is None else path.replace("{item_id}", item_id)
 
 
 def _ep(
@@ -121,8 +134,10 @@ def _ep(
     template: str,
     stream: StreamFormat = StreamFormat.NONE,
     shape: ErrorShape = "openai",
+    *,
+    state: bool = False,
 ) -> Endpoint:
-    return Endpoint(name, api, op, frozenset(methods.split("|")), template, stream, shape)
+    return Endpoint(name, api, op, frozenset(methods.split("|")), template, stream, shape, state)
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
@@ -145,7 +160,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "/v1/messages/count_tokens",
         shape="anthropic",
     ),
-    _ep("responses", Api.RESPONSES, Op.CREATE, "POST", "/v1/responses", StreamFormat.RESPONSES),
+    _ep(
+        "responses",
+        Api.RESPONSES,
+        Op.CREATE,
+        "POST",
+        "/v1/responses",
+        StreamFormat.RESPONSES,
+        state=True,
+    ),
     _ep(
         "responses.retrieve",
         Api.RESPONSES,
@@ -153,6 +176,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "GET",
         "/v1/responses/{id}",
         StreamFormat.RESPONSES,
+        state=True,
     ),
     _ep("responses.delete", Api.RESPONSES, Op.DELETE, "DELETE", "/v1/responses/{id}"),
     _ep("responses.cancel", Api.RESPONSES, Op.CANCEL, "POST", "/v1/responses/{id}/cancel"),
@@ -162,6 +186,62 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         Op.INPUT_ITEMS,
         "GET",
         "/v1/responses/{id}/input_items",
+    ),
+    # Conversations are Responses state too: served by the workers that serve
+    # responses, placed by their owner (the create by the policy, like a response).
+    _ep(
+        "conversations.create",
+        Api.RESPONSES,
+        Op.CREATE_STATE,
+        "POST",
+        "/v1/conversations",
+        state=True,
+    ),
+    _ep(
+        "conversations.retrieve",
+        Api.RESPONSES,
+        Op.RETRIEVE,
+        "GET",
+        "/v1/conversations/{id}",
+        state=True,
+    ),
+    _ep(
+        "conversations.update",
+        Api.RESPONSES,
+        Op.UPDATE,
+        "POST",
+        "/v1/conversations/{id}",
+        state=True,
+    ),
+    _ep("conversations.delete", Api.RESPONSES, Op.DELETE, "DELETE", "/v1/conversations/{id}"),
+    _ep(
+        "conversations.items.list",
+        Api.RESPONSES,
+        Op.LIST,
+        "GET",
+        "/v1/conversations/{id}/items",
+    ),
+    _ep(
+        "conversations.items.create",
+        Api.RESPONSES,
+        Op.ADD_ITEMS,
+        "POST",
+        "/v1/conversations/{id}/items",
+    ),
+    _ep(
+        "conversations.items.retrieve",
+        Api.RESPONSES,
+        Op.RETRIEVE,
+        "GET",
+        "/v1/conversations/{id}/items/{item_id}",
+    ),
+    _ep(
+        "conversations.items.delete",
+        Api.RESPONSES,
+        Op.DELETE,
+        "DELETE",
+        "/v1/conversations/{id}/items/{item_id}",
+        state=True,  # answers the conversation
     ),
     _ep("generate", Api.GENERATE, Op.CREATE, "POST", "/generate", StreamFormat.GENERATE),
     _ep("tokenize", Api.TOKENIZE, Op.TOKENIZE, "POST", "/v1/tokenize"),
@@ -186,6 +266,7 @@ _PREFIXES: tuple[tuple[str, ErrorShape], ...] = (
     ("/v1/completions", "openai"),
     ("/v1/messages", "anthropic"),
     ("/v1/responses", "openai"),
+    ("/v1/conversations", "openai"),
     ("/generate", "openai"),
     ("/v1/tokenize", "openai"),
     ("/tokenize", "openai"),
@@ -208,19 +289,24 @@ _MODEL_RETRIEVE = next(e for e in ENDPOINTS if e.name == "models.retrieve")
 #: the longest model id ``GET /v1/models/{model}`` accepts (characters, decoded)
 MAX_MODEL_ID = 512
 
+_ITEM = "{item_id}"
 _STATIC: dict[str, list[Endpoint]] = {}
-_RESOURCE: list[tuple[str, str, Endpoint]] = []  # (head, tail, endpoint) for ".../{id}..."
+#: (head, tail, endpoint) for ".../{id}<tail>"; a tail ending in "/" is followed by
+#: an item id (the template's "{item_id}")
+_RESOURCE: list[tuple[str, str, Endpoint]] = []
 for _e in ENDPOINTS:
     if _e is _MODEL_RETRIEVE:
         continue
     if _e.is_resource:
         _head, _tail = _e.template.split("{id}")
-        _RESOURCE.append((_head, _tail, _e))
+        _RESOURCE.append((_head, _tail.removesuffix(_ITEM), _e))
     else:
         _STATIC.setdefault(_e.template, []).append(_e)
 
 _ID = re.compile(r"[A-Za-z0-9_-]{1,256}")
 MAX_RESOURCE_ID = 256
+#: the parameter a bad id is reported as, by the path it is under
+_ID_PARAM = {"/v1/responses/": "response_id", "/v1/conversations/": "conversation_id"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,10 +317,12 @@ class Match:
     resource_id: str | None = None
     #: the model id of ``GET /v1/models/{model}`` (percent-decoded)
     model: str | None = None
+    #: the item of ``/v1/conversations/{id}/items/{item_id}``
+    item_id: str | None = None
 
     @property
     def path(self) -> str:
-        return self.endpoint.path(self.resource_id)
+        return self.endpoint.path(self.resource_id, self.item_id)
 
 
 def shape_for_path(path: str) -> ErrorShape:
@@ -265,7 +353,7 @@ def resolve(method: str, path: str) -> Match | None:
     :returns: a :class:`Match`, or ``None`` for a path meshkit does not own.
     :raises UnknownEndpoint: a path under an inference prefix that is not registered.
     :raises MethodNotAllowed: a registered path with another method.
-    :raises InvalidRequest: a resource id that is not ``[A-Za-z0-9_-]{1,256}``.
+    :raises InvalidRequest: a resource (or item) id that is not ``[A-Za-z0-9_-]{1,256}``.
     """
     static = _STATIC.get(path)
     if static is not None:
@@ -280,16 +368,28 @@ def resolve(method: str, path: str) -> Match | None:
         rest = path[len(head) :]
         raw_id, sep, sub = rest.partition("/")
         sub_path = sep + sub
-        if sub_path != tail:
+        raw_item = None
+        if tail.endswith("/"):
+            raw_item = sub_path[len(tail) :]
+            if not sub_path.startswith(tail) or "/" in raw_item:
+                continue
+        elif sub_path != tail:
             continue
-        if len(raw_id) > 3 * MAX_RESOURCE_ID:
-            raise InvalidRequest("response id is too long", param="response_id")
-        rid = unquote(raw_id)
-        if _ID.fullmatch(rid) is None:
-            raise InvalidRequest("response id must match [A-Za-z0-9_-]{1,256}", param="response_id")
+        rid = _valid_id(raw_id, _ID_PARAM[head])
+        item = None if raw_item is None else _valid_id(raw_item, "item_id")
         group = [e for h, t, e in _RESOURCE if h == head and t == tail]
-        return Match(_pick(group, method, path), rid)
+        return Match(_pick(group, method, path), rid, item_id=item)
     raise UnknownEndpoint(f"no inference endpoint at {path}")
+
+
+def _valid_id(raw: str, param: str) -> str:
+    what = param.replace("_", " ")
+    if len(raw) > 3 * MAX_RESOURCE_ID:
+        raise InvalidRequest(f"{what} is too long", param=param)
+    rid = unquote(raw)
+    if _ID.fullmatch(rid) is None:
+        raise InvalidRequest(f"{what} must match [A-Za-z0-9_-]{{1,256}}", param=param)
+    return rid
 
 
 def _model_match(method: str, path: str) -> Match:

@@ -2,8 +2,10 @@
 Fan-out flows: Responses resource operations and the model list
 ================================================================
 
-Retrieve, delete, cancel and input_items name a stored Response. When meshkit
-knows which origin created it (Responses affinity) it asks that origin only;
+Retrieve, delete, cancel and input_items name a stored Response; retrieve,
+update, delete and the items operations of ``/v1/conversations/{id}`` a stored
+Conversation. When meshkit knows which origin created it (Responses affinity) it
+asks that origin only;
 otherwise it asks each candidate origin in turn (DP ranks of one origin once) and
 relays the first success, or else the most specific error: a 404 says the others
 do not have it, which is truer than a 5xx or an unreachable worker.
@@ -96,7 +98,7 @@ def resource_flow(
         raise refused
     if best is not None and best.status is not None:
         return LocalResponse(best.status, best.headers, best.body or b"")
-    raise UpstreamError("no worker holding this response could be reached")
+    raise UpstreamError("no worker holding this response or conversation could be reached")
 
 
 def _refusal_rank(status: int) -> int:

@@ -53,10 +53,9 @@ import random
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Protocol
-from urllib.parse import quote
 
 from meshkit.core.credentials import request_headers
-from meshkit.core.endpoints import Api
+from meshkit.core.endpoints import Api, Op
 from meshkit.core.payload import RankBase, rank_base, with_rank
 from meshkit.core.requests import LocalResponse, RequestView
 from meshkit.core.workers import Candidate, Tls
@@ -92,6 +91,7 @@ __all__ = [
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504, 529})
 _NONE: frozenset[str] = frozenset()
+_CREATE_STATE = Op.CREATE_STATE
 
 
 class Failure(enum.Enum):
@@ -195,11 +195,13 @@ class Leaser(Protocol):
 
 class Placer(Leaser, Protocol):
     def lookup_targets(self, view: RequestView) -> list[Candidate]:
-        """Where to ask for the owner of ``view.previous_response_id`` (one per
-        origin), or nothing when the owner is known or need not be."""
+        """Where to ask for the owner of ``view.state_id`` (a response or a
+        conversation; one per origin), or nothing when the owner is known or need not be."""
         ...
 
-    def remember_response(self, response_id: str, origin: str) -> None: ...
+    def remember_response(self, response_id: str, origin: str) -> None:
+        """Responses affinity: the state object ``response_id`` lives on ``origin``."""
+        ...
 
     def remember_missing(self, response_id: str) -> None:
         """No worker holds ``response_id``: do not ask again for a while."""
@@ -317,15 +319,16 @@ def _find_owner(
     client_headers: list[tuple[bytes, bytes]],
     targets: list[Candidate],
 ) -> Generator[Attempt, AttemptResult, None]:
-    """Another process placed the referenced response: ask each origin once
-    (``GET /v1/responses/{id}``) and remember who has it, so placement goes there.
+    """Another process created the referenced response or conversation: ask each
+    origin once (``view.state_path``: ``GET /v1/responses/{id}`` or
+    ``GET /v1/conversations/{id}``) and remember who has it, so placement goes there.
 
     :raises UpstreamError: nobody answered that they have it and some origin could
         not be asked (the owner may be down: a conversation never moves silently).
     """
-    rid = view.previous_response_id
+    rid, path = view.state_id, view.state_path
     assert rid is not None
-    path = "/v1/responses/" + quote(rid, safe="")
+    assert path is not None
     unreachable = False
     for number, cand in enumerate(targets):
         attempt = build_attempt(
@@ -346,7 +349,8 @@ def _find_owner(
             return
     if unreachable:
         raise UpstreamError(
-            "the worker that may hold the referenced response could not be asked; retry"
+            "the worker that may hold the referenced response or conversation "
+            "could not be asked; retry"
         )
     placer.remember_missing(rid)
 
@@ -361,11 +365,14 @@ def forward_flow(
     rng: random.Random,
 ) -> ForwardFlow:
     """The flow for one request (see the module docstring)."""
-    if view.previous_response_id and view.stateful:
+    if view.state_id:
         targets = placer.lookup_targets(view)
         if targets:
             yield from _find_owner(placer, view, client_headers, targets)
     api = view.api
+    # A stored object (a conversation) belongs to the server, not to one of its
+    # ranks, and its body takes no inference fields.
+    ranked = view.match.endpoint.op is not _CREATE_STATE
     base: RankBase | None = None
     tried: set[str] = set()
     history: list[tuple[str, AttemptResult]] = []
@@ -400,7 +407,7 @@ def forward_flow(
                 wake = exc
             if wake is None:
                 body = view.body
-                rank = cand.rank if _sends_rank(cand, api) else None
+                rank = cand.rank if ranked and _sends_rank(cand, api) else None
                 if rank is not None and view.match.endpoint.has_body and body:
                     if base is None:
                         base = rank_base(body, has_rank=view.has_dp_rank)

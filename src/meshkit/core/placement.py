@@ -10,10 +10,11 @@ Eligibility first, then the policy:
    workers serve any.
 4. **Responses state**: a request that references stored state
    (``previous_response_id``, ``conversation``, ``item_reference``) is routed only
-   when its owner is known (Responses affinity), or when every candidate shares one
-   backend or all are labelled ``mesh.responses_state=shared``. Unhealthy workers
-   count in this check, so failover cannot quietly move a conversation to a
-   backend that does not hold it.
+   when its owner is known (Responses affinity: the answer that created the
+   response or conversation, or the forward flow's lookup of it), or when every
+   candidate shares one backend or all are labelled ``mesh.responses_state=shared``.
+   Unhealthy workers count in this check, so failover cannot quietly move a
+   conversation to a backend that does not hold it.
 5. **Health**: unhealthy workers and excluded (already tried) candidates drop out.
 6. **Admission**: a worker with ``upstream.max_in_flight_per_worker`` requests in
    flight (its DP ranks together) drops out; with ``upstream.max_in_flight`` in

@@ -20,7 +20,9 @@ It is only built when the policy needs it.
 Responses state: ``previous_response_id``, ``conversation`` (a string or
 ``{"id": ...}``) and ``item_reference`` input items (including items that are
 only ``{"id": ...}``, since ``type`` is optional on item references) mark a request
-as stateful.
+as stateful. The first two name a stored object a router can look up when it does
+not know its owner (:attr:`RequestView.state_id`, :attr:`RequestView.state_path`);
+an item id cannot be: no endpoint answers for an item alone.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
+from urllib.parse import quote
 
 import msgspec
 
-from meshkit.core.endpoints import Api, Match, Op
+from meshkit.core.endpoints import ENDPOINTS, Api, Match, Op
 from meshkit.errors import HeadersTooLarge, InvalidRequest, UnsupportedMediaType
 
 __all__ = [
@@ -116,9 +119,12 @@ class _Any(msgspec.Struct):
 
 _ANY = msgspec.json.Decoder(_Any)
 # Read per request: module globals are cheaper than enum members' attributes.
-_CANCEL, _COUNT_TOKENS = Op.CANCEL, Op.COUNT_TOKENS
+_CANCEL, _COUNT_TOKENS, _CREATE_STATE = Op.CANCEL, Op.COUNT_TOKENS, Op.CREATE_STATE
 _TYPED_OPS = (Op.CREATE, Op.COUNT_TOKENS)
 _UNSET = msgspec.UNSET
+#: where a worker answers whether it holds a referenced response / conversation
+_RESPONSE_GET = next(e for e in ENDPOINTS if e.name == "responses.retrieve")
+_CONVERSATION_GET = next(e for e in ENDPOINTS if e.name == "conversations.retrieve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +187,23 @@ class RequestView:
     @property
     def stateful(self) -> bool:
         return bool(self.previous_response_id or self.conversation or self.item_references)
+
+    @property
+    def state_id(self) -> str | None:
+        """The stored object this request continues, which pins it to its owner:
+        ``previous_response_id`` or ``conversation`` (both at once is a 400)."""
+        return self.previous_response_id or self.conversation
+
+    @property
+    def state_path(self) -> str | None:
+        """The ``GET`` a worker answers with 200 when it holds :attr:`state_id`."""
+        rid = self.previous_response_id
+        if rid:
+            return _RESPONSE_GET.path(quote(rid, safe=""))
+        cid = self.conversation
+        if cid:
+            return _CONVERSATION_GET.path(quote(cid, safe=""))
+        return None
 
 
 def check_media(content_type: str | None, content_encoding: str | None) -> None:
@@ -309,6 +332,8 @@ def parse_request(
     op = ep.op
     if not ep.has_body or op is _CANCEL:
         return view
+    if op is _CREATE_STATE and (not body or body.isspace()):
+        return view  # every field of a new conversation is optional, the body too
     parser = _PARSERS.get(ep.api) if op in _TYPED_OPS else None
     try:
         if not body or body.isspace():  # strip() would copy a body ending in a newline

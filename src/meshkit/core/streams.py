@@ -268,6 +268,8 @@ class StreamAccountant:
     :param streaming: whether the response is a stream (the request asked for one).
     :param started_at: the time the request was sent, for :attr:`ttft`.
     :param max_line_bytes: the longest SSE event (or non-streaming body) parsed.
+    :param state_ids: a whole body is a stored state object whose ``id`` is
+        :attr:`response_id` (None: for Responses bodies only).
     """
 
     __slots__ = (
@@ -292,6 +294,7 @@ class StreamAccountant:
         "overflow",
         "response_id",
         "started_at",
+        "state_ids",
         "streaming",
     )
 
@@ -302,8 +305,10 @@ class StreamAccountant:
         streaming: bool,
         started_at: float,
         max_line_bytes: int = 1 << 20,
+        state_ids: bool | None = None,
     ) -> None:
         self.fmt = fmt
+        self.state_ids = fmt is _RESPONSES if state_ids is None else state_ids
         self.streaming = streaming
         self.started_at = started_at
         self.max_line_bytes = max_line_bytes
@@ -317,7 +322,7 @@ class StreamAccountant:
         self.overflow = False
         #: data payloads (or bodies) that were not a JSON object
         self.malformed = 0
-        #: the Responses API id of the stored response
+        #: the Responses API id of the stored response (or conversation)
         self.response_id: str | None = None
         self._sse = streaming and fmt is not _NONE
         self._buf = bytearray()
@@ -698,7 +703,7 @@ class StreamAccountant:
             self._usage = total
         if output:
             self.first_token_at = now
-        if self.fmt is _RESPONSES and isinstance(obj, dict):
+        if self.state_ids and isinstance(obj, dict):
             rid = obj.get("id")
             if isinstance(rid, str) and rid:
                 self.response_id = rid

@@ -2,7 +2,7 @@
 meshkit.mock: a fast mock inference worker
 ==========================================
 
-An OpenAI (chat, completions, Responses) + Anthropic (messages) + SGLang
+An OpenAI (chat, completions, Responses, Conversations) + Anthropic (messages) + SGLang
 (``/generate``) + vLLM (tokenize, sleep mode) compatible worker for meshkit's tests,
 demo and benchmarks. It runs on a raw asyncio protocol with ``httptools`` (uvloop
 when available) and answers non-stream requests from pre-built bytes.

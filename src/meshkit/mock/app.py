@@ -4,7 +4,7 @@ The mock worker's request handling (no I/O)
 
 :class:`MockApp` routes a parsed :class:`~meshkit.mock.wire.Request` and answers with
 a :data:`~meshkit.mock.wire.Reply`. It owns the worker's state: the prefix cache, the
-Responses store, sleep state, the error RNG and the pre-built response templates.
+Responses and Conversations stores, sleep state, the error RNG and the pre-built response templates.
 
 Order of checks for an API request: family enabled (``apis``, else 404) → API key
 (401) → for inference, sleeping (503) → JSON body (400) → data-parallel rank (400)
@@ -34,6 +34,7 @@ from meshkit.mock import anthropic_api, openai_api, sglang_api
 from meshkit.mock.admin import AdminHandlers
 from meshkit.mock.cache import PrefixCache
 from meshkit.mock.config import MockConfig, MockStats
+from meshkit.mock.conversations import ConversationHandlers, ConversationStore
 from meshkit.mock.errors import anthropic_error, openai_error
 from meshkit.mock.pd import check_pd, logprobs_for, vllm_prefill_params
 from meshkit.mock.pooling_api import PoolingHandlers
@@ -54,6 +55,7 @@ _ID_MARK = "@@MOCKID@@"
 _ID_MARK_B = _ID_MARK.encode()
 _ID_HEX = 12
 _RESP_PREFIX = b"/v1/responses/"
+_CONV_PREFIX = b"/v1/conversations/"
 
 
 def _safe_tag(name: str) -> str:
@@ -70,6 +72,9 @@ class MockApp:
         self.sleeping_tags: set[str] = set()
         self.vocab = Vocab()
         self.responses = ResponseStore()
+        self.conversations = ConversationStore(
+            config.max_conversations, config.max_conversation_items
+        )
         self.cache = (
             PrefixCache(config.cache_tokens, config.block_size) if config.cache_tokens > 0 else None
         )
@@ -90,15 +95,17 @@ class MockApp:
         self._keys = None if key is None else {b"Bearer " + key.encode(), key.encode()}
         self._routes: dict[bytes, Route] = {}
         self._responses = ResponsesHandlers(self)
+        self._conversations = ConversationHandlers(self)
         self._add_routes()
 
     def reset_state(self) -> None:
         """Forget volatile state (a crashed process loses it): cache (and its engine-hash
-        seed), responses, sleep."""
+        seed), responses and conversations, sleep."""
         if self.cache is not None:
             self.cache.clear()
             self.cache.reseed()
         self.responses.clear()
+        self.conversations.clear()
         self.sleeping_tags.clear()
 
     # -- routing -----------------------------------------------------------------
@@ -115,6 +122,7 @@ class MockApp:
         r("/v1/messages", "messages", True, POST=self._messages)
         r("/v1/messages/count_tokens", "messages", True, POST=self._count_tokens)
         r("/v1/responses", "responses", False, POST=self._responses.create)
+        r("/v1/conversations", "responses", False, POST=self._conversations.create)
         r("/generate", "generate", False, POST=self._generate)
         PoolingHandlers(self).register()
         AdminHandlers(self).register()
@@ -129,6 +137,9 @@ class MockApp:
             if req.path.startswith(_RESP_PREFIX):
                 gate = self._gate(req, "responses", False)
                 return gate if gate is not None else self._responses.resource(req)
+            if req.path.startswith(_CONV_PREFIX):
+                gate = self._gate(req, "responses", False)
+                return gate if gate is not None else self._conversations.resource(req)
             return self.error(req, 404, f"Not found: {name}")
         name, family, anthropic, methods = route
         counts[name] = counts.get(name, 0) + 1

@@ -3,7 +3,8 @@ Mock worker configuration and statistics
 ========================================
 
 :class:`MockConfig` describes how a mock worker behaves (which APIs it serves,
-latencies, injected faults, the prefix-cache model and its KV events, sleep mode).
+latencies, injected faults, the prefix-cache model and its KV events, sleep mode,
+the bounds of the Conversations store).
 
 :class:`MockStats` records what the worker saw, so tests can assert what a router
 forwarded. The ``last_*`` fields describe the last request to an *API* endpoint
@@ -87,6 +88,10 @@ class MockConfig:
     #: prompts are then tokenized as an engine does (chat template, special tokens)
     #: for the token counts and the cache model. ``None`` = whitespace words.
     tokenizer: str | None = None
+    #: Conversations kept (``/v1/conversations``); the least recently used goes first.
+    max_conversations: int = 1000
+    #: Items kept per conversation; the oldest go first.
+    max_conversation_items: int = 1000
 
     def __post_init__(self) -> None:
         if self.apis is not None:
@@ -111,6 +116,8 @@ class MockConfig:
             raise ValueError("kv_events_format must be 'map' or 'array'")
         if self.kv_replay_buffer < 1:
             raise ValueError("kv_replay_buffer must be >= 1")
+        if self.max_conversations < 1 or self.max_conversation_items < 1:
+            raise ValueError("max_conversations and max_conversation_items must be >= 1")
         if self.kv_events is not None and self.cache_tokens <= 0:
             raise ValueError(
                 "kv_events needs the prefix-cache model: set cache_tokens > 0 "

@@ -13,6 +13,7 @@ OpenAI Responses API bodies and the response store
   ``type`` and an increasing ``sequence_number``; no ``[DONE]``.
 * :class:`ResponseStore` keeps the last responses created on this worker (bounded),
   with their input items and their conversation context for ``previous_response_id``.
+* :func:`list_page` pages input items and conversation items alike.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ __all__ = [
     "StoredResponse",
     "build_response",
     "list_input_items",
+    "list_page",
     "normalize_input",
+    "page_of",
     "response_events",
 ]
 
@@ -213,7 +216,12 @@ def response_events(resp: dict[str, Any], pieces: tuple[str, ...]) -> list[Event
 
 def list_input_items(stored: StoredResponse, params: dict[str, list[str]]) -> dict[str, Any]:
     """``GET /v1/responses/{id}/input_items``: ``after``, ``limit`` (1-100), ``order``."""
-    items = stored.input_items
+    return list_page(stored.input_items, params)
+
+
+def list_page(items: list[dict[str, Any]], params: dict[str, list[str]]) -> dict[str, Any]:
+    """A page of ``items`` (input items, conversation items) as the API lists them:
+    ``after``, ``limit`` (1-100), ``order`` (``desc`` unless ``asc``)."""
     order = (params.get("order") or ["desc"])[-1]
     if order != "asc":
         items = items[::-1]
@@ -228,11 +236,15 @@ def list_input_items(stored: StoredResponse, params: dict[str, list[str]]) -> di
     except ValueError:
         limit = 20
     limit = min(max(limit, 1), 100)
-    page = items[:limit]
+    return page_of(items[:limit], has_more=len(items) > limit)
+
+
+def page_of(page: list[dict[str, Any]], *, has_more: bool) -> dict[str, Any]:
+    """A ``list`` object of ``page``."""
     return {
         "object": "list",
         "data": page,
         "first_id": page[0].get("id") if page else None,
         "last_id": page[-1].get("id") if page else None,
-        "has_more": len(items) > limit,
+        "has_more": has_more,
     }

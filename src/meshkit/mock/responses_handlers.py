@@ -5,7 +5,10 @@ OpenAI Responses API endpoints of the mock worker
 * ``POST /v1/responses``: non-stream, stream, ``background`` (returns
   ``in_progress``, completes after the simulated generation time),
   ``previous_response_id`` (404 unless this worker created it; the previous
-  conversation is prepended to the prompt), ``store: false`` (not retrievable).
+  conversation is prepended to the prompt), ``conversation`` (a string or
+  ``{"id": ...}``: 404 unless this worker holds it; its items are prepended to the
+  prompt, and the response's input and output items are appended to it when the
+  response completes), ``store: false`` (not retrievable).
 * ``GET /v1/responses/{id}`` (``?stream=true&starting_after=N`` replays the events),
   ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (only background
   responses, as the API says; others → 400) and ``GET /v1/responses/{id}/input_items``.
@@ -14,9 +17,11 @@ OpenAI Responses API endpoints of the mock worker
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import TYPE_CHECKING, Any
 
 from meshkit.mock import responses_api
+from meshkit.mock.conversations import StoredConversation, conversation_id
 from meshkit.mock.responses_api import StoredResponse
 from meshkit.mock.tokens import Token, prompt_tokens
 from meshkit.mock.turn import Turn, max_tokens
@@ -45,6 +50,10 @@ class ResponsesHandlers:
         body, rank = pre
         context: list[Token] = []
         prev_id = body.get("previous_response_id")
+        conv_ref = body.get("conversation")
+        if prev_id is not None and conv_ref is not None:
+            msg = "previous_response_id cannot be combined with conversation"
+            return self.app.error(req, 400, msg, param="previous_response_id")
         if prev_id is not None:
             prev = self.store.get(prev_id) if isinstance(prev_id, str) else None
             if prev is None:
@@ -53,31 +62,62 @@ class ResponsesHandlers:
                     req, 404, msg, param="previous_response_id", code="previous_response_not_found"
                 )
             context = prev.context
+        conv: StoredConversation | None = None
+        if conv_ref is not None:
+            cid = conversation_id(conv_ref)
+            conv = None if cid is None else self.app.conversations.get(cid)
+            if conv is None:
+                msg = f"Conversation with id '{cid}' not found."
+                return self.app.error(req, 404, msg, param="conversation")
+            context = prompt_tokens(conv.items)
         new_input = prompt_tokens(body.get("input"))
         tokens = prompt_tokens(body.get("instructions")) + context + new_input
         t = self.app.turn(body, tokens, max_tokens(body, "max_output_tokens"), rank)
         rid, msg_id = self.app.new_id("resp_"), self.app.new_id("msg_")
         resp = responses_api.build_response(t, rid, msg_id, body)
-        stored: StoredResponse | None = None
-        if body.get("store") is not False:
+        items: list[dict[str, Any]] = []
+        if conv is not None:
+            resp["conversation"] = {"id": conv.id}
+        if conv is not None or body.get("store") is not False:
             items = responses_api.normalize_input(
                 body.get("input"), lambda kind: self.app.new_id(f"{kind}_")
             )
+        stored: StoredResponse | None = None
+        if body.get("store") is not False:
             out_words: list[Token] = [w.strip() for w in t.pieces]
             stored = StoredResponse(resp, items, context + new_input + out_words)
             stored.background = body.get("background") is True
             self.store.put(rid, stored)
+        if stored is not None and stored.background and body.get("stream") is not True:
+            return self._background(req, stored, t, msg_id, body, conv)
+        if conv is not None:
+            # The mock's generation is done once answered (its delays only pace
+            # the bytes): the response is complete now.
+            self._extend(conv, items, resp)
         if body.get("stream") is True:
             return self.app.stream(req, responses_api.response_events(resp, t.pieces), t)
-        if stored is not None and stored.background:
-            return self._background(req, stored, t, msg_id, body)
         return self.app.complete_json(req, resp, t)
 
+    def _extend(
+        self, conv: StoredConversation, items: list[dict[str, Any]], resp: dict[str, Any]
+    ) -> None:
+        """A completed response's input and output items join its conversation."""
+        added = [dict(i) for i in items] + copy.deepcopy(resp["output"])
+        self.app.conversations.append(conv, added)
+
     def _background(
-        self, req: Request, stored: StoredResponse, t: Turn, msg_id: str, body: dict[str, Any]
+        self,
+        req: Request,
+        stored: StoredResponse,
+        t: Turn,
+        msg_id: str,
+        body: dict[str, Any],
+        conv: StoredConversation | None,
     ) -> bytes:
         final = stored.response
         pending = responses_api.build_response(t, final["id"], msg_id, body, status="in_progress")
+        if conv is not None:
+            pending["conversation"] = final["conversation"]
         stored.response = pending
         delay = self.app.total_delay(t)
 
@@ -85,6 +125,8 @@ class ResponsesHandlers:
             stored.timer = None
             if stored.response["status"] == "in_progress":
                 stored.response = final
+                if conv is not None:
+                    self._extend(conv, stored.input_items, final)
 
         stored.timer = asyncio.get_running_loop().call_later(delay, finish)
         return self.app.json(req, pending, rank=t.rank)

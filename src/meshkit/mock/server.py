@@ -15,8 +15,8 @@ task per connection; a client that goes away cancels it and counts in
 ``stats.disconnects``.
 
 :meth:`MockWorker.kill` simulates a crash: the listening socket and every connection
-close abruptly and the worker's volatile state (prefix cache, stored responses, sleep
-state) is lost; :meth:`MockWorker.start` then binds the **same** port again.
+close abruptly and the worker's volatile state (prefix cache, stored responses and
+conversations, sleep state) is lost; :meth:`MockWorker.start` then binds the **same** port again.
 
 With ``MockConfig.kv_events`` the worker also binds its KV-event sockets
 (:mod:`meshkit.mock.kv_publisher`) on start and closes them on stop or kill. A kill

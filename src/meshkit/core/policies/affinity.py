@@ -12,10 +12,10 @@ ring as ``prefix_hash``. The ``Mesh`` fills that key from a configured header
 policy (``power_of_two`` by default, built through the registry).
 
 :class:`ResponsesAffinity` is not a policy: it is a bounded map from a Responses
-API response id to the origin that produced it, which placement consults for
-``previous_response_id``. Entries expire after ``ttl_s``, measured on the
-caller's clock: the map only ever sees the ``now`` it is given, so the core stays
-free of clocks and tests can drive time.
+API state id (a response or a conversation) to the origin that produced it, which
+placement consults for ``previous_response_id`` and ``conversation``. Entries
+expire after ``ttl_s``, measured on the caller's clock: the map only ever sees the
+``now`` it is given, so the core stays free of clocks and tests can drive time.
 
 Security: a routing key comes from the client. It only chooses among eligible
 workers, and it is hashed (never logged or echoed), so a client can at most pin

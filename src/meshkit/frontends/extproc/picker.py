@@ -22,9 +22,11 @@ It takes the same steps as every other mode, with Envoy carrying the bytes:
 
 Not inference (``mesh.resolve`` gives None): the request goes to a healthy worker
 as it is, like the client transports' pass-through. ``GET /v1/models`` is answered
-here, the union of the workers' lists as in the HTTP modes. Responses resource
-operations and prefill/decode pairs need meshkit to call workers itself: 501
-``unsupported_in_ext_proc``.
+here, the union of the workers' lists as in the HTTP modes. Responses and
+Conversations resource operations and prefill/decode pairs need meshkit to call
+workers itself: 501 ``unsupported_in_ext_proc``. The lookup of a referenced
+response or conversation that this process did not place is meshkit's own
+question to the workers (probe attempts), asked before Envoy gets the route.
 """
 
 from __future__ import annotations
@@ -179,8 +181,8 @@ class Picker:
         ep = match.endpoint
         if ep.is_resource:
             raise UnsupportedInExtProc(
-                "Responses resource operations need a direct connection to the worker; "
-                "send them to meshkit serve or a worker"
+                "Responses and Conversations resource operations need a direct "
+                "connection to the worker; send them to meshkit serve or a worker"
             )
         body = bytes(self._body)
         view = self.view = await mesh.prepare_async(match, body, self.headers, self.query)
@@ -197,7 +199,7 @@ class Picker:
             if isinstance(step, Hold):
                 ready = await step.waiter.wait_async(step.deadline_s)
                 step = flow.send(AttemptResult.held(ready))
-            else:  # where a referenced response lives: asked by meshkit itself
+            else:  # where a referenced response or conversation lives: asked by meshkit
                 step = flow.send(await run_async(leg_steps(step), self._send))
         if not isinstance(step, Attempt):  # pragma: no cover - pairs are refused above
             raise UpstreamError("no single worker for this request")
