@@ -222,3 +222,24 @@ def test_the_burst_guard_always_holds(
         got = p.select(kit.ctx(cs, kit.view(_turn(tenant, conv, k)), load=load))
         assert load[got.key] + 1 <= bound
         load[got.key] += 1
+
+
+def test_the_plan_is_made_after_8_16_32_64_128_then_every_128_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ring = HashRing(["a", "b"])
+    shares = TrafficShares(fit=1.1, half_life_s=300.0, max_prefixes=10)
+    made: list[int] = []
+    make = shares._make
+
+    def counted(*args: object) -> object:
+        made.append(len(made) and shares._seen)
+        return make(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shares, "_make", counted)
+    for _ in range(600):
+        shares.observe(1, 0.0)
+        shares.plan(ring, ring.keys, 0.0)
+    assert made == [0, 8, 16, 32, 64, 128, 256, 384, 512]
+    shares.plan(ring, ("a",), 0.0)  # the fleet changed: at once
+    assert len(made) == 10

@@ -180,11 +180,14 @@ class TrafficShares:
     def plan(self, ring: HashRing, members: Sequence[str], now: float) -> Plan:
         """The plan over ``members`` (keys on ``ring``), recomputed when due."""
         members = tuple(members)
-        if self._plan is None or members != self._members or self._seen >= self._next_plan:
+        due = self._seen >= self._next_plan
+        if due:
+            # 8, 16, 32, 64, 128 observations, then every REPLAN_EVERY
+            nxt = self._next_plan
+            self._next_plan = nxt * 2 if nxt < REPLAN_EVERY else self._seen + REPLAN_EVERY
+        if due or self._plan is None or members != self._members:
             self._plan = self._make(ring, members, now)
             self._members = members
-            due = self._next_plan * 2 if self._next_plan < REPLAN_EVERY else REPLAN_EVERY
-            self._next_plan = self._seen + min(due, REPLAN_EVERY)
         return self._plan
 
     def forget(self) -> None:
