@@ -27,12 +27,29 @@ does not. (llama.cpp's default 8 GiB host-memory prompt cache would hold every
 tenant of this small workload on every engine, so after warm-up every policy
 hits; ``--cache-ram-mib -1`` keeps the default.)
 
+Routers
+-------
+``--routers`` (1) is K, or a comma list (``1,2``) to compare: K independent
+:class:`~meshkit.Mesh` objects over the same engines, each with its own state
+(policy, trees, counters, probes; routing seed 7, 8, ...) and nothing shared
+between them, as K router processes behind a load balancer would be. Each
+request goes through a router drawn at random (``--route-seed``; the same draw
+for every policy), so at K = 2 about half of a conversation's next turns go
+through the other router. Every Mesh probes the engines
+(``--probe-interval``, 1 s: ``lifecycle.health_interval_s``) and reads their
+``/metrics``: llama.cpp's ``llamacpp:requests_processing`` and
+``llamacpp:requests_deferred`` (:mod:`meshkit.core.engine_load`), so each router
+also weighs the requests the others put on an engine. A sampler reads each
+router's view of that (the *other routers' load*) four times a second. The
+engines publish no KV-cache events: ``cache_aware`` at K > 1 matches against
+its own per-process tree, which saw only its own share of the turns.
+
 Method
 ------
 Each run starts a fresh fleet, so every policy starts from cold caches, and
-warms each engine with one tiny request. The policies run in turn, the order
+warms each engine with one tiny request. The (K, policy) runs take turns, the order
 reversed every other round (A/B/C, C/B/A, ...), for ``--rounds`` (3) rounds.
-Ratios are taken against round robin *of the same round*; the report gives the
+Ratios are taken against round robin *of the same round and K*; the report gives the
 median and the min-max over rounds. The engines' ports are new each run, so
 ``prefix_hash``'s ring (keyed by worker URL) places the tenants differently in
 each round.
@@ -49,33 +66,44 @@ Usage::
 
     python benchmarks/real_engine.py                 # 6-10 min on 2 cores
     python benchmarks/real_engine.py --rounds 1      # a quick look
+    python benchmarks/real_engine.py --routers 1,2   # K = 1 against K = 2
 
-Writes ``benchmarks/REAL_ENGINE_RESULTS.md`` (``--out``) and, when matplotlib is
-importable, ``benchmarks/real_engine.png`` (``--png``).
+Adds a dated section at the top of ``benchmarks/REAL_ENGINE_RESULTS.md``
+(``--out``; the older sections stay below it) and, when matplotlib is
+importable, writes ``benchmarks/real_engine.png`` (``--png``; with K other than
+1, ``real_engine-k1-2.png`` and so on).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import os
 import platform
+import random
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from meshkit import Mesh
+import httpx
+
+from meshkit import Mesh, MeshTransport
 from meshkit.testing import EngineFleet, EngineUnavailable, check_available, default_threads
 from meshkit.testing.workload import (
     Conversation,
+    Outcome,
     Summary,
     make_conversations,
     make_tenants,
-    replay,
+    stream_chat,
     summarize,
 )
 
@@ -86,11 +114,33 @@ TIMES, DASH = "\u00d7", "\u2013"
 
 
 @dataclass
+class Views:
+    """What one run's routers saw of the others, from the engines' /metrics."""
+
+    samples: int = 0
+    #: samples in which a router had an engine report for every engine
+    reported: int = 0
+    #: other routers' requests as a router saw them, summed over the engines
+    others_sum: float = 0.0
+    others_max: int = 0
+
+    @property
+    def others_mean(self) -> float:
+        return self.others_sum / self.samples if self.samples else 0.0
+
+
+@dataclass
 class Run:
     round: int
     policy: str
     summary: Summary
     wall_s: float
+    routers: int = 1
+    #: requests per router
+    per_router: list[int] = field(default_factory=list)
+    #: turns 2+ sent through another router than the conversation's previous turn
+    switched: float = 0.0
+    views: Views = field(default_factory=Views)
 
 
 def _v(dist: str) -> str:
@@ -117,28 +167,149 @@ def _loadavg() -> str:
         return "?"
 
 
+def routes_for(n_convs: int, turns: int, routers: int, seed: int) -> list[list[int]]:
+    """``routes[turn][conversation]``: the router each request goes through, drawn at
+    random as a load balancer would, in a fixed order (the same for every policy)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(routers) for _ in range(n_convs)] for _ in range(turns)]
+
+
+def switched_share(routes: list[list[int]]) -> float:
+    """The share of turns 2+ that go through another router than the turn before."""
+    pairs = [
+        (a, b) for prev, cur in itertools.pairwise(routes) for a, b in zip(prev, cur, strict=True)
+    ]
+    return sum(a != b for a, b in pairs) / len(pairs) if pairs else 0.0
+
+
+def replay_routers(
+    meshes: Sequence[Mesh],
+    conversations: Sequence[Conversation],
+    routes: list[list[int]],
+    *,
+    turns: int,
+    max_tokens: int,
+    concurrency: int,
+    shuffle_seed: int,
+    timeout: float = 600.0,
+) -> list[Outcome]:
+    """:func:`meshkit.testing.workload.replay`, each request through the router
+    ``routes`` names: the same rounds, the same seeded order within a round."""
+    transports = [MeshTransport(m) for m in meshes]
+    clients = [
+        httpx.Client(transport=t, base_url="http://mesh.invalid", timeout=timeout)
+        for t in transports
+    ]
+    lock = threading.Lock()
+    results: list[Outcome] = []
+    convs = [Conversation(c.tenant, c.user, c.questions) for c in conversations]
+
+    def one(i: int, turn: int) -> Outcome:
+        conv = convs[i]
+        try:
+            out, text = stream_chat(
+                clients[routes[turn][i]], conv.messages(turn), max_tokens=max_tokens
+            )
+        except httpx.HTTPError as exc:
+            out, text = Outcome(tenant="", user=0, turn=0, status=0, error=repr(exc)), ""
+        out.tenant, out.user, out.turn = conv.tenant.name, conv.user, turn
+        if out.ok:
+            conv.history += [
+                {"role": "user", "content": conv.questions[turn]},
+                {"role": "assistant", "content": text},
+            ]
+        with lock:
+            results.append(out)
+        return out
+
+    rng = random.Random(shuffle_seed)
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            for turn in range(turns):
+                order = list(range(len(convs)))
+                rng.shuffle(order)  # the same permutation replay() draws
+                list(pool.map(partial(one, turn=turn), order))
+    finally:
+        for c in clients:
+            c.close()
+        for t in transports:
+            t.close()
+    return results
+
+
+def _watch(meshes: Sequence[Mesh], n_engines: int, stop: threading.Event, views: Views) -> None:
+    """Sample what each router holds of the engines' reports (benchmark
+    instrumentation: it reads the routers' fleets without their lock)."""
+    while not stop.wait(0.25):
+        for m in meshes:
+            fleet = m.router.fleet
+            others = dict(fleet.others)
+            views.samples += 1
+            views.reported += len(dict(fleet.engine)) >= n_engines
+            total = sum(others.values())
+            views.others_sum += total
+            views.others_max = max(views.others_max, total)
+
+
 def one_run(
+    round_: int,
     policy: str,
+    routers: int,
     convs: Sequence[Conversation],
     args: argparse.Namespace,
-) -> tuple[Summary, float]:
+) -> Run:
     t0 = time.monotonic()
     ram = None if args.cache_ram_mib < 0 else args.cache_ram_mib
+    routes = routes_for(len(convs), args.turns, routers, args.route_seed)
+    views = Views()
     with EngineFleet(
         args.engines, ctx=args.ctx, parallel=args.parallel, cache_ram_mib=ram
     ) as fleet:
         fleet.warm_up()
-        with Mesh(workers=fleet.urls, policy=policy, routing={"seed": 7}) as mesh:
-            results = replay(
-                mesh,
+        meshes = [
+            Mesh(
+                workers=fleet.urls,
+                policy=policy,
+                routing={"seed": 7 + i},
+                lifecycle={"health_interval_s": args.probe_interval},
+            )
+            for i in range(routers)
+        ]
+        stop = threading.Event()
+        watcher = threading.Thread(
+            target=_watch, args=(meshes, args.engines, stop, views), daemon=True
+        )
+        try:
+            for m in meshes:
+                m.start_lifecycle()
+            watcher.start()
+            results = replay_routers(
+                meshes,
                 convs,
+                routes,
                 turns=args.turns,
                 max_tokens=args.max_tokens,
                 concurrency=args.concurrency,
                 shuffle_seed=args.seed,
             )
+        finally:
+            stop.set()
+            if watcher.is_alive():
+                watcher.join()
+            for m in meshes:
+                m.close()
         summary = summarize(results, fleet.aliases)
-    return summary, time.monotonic() - t0
+    per_router = [sum(r[i] == k for r in routes for i in range(len(convs))) for k in range(routers)]
+    return Run(
+        round=round_,
+        policy=policy,
+        summary=summary,
+        wall_s=time.monotonic() - t0,
+        routers=routers,
+        per_router=per_router,
+        switched=switched_share(routes),
+        views=views,
+    )
 
 
 def _med(xs: Sequence[float]) -> tuple[float, float, float]:
@@ -152,9 +323,19 @@ def _fmt(xs: Sequence[float], unit: str = "s", pct: bool = False) -> str:
     return f"{med:.2f}{unit} ({lo:.2f}{DASH}{hi:.2f})"
 
 
-def report(runs: list[Run], args: argparse.Namespace, meta: dict[str, str]) -> str:
-    policies = [p for p in args.policies if any(r.policy == p for r in runs)]
-    base = args.policies[0]
+TITLE = "# Routing on real engines"
+PREAMBLE = (
+    "Generated by `benchmarks/real_engine.py`; see its docstring for the method. "
+    "Newest section first."
+)
+
+
+def _title(ks: Sequence[int]) -> str:
+    top = max(ks)
+    return f"K = {top} independent routers" if top > 1 else "One router per policy"
+
+
+def _table(runs: list[Run], policies: Sequence[str], base: str) -> list[str]:
     by = {(r.round, r.policy): r for r in runs}
     rounds = sorted({r.round for r in runs})
 
@@ -167,29 +348,6 @@ def report(runs: list[Run], args: argparse.Namespace, meta: dict[str, str]) -> s
         return out
 
     lines = [
-        "# Routing on real engines",
-        "",
-        "Generated by `benchmarks/real_engine.py`; see its docstring for the method.",
-        "",
-        f"- **Command**: `{meta['command']}`",
-        f"- **Date**: {meta['date']}",
-        f"- **Machine**: {meta['machine']}",
-        f"- **Versions**: {meta['versions']}",
-        f"- **Engines**: {args.engines} {TIMES} llama.cpp (xllamacpp), SmolLM2-135M-Instruct Q4_1, "
-        f"{default_threads(args.engines)} thread(s) each, {args.parallel} slots, "
-        f"n_ctx {args.ctx}, host prompt cache "
-        + ("engine default" if args.cache_ram_mib < 0 else f"{args.cache_ram_mib} MiB")
-        + " (`--cache-ram-mib`); a fresh fleet per run (cold caches), one warm-up request each",
-        f"- **Workload**: {args.tenants} tenants {TIMES} {args.users} conversations "
-        f"{TIMES} {args.turns} turns = {args.tenants * args.users * args.turns} streamed chat "
-        "requests per run, "
-        f"~{args.system_tokens}-token system prompt per tenant, max_tokens {args.max_tokens}, "
-        f"temperature 0, {args.concurrency} concurrent clients",
-        f"- **Rounds**: {len(rounds)}, policy order reversed every other round; "
-        f"median (min{DASH}max) over rounds",
-        f"- **Pinning**: none {DASH} the engines take one core each; the client and the "
-        f"in-process mesh share them. Load average before/after: {meta['load']}",
-        "",
         "| policy | cached-token ratio | mean TTFT | p90 TTFT | mean TTFT, turns 2+ "
         f"| mean latency | p90 latency | TTFT vs {base} | TTFT turns 2+ vs {base} "
         "| requests per engine (all rounds) |",
@@ -197,6 +355,8 @@ def report(runs: list[Run], args: argparse.Namespace, meta: dict[str, str]) -> s
     ]
     for p in policies:
         rs = [r for r in runs if r.policy == p]
+        if not rs:
+            continue
         per_engine: dict[str, int] = {}
         for r in rs:
             for k, v in r.summary.per_engine.items():
@@ -217,24 +377,94 @@ def report(runs: list[Run], args: argparse.Namespace, meta: dict[str, str]) -> s
             + (f" ({failed} failed)" if failed else "")
             + " |"
         )
+    return lines
+
+
+def report(runs: list[Run], args: argparse.Namespace, meta: dict[str, str]) -> str:
+    """One dated section (``## ...``) of the results file."""
+    policies = [p for p in args.policies if any(r.policy == p for r in runs)]
+    ks = [k for k in args.routers if any(r.routers == k for r in runs)]
+    base = args.policies[0]
+    rounds = sorted({r.round for r in runs})
+    lines = [
+        f"## {_title(ks)} ({meta['date'][:10]})",
+        "",
+        f"- **Command**: `{meta['command']}`",
+        f"- **Date**: {meta['date']}",
+        f"- **Machine**: {meta['machine']}",
+        f"- **Versions**: {meta['versions']}",
+        f"- **Engines**: {args.engines} {TIMES} llama.cpp (xllamacpp), SmolLM2-135M-Instruct Q4_1, "
+        f"{default_threads(args.engines)} thread(s) each, {args.parallel} slots, "
+        f"n_ctx {args.ctx}, host prompt cache "
+        + ("engine default" if args.cache_ram_mib < 0 else f"{args.cache_ram_mib} MiB")
+        + " (`--cache-ram-mib`); a fresh fleet per run (cold caches), one warm-up request each",
+        f"- **Workload**: {args.tenants} tenants {TIMES} {args.users} conversations "
+        f"{TIMES} {args.turns} turns = {args.tenants * args.users * args.turns} streamed chat "
+        "requests per run, "
+        f"~{args.system_tokens}-token system prompt per tenant, max_tokens {args.max_tokens}, "
+        f"temperature 0, {args.concurrency} concurrent clients",
+        f"- **Routers**: K = {', '.join(map(str, ks))}: K independent in-process `Mesh` "
+        "objects per run (nothing shared), each request through one drawn at random "
+        f"(`--route-seed {args.route_seed}`, the same draw for every policy); each probes "
+        f"the engines every {args.probe_interval:g} s and reads their `/metrics` "
+        "(`llamacpp:requests_processing`, `llamacpp:requests_deferred`); no KV events",
+        f"- **Rounds**: {len(rounds)}, (K, policy) order reversed every other round; "
+        f"median (min{DASH}max) over rounds; ratios against {base} of the same round and K",
+        f"- **Pinning**: none {DASH} the engines take one core each; the client and the "
+        f"in-process meshes share them. Load average before/after: {meta['load']}",
+        "",
+    ]
+    for k in ks:
+        rk = [r for r in runs if r.routers == k]
+        sw = statistics.fmean(r.switched for r in rk)
+        lines += [
+            f"### K = {k}",
+            "",
+            *(
+                [f"Turns 2+ through another router than the turn before: {sw:.0%}.", ""]
+                if k > 1
+                else []
+            ),
+            *_table(rk, policies, base),
+            "",
+        ]
     lines += [
+        "### Per run",
         "",
-        "## Per run",
+        "*other routers' load*: the requests of other routers on the engines as one router "
+        "saw them in the engines' last `/metrics` (its report minus its own in flight), "
+        "summed over the engines, sampled every 0.25 s per router: mean / max.",
         "",
-        "| round | policy | cached | mean TTFT | p90 TTFT | TTFT turns 2+ | mean latency "
-        "| per engine | wall |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| round | K | policy | cached | mean TTFT | p90 TTFT | TTFT turns 2+ | mean latency "
+        "| per engine | per router | other routers' load | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         s = r.summary
+        v = r.views
         lines.append(
-            f"| {r.round + 1} | {r.policy} | {s.cached_ratio:.1%} | {s.mean_ttft:.2f}s "
-            f"| {s.p90_ttft:.2f}s | {s.later_mean_ttft:.2f}s | {s.mean_latency:.2f}s "
-            f"| {', '.join(f'{k}: {v}' for k, v in sorted(s.per_engine.items()))} "
+            f"| {r.round + 1} | {r.routers} | {r.policy} | {s.cached_ratio:.1%} "
+            f"| {s.mean_ttft:.2f}s | {s.p90_ttft:.2f}s | {s.later_mean_ttft:.2f}s "
+            f"| {s.mean_latency:.2f}s "
+            f"| {', '.join(f'{k}: {n}' for k, n in sorted(s.per_engine.items()))} "
+            f"| {' / '.join(map(str, r.per_router))} "
+            f"| {v.others_mean:.2f} / {v.others_max} "
             f"| {r.wall_s:.0f}s |"
         )
     lines.append("")
     return "\n".join(lines)
+
+
+def write_section(path: Path, section: str) -> str:
+    """The results file with ``section`` first and the older sections kept below."""
+    older = ""
+    if path.exists():
+        text = path.read_text()
+        at = text.find("\n## ")
+        older = text[at + 1 :] if at >= 0 else ""
+    out = f"{TITLE}\n\n{PREAMBLE}\n\n{section.rstrip()}\n" + (f"\n{older}" if older else "")
+    path.write_text(out)
+    return out
 
 
 def plot(runs: list[Run], args: argparse.Namespace, path: Path) -> bool:
@@ -246,29 +476,58 @@ def plot(runs: list[Run], args: argparse.Namespace, path: Path) -> bool:
     except ImportError:
         return False
     policies = [p for p in args.policies if any(r.policy == p for r in runs)]
+    ks = [k for k in args.routers if any(r.routers == k for r in runs)]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    width = 0.8 / len(ks)
+    colors = ["#6a9fd8", "#e08a3c", "#2a7", "#999"]
     for ax, attr, label, scale in (
         (axes[0], "mean_ttft", "mean TTFT (s)", 1.0),
         (axes[1], "later_mean_ttft", "mean TTFT, turns 2+ (s)", 1.0),
         (axes[2], "cached_ratio", "cached prompt tokens (%)", 100.0),
     ):
-        meds, los, his = [], [], []
-        for p in policies:
-            med, lo, hi = _med([getattr(r.summary, attr) * scale for r in runs if r.policy == p])
-            meds.append(med)
-            los.append(med - lo)
-            his.append(hi - med)
-        ax.bar(policies, meds, yerr=[los, his], capsize=6, color=["#999", "#6a9fd8", "#2a7"])
+        for j, k in enumerate(ks):
+            meds, los, his = [], [], []
+            for p in policies:
+                xs = [
+                    getattr(r.summary, attr) * scale
+                    for r in runs
+                    if (r.policy, r.routers) == (p, k)
+                ]
+                med, lo, hi = _med(xs)
+                meds.append(med)
+                los.append(med - lo)
+                his.append(hi - med)
+            xs_pos = [i + (j - (len(ks) - 1) / 2) * width for i in range(len(policies))]
+            ax.bar(
+                xs_pos,
+                meds,
+                width=width,
+                yerr=[los, his],
+                capsize=4,
+                color=colors[j % len(colors)],
+                label=f"K = {k}",
+            )
+        ax.set_xticks(range(len(policies)), policies)
         ax.set_ylabel(label)
         ax.set_title(label.split(" (")[0])
+        if len(ks) > 1:
+            ax.legend()
     fig.suptitle(
         f"{args.engines} llama.cpp engines, {args.tenants} tenants {TIMES} {args.users} "
-        f"users {TIMES} {args.turns} turns (median, min{DASH}max over {args.rounds} rounds)"
+        f"users {TIMES} {args.turns} turns, K = {', '.join(map(str, ks))} routers "
+        f"(median, min{DASH}max over {args.rounds} rounds)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _ks(text: str) -> list[int]:
+    ks = [int(x) for x in text.split(",") if x.strip()]
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError("K: one or more integers, at least 1")
+    return ks
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -291,9 +550,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=11, help="arrival order within each turn")
     ap.add_argument("--policies", default=",".join(POLICIES), type=lambda s: s.split(","))
+    ap.add_argument(
+        "--routers",
+        default=[1],
+        type=_ks,
+        help="K independent routers (Mesh objects) per run; a comma list compares them",
+    )
+    ap.add_argument("--route-seed", type=int, default=5, help="which router takes each request")
+    ap.add_argument(
+        "--probe-interval", type=float, default=1.0, help="lifecycle.health_interval_s (s)"
+    )
     ap.add_argument("--out", type=Path, default=HERE / "REAL_ENGINE_RESULTS.md")
-    ap.add_argument("--png", type=Path, default=HERE / "real_engine.png")
+    ap.add_argument("--png", type=Path, default=None, help="default: real_engine[-kK].png")
     args = ap.parse_args(argv)
+    if args.png is None:
+        ks = "-".join(map(str, args.routers))
+        args.png = HERE / ("real_engine.png" if args.routers == [1] else f"real_engine-k{ks}.png")
 
     try:
         check_available()
@@ -307,18 +579,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         users=args.users,
         turns=args.turns,
     )
+    combos = [(k, p) for k in args.routers for p in args.policies]
     runs: list[Run] = []
-    for k in range(args.rounds):
-        order = args.policies if k % 2 == 0 else list(reversed(args.policies))
-        for policy in order:
-            summary, wall = one_run(policy, convs, args)
-            runs.append(Run(k, policy, summary, wall))
+    for n in range(args.rounds):
+        order = combos if n % 2 == 0 else list(reversed(combos))
+        for routers, policy in order:
+            run = one_run(n, policy, routers, convs, args)
+            runs.append(run)
+            s = run.summary
             print(
-                f"round {k + 1} {policy:<12} cached {summary.cached_ratio:6.1%}  "
-                f"TTFT mean {summary.mean_ttft:6.2f}s p90 {summary.p90_ttft:6.2f}s "
-                f"turns 2+ {summary.later_mean_ttft:6.2f}s  "
-                f"latency mean {summary.mean_latency:6.2f}s  {summary.per_engine}  "
-                f"failed {summary.failed}  ({wall:.0f}s)",
+                f"round {n + 1} K={routers} {policy:<12} cached {s.cached_ratio:6.1%}  "
+                f"TTFT mean {s.mean_ttft:6.2f}s p90 {s.p90_ttft:6.2f}s "
+                f"turns 2+ {s.later_mean_ttft:6.2f}s  "
+                f"latency mean {s.mean_latency:6.2f}s  {s.per_engine}  "
+                f"routers {run.per_router} others {run.views.others_mean:.2f}/"
+                f"{run.views.others_max} reported {run.views.reported}/{run.views.samples}  "
+                f"failed {s.failed}  ({run.wall_s:.0f}s)",
                 flush=True,
             )
     meta = {
@@ -334,8 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     text = report(runs, args, meta)
     if plot(runs, args, args.png):
-        text += f"\n![mean TTFT and cached-token ratio per policy]({args.png.name})\n"
-    args.out.write_text(text)
+        text += f"\n![mean TTFT and cached-token ratio per policy and K]({args.png.name})\n"
+    write_section(args.out, text)
     print(text)
     return 0 if all(r.summary.failed == 0 for r in runs) else 1
 

@@ -184,7 +184,7 @@ class LifecycleConfig:
     require_tracking: bool = False
     # How often an unlabelled worker's GET /v1/models is read again (0: never read).
     models_interval_s: float = 60.0
-    # Read each engine's load (vLLM/SGLang Prometheus gauges) with every probe, so
+    # Read each engine's load (vLLM, SGLang and llama.cpp Prometheus gauges) with every probe, so
     # this router sees what the other routers put there too ("" = off).
     engine_metrics_path: str = "/metrics"
     # An engine's metrics text is read up to this many bytes (vLLM's are ~100 KiB).

@@ -1,7 +1,9 @@
 """Engine load from Prometheus text (:mod:`meshkit.core.engine_load`), pinned on the
-lines vLLM and SGLang print, and what other routers hold."""
+lines vLLM, SGLang and llama.cpp print, and what other routers hold."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from meshkit.core.engine_load import EngineLoad, others, parse_metrics
 from meshkit.core.workers import Fleet, Worker
@@ -20,6 +22,10 @@ vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
 vllm:num_requests_running_total_not_this 99
 vllm:prompt_tokens_total{engine="0",model_name="tiny"} 1234.0
 """
+# Captured byte for byte from a real llama.cpp server: xllamacpp 2026.10.11549
+# (llama.cpp's tools/server), SmolLM2-135M-Instruct Q4_1, n_parallel 1, with one
+# request generating and two more queued behind it (GET /metrics mid-flight).
+LLAMACPP = (Path(__file__).parent / "fixtures" / "llamacpp" / "metrics.txt").read_bytes()
 SGLANG = b"""# TYPE sglang:num_running_reqs gauge
 sglang:num_running_reqs{model_name="m",tp_rank="0"} 7
 sglang:num_queue_reqs{model_name="m",tp_rank="0"} 1
@@ -33,6 +39,30 @@ def test_vllm_lines_are_summed_over_engines() -> None:
 
 def test_sglang_lines() -> None:
     assert parse_metrics(SGLANG) == EngineLoad(7, 1, 0.5)
+
+
+def test_llamacpp_capture() -> None:
+    # llamacpp:requests_processing 1 (the slot generating), llamacpp:requests_deferred 2
+    # (queued for it); this build publishes no KV usage gauge.
+    assert b"llamacpp:requests_processing 1\n" in LLAMACPP
+    assert b"llamacpp:requests_deferred 2\n" in LLAMACPP
+    assert parse_metrics(LLAMACPP) == EngineLoad(1, 2, None)
+    # An idle server says 0 and 0: a report, not no answer.
+    idle = LLAMACPP.replace(b"processing 1\n", b"processing 0\n").replace(
+        b"deferred 2\n", b"deferred 0\n"
+    )
+    assert parse_metrics(idle) == EngineLoad(0, 0, None)
+
+
+def test_llamacpp_older_kv_ratio() -> None:
+    # Older llama.cpp servers (examples/server/server.cpp) also printed a KV ratio.
+    older = b"""# TYPE llamacpp:kv_cache_usage_ratio gauge
+llamacpp:kv_cache_usage_ratio 0.375
+llamacpp:kv_cache_tokens 1536
+llamacpp:requests_processing 2
+llamacpp:requests_deferred 0
+"""
+    assert parse_metrics(older) == EngineLoad(2, 0, 0.375)
 
 
 def test_no_load_gauges_is_no_report() -> None:

@@ -10,7 +10,14 @@ read, as the engines define them:
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (older releases:
   ``vllm:gpu_cache_usage_perc``);
 * SGLang (``python/sglang/srt/metrics/collector.py``): ``sglang:num_running_reqs``,
-  ``sglang:num_queue_reqs``, ``sglang:token_usage``.
+  ``sglang:num_queue_reqs``, ``sglang:token_usage``;
+* llama.cpp's server (``tools/server/server-task.cpp``,
+  ``server_task_result_metrics::to_metrics``; ``--metrics``):
+  ``llamacpp:requests_processing`` (slots processing a request) and
+  ``llamacpp:requests_deferred`` (requests queued for a free slot). Current
+  releases publish no KV usage gauge; older ones
+  (``examples/server/server.cpp``) had ``llamacpp:kv_cache_usage_ratio``
+  (used cells / ``n_ctx``), read when present.
 
 Samples are summed over their label sets (a DP engine reports one per rank). A
 text with none of them is no answer (llama.cpp without ``--metrics``, a proxy):
@@ -30,9 +37,22 @@ from dataclasses import dataclass
 
 __all__ = ["EngineLoad", "others", "parse_metrics"]
 
-_RUNNING = (b"vllm:num_requests_running", b"sglang:num_running_reqs")
-_WAITING = (b"vllm:num_requests_waiting", b"sglang:num_queue_reqs")
-_KV_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc", b"sglang:token_usage")
+_RUNNING = (
+    b"vllm:num_requests_running",
+    b"sglang:num_running_reqs",
+    b"llamacpp:requests_processing",
+)
+_WAITING = (
+    b"vllm:num_requests_waiting",
+    b"sglang:num_queue_reqs",
+    b"llamacpp:requests_deferred",
+)
+_KV_USAGE = (
+    b"vllm:kv_cache_usage_perc",
+    b"vllm:gpu_cache_usage_perc",
+    b"sglang:token_usage",
+    b"llamacpp:kv_cache_usage_ratio",
+)
 _WANTED = {n: i for i, names in enumerate((_RUNNING, _WAITING, _KV_USAGE)) for n in names}
 
 
