@@ -18,18 +18,9 @@ from meshkit.mock.conversations import ConversationStore, StoredConversation
 
 
 @pytest.fixture
-def spawn() -> Iterator[Callable[..., MockWorkerThread]]:
-    started: list[MockWorkerThread] = []
-
-    def make(**kw: Any) -> MockWorkerThread:
-        t = MockWorkerThread(MockConfig(**kw))
-        t.start()
-        started.append(t)
-        return t
-
-    yield make
-    for t in started:
-        t.stop()
+def spawn(mock_factory: Callable[..., MockWorkerThread]) -> Callable[..., MockWorkerThread]:
+    """Mock workers from the suite's factory (stopped at teardown)."""
+    return mock_factory
 
 
 @pytest.fixture

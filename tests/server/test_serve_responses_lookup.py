@@ -4,22 +4,33 @@ through one gateway is continued through the other."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx2
 import openai
 
 
-def test_two_gateways_with_the_openai_sdk(mock_factory: Any, spawn: Any) -> None:
+@contextmanager
+def _two_gateways(mock_factory: Any, spawn: Any) -> Iterator[tuple[list[Any], list[openai.OpenAI]]]:
+    """Two ``meshkit serve`` processes over the same three mock workers: the
+    workers, and an SDK client for each gateway."""
     mocks = [mock_factory(name=f"w{i}") for i in range(3)]
     flags = [a for m in mocks for a in ("--worker", m.url)]
-    one = spawn("serve", *flags, "--port", "0")
-    two = spawn("serve", *flags, "--port", "0")
+    gateways = [spawn("serve", *flags, "--port", "0") for _ in range(2)]
     with httpx2.Client(trust_env=False) as http:
-        sdk = [
-            openai.OpenAI(base_url=g.url + "/v1", api_key="k", http_client=http, max_retries=0)
-            for g in (one, two)
-        ]
+        yield (
+            mocks,
+            [
+                openai.OpenAI(base_url=g.url + "/v1", api_key="k", http_client=http, max_retries=0)
+                for g in gateways
+            ],
+        )
+
+
+def test_two_gateways_with_the_openai_sdk(mock_factory: Any, spawn: Any) -> None:
+    with _two_gateways(mock_factory, spawn) as (_, sdk):
         raw = sdk[0].responses.with_raw_response.create(model="m", input="hello")
         created = raw.parse()
         follow = sdk[1].responses.with_raw_response.create(
@@ -32,15 +43,7 @@ def test_two_gateways_with_the_openai_sdk(mock_factory: Any, spawn: Any) -> None
 def test_a_conversation_across_two_gateways_with_the_openai_sdk(
     mock_factory: Any, spawn: Any
 ) -> None:
-    mocks = [mock_factory(name=f"w{i}") for i in range(3)]
-    flags = [a for m in mocks for a in ("--worker", m.url)]
-    one = spawn("serve", *flags, "--port", "0")
-    two = spawn("serve", *flags, "--port", "0")
-    with httpx2.Client(trust_env=False) as http:
-        sdk = [
-            openai.OpenAI(base_url=g.url + "/v1", api_key="k", http_client=http, max_retries=0)
-            for g in (one, two)
-        ]
+    with _two_gateways(mock_factory, spawn) as (mocks, sdk):
         raw = sdk[0].conversations.with_raw_response.create()
         conv = raw.parse()
         owner = raw.headers["x-mock-worker"]
