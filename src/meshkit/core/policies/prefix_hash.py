@@ -310,6 +310,8 @@ class PrefixHash(BasePolicy):
         if shares is None:
             share = (total + 1) / n
             owner = ring.owner(point)
+            bound = math.ceil(self.load_factor * share)
+            first_limit = math.ceil(self.first_turn_load_factor * share)
         else:
             # The in-flight bound is only a guard against a burst here, so it is
             # smoothed by one request per worker: at 1-4 requests in flight the
@@ -323,10 +325,6 @@ class PrefixHash(BasePolicy):
                 conv_first = self.conversation_point(ctx.view, point)
                 conv_known = True
                 owner = _slot(slots, self._spread_point(ctx.view, point, conv_first), by_key)
-        if shares is None:
-            bound = math.ceil(self.load_factor * share)
-            first_limit = math.ceil(self.first_turn_load_factor * share)
-        else:
             # The plan balances the expected load; in flight, only a burst past
             # ``burst_factor`` times the mean moves a request.
             bound = first_limit = math.ceil(self.burst_factor * share)
