@@ -87,15 +87,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import httpx
-
-from meshkit import Mesh, MeshTransport
+from meshkit import Mesh
 from meshkit.testing import EngineFleet, EngineUnavailable, check_available, default_threads
 from meshkit.testing.workload import (
     Conversation,
@@ -103,7 +99,7 @@ from meshkit.testing.workload import (
     Summary,
     make_conversations,
     make_tenants,
-    stream_chat,
+    replay,
     summarize,
 )
 
@@ -195,46 +191,16 @@ def replay_routers(
 ) -> list[Outcome]:
     """:func:`meshkit.testing.workload.replay`, each request through the router
     ``routes`` names: the same rounds, the same seeded order within a round."""
-    transports = [MeshTransport(m) for m in meshes]
-    clients = [
-        httpx.Client(transport=t, base_url="http://mesh.invalid", timeout=timeout)
-        for t in transports
-    ]
-    lock = threading.Lock()
-    results: list[Outcome] = []
-    convs = [Conversation(c.tenant, c.user, c.questions) for c in conversations]
-
-    def one(i: int, turn: int) -> Outcome:
-        conv = convs[i]
-        try:
-            out, text = stream_chat(
-                clients[routes[turn][i]], conv.messages(turn), max_tokens=max_tokens
-            )
-        except httpx.HTTPError as exc:
-            out, text = Outcome(tenant="", user=0, turn=0, status=0, error=repr(exc)), ""
-        out.tenant, out.user, out.turn = conv.tenant.name, conv.user, turn
-        if out.ok:
-            conv.history += [
-                {"role": "user", "content": conv.questions[turn]},
-                {"role": "assistant", "content": text},
-            ]
-        with lock:
-            results.append(out)
-        return out
-
-    rng = random.Random(shuffle_seed)
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-            for turn in range(turns):
-                order = list(range(len(convs)))
-                rng.shuffle(order)  # the same permutation replay() draws
-                list(pool.map(partial(one, turn=turn), order))
-    finally:
-        for c in clients:
-            c.close()
-        for t in transports:
-            t.close()
-    return results
+    return replay(
+        meshes,
+        conversations,
+        turns=turns,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        shuffle_seed=shuffle_seed,
+        timeout=timeout,
+        routes=routes,
+    )
 
 
 def _watch(meshes: Sequence[Mesh], n_engines: int, stop: threading.Event, views: Views) -> None:

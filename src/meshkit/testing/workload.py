@@ -230,7 +230,7 @@ def stream_chat(
 
 
 def replay(
-    mesh: Mesh,
+    mesh: Mesh | Sequence[Mesh],
     conversations: Sequence[Conversation],
     *,
     turns: int,
@@ -239,6 +239,7 @@ def replay(
     on_result: Callable[[Outcome], None] | None = None,
     shuffle_seed: int | None = None,
     timeout: float = 600.0,
+    routes: Sequence[Sequence[int]] | None = None,
 ) -> list[Outcome]:
     """Replay ``conversations`` through ``mesh``, turn by turn; every outcome, in order ended.
 
@@ -248,16 +249,25 @@ def replay(
         given one. A fixed cyclic order can line up with round robin's cycle (an
         even number of tenants on two engines gives round robin perfect tenant
         affinity), which real arrivals never do.
+    :param mesh: one router, or several independent ones (K routers over one fleet).
+    :param routes: with several routers, ``routes[turn][i]`` is the router that
+        sends turn ``turn`` of conversation ``i`` (default: the first).
     """
-    transport = MeshTransport(mesh)
+    meshes = [mesh] if isinstance(mesh, Mesh) else list(mesh)
+    transports = [MeshTransport(m) for m in meshes]
     # The client's host is ignored: the transport places every request.
-    client = httpx.Client(transport=transport, base_url="http://mesh.invalid", timeout=timeout)
+    clients = [
+        httpx.Client(transport=t, base_url="http://mesh.invalid", timeout=timeout)
+        for t in transports
+    ]
     lock = threading.Lock()
     results: list[Outcome] = []
     # Fresh histories: the caller's conversations can be replayed again.
     convs = [Conversation(c.tenant, c.user, c.questions) for c in conversations]
 
-    def one(conv: Conversation, turn: int) -> Outcome:
+    def one(i: int, turn: int) -> Outcome:
+        conv = convs[i]
+        client = clients[routes[turn][i] if routes is not None else 0]
         try:
             out, text = stream_chat(client, conv.messages(turn), max_tokens=max_tokens)
         except httpx.HTTPError as exc:
@@ -278,14 +288,16 @@ def replay(
     try:
         with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
             for turn in range(turns):
-                order = list(convs)
+                order = list(range(len(convs)))
                 if shuffle_seed is not None:
                     rng.shuffle(order)
                 # A barrier per round: turn t+1 needs turn t's reply in its history.
                 list(pool.map(partial(one, turn=turn), order))
     finally:
-        client.close()
-        transport.close()
+        for c in clients:
+            c.close()
+        for t in transports:
+            t.close()
     return results
 
 
