@@ -39,6 +39,7 @@ from meshkit.core.placement import (
     eligible,
     overloaded,
     state_owner_origin,
+    uncached_weight,
 )
 from meshkit.core.policies.affinity import ResponsesAffinity
 from meshkit.core.policies.base import BasePolicy, Completion, PlacementContext, Policy
@@ -260,7 +261,11 @@ class Router:
                 if refusal is not None and not self.states.breaker_trial(cand.worker.id):
                     raise refusal
             entry, kind = self.states.leases.start(
-                cand.worker.id, cand.key, now, key=view.idempotency_key, weight=view.prompt_weight
+                cand.worker.id,
+                cand.key,
+                now,
+                key=view.idempotency_key,
+                weight=uncached_weight(fleet, cand, view),
             )
             if kind is not _JOINED:  # a join shares its twin's capacity
                 fleet.acquire(cand, entry.weight)

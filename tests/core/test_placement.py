@@ -562,3 +562,25 @@ def test_labels_restrict_and_learned_lists_steer() -> None:
     assert fleet.models_of(unknown) is None
     assert fleet.learn(la.id, None)  # the list went away: any model again
     assert serving("a") == [la, lab, lb, unknown]
+
+
+def test_a_lease_weighs_the_prompt_part_the_engine_does_not_hold() -> None:
+    from meshkit.core.kv_events import Batch, BlockStored
+    from meshkit.core.kv_index import chain
+    from meshkit.core.placement import uncached_weight
+
+    a, b, c = W("a"), W("b"), W("c")
+    fleet = Fleet([a, b, c])
+    ids = list(range(1, 65))  # 4 blocks of 16
+    fleet.kv.apply(a.id, Batch(0.0, (BlockStored((1, 2, 3), None, tuple(ids[:48]), 16),)))
+    fleet.kv.apply(b.id, Batch(0.0, (BlockStored((9,), None, tuple([7] * 16), 16),)))
+    v = view(CHAT, {"messages": [{"role": "user", "content": "x"}]})
+    v.prompt_ids, v.prompt_weight = ids, 256
+    ca, cb, cc = fleet.candidates
+    assert uncached_weight(fleet, ca, v) == 64  # a holds 48 of 64 tokens
+    assert uncached_weight(fleet, cb, v) == 256  # b publishes, holds none of it
+    assert uncached_weight(fleet, cc, v) == 256  # c publishes nothing: the whole prompt
+    v.kv_keys = {16: chain(ids, 16)}  # prepare's precomputed keys: the same answer
+    assert uncached_weight(fleet, ca, v) == 64
+    v.prompt_ids = None  # no token ids: the estimate as it is
+    assert uncached_weight(fleet, ca, v) == 256

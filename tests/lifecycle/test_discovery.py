@@ -132,3 +132,24 @@ def test_a_label_change_keeps_the_lease_of_a_request_in_flight(
     assert mesh.load_of(mesh.workers[0]) == 1
     lease.release(ok=True, status=200)
     assert mesh.load_of(mesh.workers[0]) == 0 and mesh.total_load() == 0
+
+
+def test_a_lease_on_a_worker_with_kv_events_weighs_only_the_uncached_prompt(
+    mesh_factory: Callable[..., Mesh],
+) -> None:
+    from meshkit.core.kv_events import Batch, BlockStored
+
+    mesh = mesh_factory(
+        workers=["http://10.0.0.1:80", "http://10.0.0.2:80"], lifecycle={"probe": False}
+    )
+    held, cold = (mesh.fleet.candidates_of(w)[0] for w in mesh.workers)
+    view: Any = mesh.prepare(mesh.resolve("POST", PATH), b'{"model":"m","messages":[]}', [])
+    view.prompt_ids, view.prompt_weight = list(range(32)), 1000
+    mesh.fleet.kv.apply(
+        held.worker.id, Batch(0.0, (BlockStored((5,), None, tuple(range(16)), 16),))
+    )
+    leases = [mesh.router.lease(held, view), mesh.router.lease(cold, view)]
+    assert (mesh.fleet.weight[held.key], mesh.fleet.weight[cold.key]) == (500, 1000)
+    for lease in leases:
+        lease.release(ok=True, status=200)
+    assert mesh.fleet.weight.get(held.key, 0) == mesh.fleet.weight.get(cold.key, 0) == 0

@@ -56,6 +56,7 @@ __all__ = [
     "overloaded",
     "place",
     "state_owner_origin",
+    "uncached_weight",
 ]
 
 #: retry hint of an admission refusal before any request has ended (seconds)
@@ -269,3 +270,22 @@ def place(
     if chosen not in cands:
         raise UnsupportedApi(f"policy {policy.name!r} chose an ineligible worker")
     return chosen
+
+
+def uncached_weight(fleet: Fleet, cand: Candidate, view: RequestView) -> int:
+    """The part of ``view``'s prompt weight ``cand``'s engine still has to compute.
+
+    A prompt whose prefix the worker's KV events say it holds costs the engine only
+    its uncached tail, so that is what its lease weighs (``least_load`` reads it);
+    a worker without events is charged the whole prompt.
+    """
+    weight = view.prompt_weight
+    ids = view.prompt_ids
+    if not weight or not ids:
+        return weight
+    wid = cand.worker.id
+    kv = fleet.kv
+    if not kv.covers(wid):
+        return weight
+    held = kv.match(ids, (wid,), view.kv_keys).get(wid, 0)
+    return weight - weight * min(held, len(ids)) // len(ids)

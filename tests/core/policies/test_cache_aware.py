@@ -249,3 +249,76 @@ def test_a_removed_workers_recent_work_is_forgotten_on_every_rank(kit: SimpleNam
         p.on_placed(c, kit.view("x"), 0.0)
     p.on_removed(cs[0].worker)
     assert p._recent.values([c.key for c in cs], 0.0) == [0.0, 0.0, 1.0, 1.0]
+
+
+# -- recent work ----------------------------------------------------------------------
+
+CHAT_SYSTEM = "system\nYou are the billing assistant of ACME. " + "Policy text. " * 20
+
+
+def _turns(conv: int, n: int) -> str:
+    """A chat routing text: conversation ``conv`` at its ``n``-th turn (1: new)."""
+    parts = [CHAT_SYSTEM]
+    for k in range(n):
+        parts.append(f"user\nconversation {conv} question {k}: " + "details " * 12)
+        if k < n - 1:
+            parts.append(f"assistant\nanswer {k}: " + "explained " * 20)
+    return "\n".join(parts)
+
+
+def _run(p: CacheAware, cs: list[Candidate], kit: SimpleNamespace, texts: list[str]) -> Counter:
+    """Place each text with nothing in flight (1-4 requests at once look like this)."""
+    placed: Counter[str] = Counter()
+    for i, text in enumerate(texts):
+        v = kit.view(text)
+        c = p.select(kit.ctx(cs, v, now=float(i)))
+        p.on_placed(c, v, float(i))
+        placed[c.key] += 1
+    return placed
+
+
+def test_a_hot_tenant_spreads_on_recent_work_not_in_flight(kit: SimpleNamespace) -> None:
+    # One-turn requests of one tenant, none in flight: the tree alone pins them all.
+    cs = kit.cands(4)
+    texts = [_turns(i, 1) for i in range(80)]
+    pinned = _run(CacheAware(load_factor=None), cs, kit, texts)
+    assert max(pinned.values()) == 80
+    spread = _run(CacheAware(), cs, kit, texts)
+    assert len(spread) == 4
+    assert max(spread.values()) <= 1.25 * 20 + 4
+
+
+def test_long_conversations_are_balanced_by_their_starts(kit: SimpleNamespace) -> None:
+    # 16 conversations of 12 turns of one tenant, four running at a time: every
+    # first turn matches the system prompt on the worker that took the first one.
+    cs = kit.cands(4)
+    texts = [
+        _turns(c, t)
+        for batch in range(4)
+        for t in range(1, 13)
+        for c in range(batch * 4, batch * 4 + 4)
+    ]
+
+    def per_worker(p: CacheAware) -> list[int]:
+        placed = _run(p, cs, kit, texts)
+        return sorted(placed.get(c.key, 0) for c in cs)
+
+    by_requests = per_worker(CacheAware(conversation_slack=1e9))
+    by_starts = per_worker(CacheAware())
+    mean = len(texts) / 4
+    assert max(by_starts) / mean <= 1.25
+    assert max(by_requests) / mean > max(by_starts) / mean
+    # A conversation's later turns stay with their history: 16 starts, nothing moved.
+    p = CacheAware()
+    where: dict[int, set[str]] = {}
+    for i, text in enumerate(texts):
+        v = kit.view(text)
+        c = p.select(kit.ctx(cs, v, now=float(i)))
+        p.on_placed(c, v, float(i))
+        where.setdefault(int(text.split("conversation ")[1].split()[0]), set()).add(c.key)
+    assert all(len(keys) == 1 for keys in where.values())
+
+
+def test_conversation_slack_is_validated() -> None:
+    with pytest.raises(ConfigError, match="conversation_slack"):
+        create_policy("cache_aware", {"conversation_slack": -1})

@@ -44,3 +44,27 @@ def test_it_balances_a_stream_of_placements(kit: SimpleNamespace) -> None:
         got = p.select(kit.ctx(cs, load=load))
         load[got.key] = load.get(got.key, 0) + 1
     assert sorted(load.values()) == [10] * 5
+
+
+def test_with_kv_events_the_uncached_work_is_what_counts(kit: SimpleNamespace) -> None:
+    from dataclasses import replace
+
+    from meshkit.core.kv_events import Batch, BlockStored
+    from meshkit.core.kv_index import KvIndex
+
+    a, b, c = kit.cands(3)
+    ids = list(range(1, 65))
+    idx = KvIndex(1000)
+    idx.apply(b.worker.id, Batch(0.0, (BlockStored((1, 2, 3, 4), None, tuple(ids), 16),)))
+    idx.apply(a.worker.id, Batch(0.0, ()))
+    v = replace(kit.view("x" * 8192), prompt_ids=ids)
+    p = LeastLoad()
+    assert p.needs.kv_events
+    load = {a.key: 1, b.key: 1, c.key: 0}
+    # c is idle but would compute all 8k characters; b holds the whole prompt.
+    assert p.select(replace(kit.ctx([a, b, c], v, load=load), kv=idx)) == b
+    # Without the index the request's own cost is the same everywhere.
+    assert p.select(kit.ctx([a, b, c], v, load=load)) == c
+    # A worker that holds the prompt but is busy enough still loses.
+    load = {a.key: 1, b.key: 4, c.key: 0}
+    assert p.select(replace(kit.ctx([a, b, c], v, load=load), kv=idx)) == c

@@ -75,6 +75,13 @@ def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
+def _past_share(counts: Sequence[float], factor: float, slack: float) -> list[bool]:
+    """Which counts would pass ``max(ceil(factor * share), share + slack)`` with one more."""
+    share = (sum(counts) + 1) / len(counts)
+    bound = max(math.ceil(factor * share), share + slack)
+    return [r + 1 > bound for r in counts]
+
+
 def least_loaded(cands: Sequence[Candidate], loads: Sequence[int], text: str) -> Candidate:
     """The least-loaded candidate; ties are spread by a hash of ``text``."""
     low = min(loads)
@@ -115,6 +122,7 @@ class CacheAware(BasePolicy):
         load_factor: float | None = 1.25,
         work_half_life_s: float = 300.0,
         spill_prefix_chars: int = 256,
+        conversation_slack: float = 1.0,
     ) -> None:
         key = "policies.cache_aware."
         if load_factor is not None and not load_factor >= 1.0:
@@ -123,6 +131,8 @@ class CacheAware(BasePolicy):
             raise ConfigError(key + "work_half_life_s", "must be > 0")
         if spill_prefix_chars < 1:
             raise ConfigError(key + "spill_prefix_chars", "must be >= 1")
+        if not conversation_slack >= 0:
+            raise ConfigError(key + "conversation_slack", "must be >= 0")
         if not 0.0 <= cache_threshold <= 1.0:
             raise ConfigError(key + "cache_threshold", "must be in [0, 1]")
         if balance_abs_threshold < 0:
@@ -150,9 +160,12 @@ class CacheAware(BasePolicy):
         self.load_factor = None if load_factor is None else float(load_factor)
         self.work_half_life_s = float(work_half_life_s)
         self.spill_prefix_chars = spill_prefix_chars
+        self.conversation_slack = float(conversation_slack)
         self.needs = Needs(text=True, prefix_chars=match_chars, kv_events=True)
         self._trees: OrderedDict[str, RadixTree] = OrderedDict()
         self._recent: Decayed[str] = Decayed(self.work_half_life_s)
+        #: conversations started lately, per candidate (first turns)
+        self._starts: Decayed[str] = Decayed(self.work_half_life_s)
 
     # -- placement ---------------------------------------------------------------
 
@@ -173,7 +186,7 @@ class CacheAware(BasePolicy):
         # The bound moves new conversations; a follow-up stays with its history
         # (only the in-flight gate moves it).
         head = conversation_head(text, self.spill_prefix_chars * 64)
-        over = self._over(cands, ctx.now) if head is None or head[1] else None
+        over = self._over(cands, ctx.now, head is not None) if head is None or head[1] else None
         spread = _digest(text[: self.spill_prefix_chars])
         rates = self._rates(ctx, cands, text)
         if rates is not None:
@@ -194,18 +207,29 @@ class CacheAware(BasePolicy):
                 )
         return least_loaded(cands, loads, text)
 
-    def _over(self, cands: Sequence[Candidate], now: float) -> list[bool] | None:
+    def _over(self, cands: Sequence[Candidate], now: float, starts: bool) -> list[bool] | None:
         """Which candidates took more than ``load_factor`` times their share of the
-        recent work (None: none did, or the bound is off). In-flight counts say
-        little at 1-4 requests in flight; what was placed lately does."""
+        recent work or, for a new conversation (``starts``), of the conversations
+        started lately (None: none did, or the bound is off). In-flight counts say
+        little at 1-4 requests in flight; what was placed lately does. Counting
+        conversations matters when they are long: the first turn decides where all
+        the others go, and a worker that took its share of requests can still have
+        started twice its share of the conversations still running."""
         if self.load_factor is None:
             return None
-        recent = self._recent.values([c.key for c in cands], now)
-        share = (sum(recent) + 1) / len(cands)
+        keys = [c.key for c in cands]
         # A few requests over the share are noise, not a hot worker (a cold start,
         # an idle fleet): the same absolute slack as the in-flight gate.
-        bound = max(math.ceil(self.load_factor * share), share + self.balance_abs_threshold)
-        over = [r + 1 > bound for r in recent]
+        lf = self.load_factor
+        over = _past_share(self._recent.values(keys, now), lf, self.balance_abs_threshold)
+        if starts:
+            started = self._starts.values(keys, now)
+            over = [
+                a or b
+                for a, b in zip(
+                    over, _past_share(started, lf, self.conversation_slack), strict=True
+                )
+            ]
         return over if any(over) else None
 
     def _rates(
@@ -270,6 +294,9 @@ class CacheAware(BasePolicy):
         text = self._text(view)
         if not text:
             return
+        head = conversation_head(text, self.spill_prefix_chars * 64)
+        if head is not None and head[1]:
+            self._starts.add(cand.key, 1.0, now)
         model = view.model or ""
         tree = self._trees.get(model)
         if tree is None:
@@ -281,7 +308,9 @@ class CacheAware(BasePolicy):
         tree.insert(text, cand.origin, now)
 
     def on_removed(self, worker: Worker) -> None:
-        self._recent.forget(c.key for c in candidates_for(worker))
+        keys = [c.key for c in candidates_for(worker)]
+        self._recent.forget(keys)
+        self._starts.forget(keys)
         for model, tree in list(self._trees.items()):
             tree.remove_tenant(worker.origin)
             if not tree.node_count:

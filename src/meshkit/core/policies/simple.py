@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshkit.core.policies.base import BasePolicy, PlacementContext
+from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.workers import Candidate
 
 __all__ = ["LeastLoad", "PowerOfTwo", "RandomPolicy", "RoundRobin"]
@@ -65,21 +65,40 @@ class PowerOfTwo(BasePolicy):
 class LeastLoad(BasePolicy):
     """The candidate with the least in-flight work, weighted by prompt size.
 
-    Score = in-flight requests + in-flight prompt characters / ``chars_per_request``;
-    ties go to the fleet order, so the choice is deterministic.
+    Score = in-flight requests + (in-flight prompt characters + this request's)
+    / ``chars_per_request``. For workers that publish KV events both are the
+    *uncached* part: a lease weighs what its engine still had to compute
+    (:func:`~meshkit.core.placement.uncached_weight`), and this request costs less
+    on a worker that holds its prefix. Ties go to the fleet order, so the choice is
+    deterministic.
     """
 
     name = "least_load"
+    needs = Needs(kv_events=True)
 
     def __init__(self, chars_per_request: int = 4096) -> None:
         self.chars_per_request = max(1, chars_per_request)
 
     def select(self, ctx: PlacementContext) -> Candidate:
         per = self.chars_per_request
-        best = ctx.candidates[0]
+        cands = ctx.candidates
+        held = _held(ctx)
+        view = ctx.view
+        own, n_ids = view.prompt_weight, len(view.prompt_ids or ()) or 1
+        best = cands[0]
         best_score = float("inf")
-        for c in ctx.candidates:
-            score = ctx.load.get(c.key, 0) + ctx.weight.get(c.key, 0) / per
+        for c in cands:
+            cost = own - own * held.get(c.worker.id, 0) // n_ids if held else own
+            score = ctx.load.get(c.key, 0) + (ctx.weight.get(c.key, 0) + cost) / per
             if score < best_score:
                 best, best_score = c, score
         return best
+
+
+def _held(ctx: PlacementContext) -> dict[str, int]:
+    """Per worker with KV events, how many of the prompt's tokens it holds."""
+    ids, kv = ctx.view.prompt_ids, ctx.kv
+    if not ids or kv is None:
+        return {}
+    covered = [c.worker.id for c in ctx.candidates if kv.covers(c.worker.id)]
+    return kv.match(ids, covered, ctx.view.kv_keys) if covered else {}
