@@ -59,6 +59,7 @@ Usage::
 
     python benchmarks/multi_router.py                  # full matrix -> MULTI_ROUTER.md, plots/
     python benchmarks/multi_router.py --quick          # fewer requests, 1 repeat, prints only
+    python benchmarks/multi_router.py --scale 4 --out benchmarks/MULTI_ROUTER_LONG.md  # 4x longer
     python benchmarks/multi_router.py [--workers 4] [--routers 1,4]
         [--out benchmarks/MULTI_ROUTER.md] [--png benchmarks/plots/multi_router.png]
 
@@ -158,7 +159,7 @@ def _zipf(n: int, s: float) -> list[float]:
 
 def build_workloads(args: argparse.Namespace) -> list[Workload]:
     rng = random.Random(args.seed)
-    scale = 0.4 if args.quick else 1.0
+    scale = 0.4 if args.quick else args.scale
     out: list[Workload] = []
 
     # (a) multi-tenant Zipf: ~1.8 characters per tiny-BPE token
@@ -188,7 +189,7 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
         )
 
     # (b) growing conversations: few tenants, many turns
-    n_conv, n_turns = (8, 12) if args.quick else (16, 16)
+    n_conv, n_turns = (8, 12) if args.quick else (round(16 * args.scale), 16)
     csys = [f"You are assistant {t}. " + _text(rng, rng.randrange(1600, 2000)) for t in range(3)]
     convs = [
         Conversation(
@@ -936,6 +937,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="~40 %% of the requests; prints only")
+    ap.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="requests (zipf, one-off) and conversations (conversations) x this; "
+        "longer runs show the steady state that 1/K of the traffic per router needs",
+    )
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--routers", default="1,4", help="router process counts, e.g. 1,4")
     ap.add_argument("--configs", default=",".join(CONFIGS))
