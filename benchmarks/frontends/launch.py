@@ -52,6 +52,15 @@ FRONTENDS: dict[str, Frontend] = {
             module="meshkit_builtin",
             meshkit=True,
         ),
+        # The same gateway as two processes on the frontend's CPUs (issue 21).
+        Frontend(
+            "meshkit-p2",
+            "meshkit serve --processes 2 (built-in server)",
+            "python",
+            ("proxy", "tokenize"),
+            module="meshkit_builtin",
+            meshkit=True,
+        ),
         Frontend(
             "meshkit-uvicorn",
             "meshkit standalone on uvicorn (MeshMiddleware)",
@@ -142,7 +151,10 @@ def command(
         return Launch([*_pin(cpus), python, script, "--port", str(port)], env)
     if fe.module == "meshkit_builtin":
         script = str(HERE / "meshkit_builtin.py")
-        return Launch([*_pin(cpus), sys.executable, script, "--port", str(port)], env)
+        argv = [*_pin(cpus), sys.executable, script, "--port", str(port)]
+        if fe.key == "meshkit-p2":
+            argv += ["--processes", "2"]
+        return Launch(argv, env)
     if fe.kind == "python":
         argv = [
             *_pin(cpus),

@@ -269,6 +269,9 @@ class ServerConfig:
     keep_alive_s: float = 5.0
     # Built-in server: connections over this are answered 503 and closed.
     max_connections: int = 4096
+    # Router processes accepting on the one port ("auto": the usable CPUs); a
+    # supervisor restarts a child that dies (meshkit.server.supervisor).
+    processes: int | str = 1
 
 
 @dataclass(frozen=True)
@@ -561,7 +564,16 @@ def _check(key: str, hint: Any, value: Any, source: str | None) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _check(key, inner[0], value, source)
+        # The first type the value fits (``int | str``: 4 or "auto"); else the
+        # first type's complaint.
+        first: ConfigError | None = None
+        for hint_ in inner:
+            try:
+                return _check(key, hint_, value, source)
+            except ConfigError as exc:
+                first = first or exc
+        assert first is not None
+        raise first
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(key, f"must be true or false, got {value!r}", source=source)

@@ -422,33 +422,72 @@ class WorkerStates:
         :raises LifecycleError: (``strict``) unknown worker, no sleep mode, or a
             state that cannot sleep.
         """
-        m = self.machines.get(worker_id)
-        worker = self.fleet.get(worker_id)
-        if m is None or worker is None:
+        refusal = self._sleep_refusal(worker_id, now)
+        if refusal is not None:
             if strict:
-                raise LifecycleError(f"no such worker: {worker_id}")
-            return None
-        if worker.sleep_mode != "vllm":
-            if strict:
-                raise LifecycleError("the worker has no sleep mode", state=m.state)
-            return None
-        if m.state is not State.READY:
-            if strict:
-                raise LifecycleError(
-                    f"a {m.state.value} worker cannot be put to sleep", state=m.state
-                )
-            return None
-        if not isinstance(self.leases.activity(worker_id, now, tracked=is_tracked(worker)), Idle):
-            # Never sleep a worker that holds (or is about to hold) a lease.
-            if strict:
-                raise LifecycleError(
-                    "the worker holds a lease or was just placed on", state=m.state
-                )
+                raise refusal
             return None
         self.apply(worker_id, Event.SLEEP_STARTED, now)
         self._begin_op(worker_id)
         self.sleeps_total += 1
-        return worker
+        return self.fleet.get(worker_id)
+
+    def _sleep_refusal(self, worker_id: str, now: float) -> LifecycleError | None:
+        """Why ``worker_id`` must not be put to sleep now (None: it may)."""
+        m = self.machines.get(worker_id)
+        worker = self.fleet.get(worker_id)
+        if m is None or worker is None:
+            return LifecycleError(f"no such worker: {worker_id}")
+        if worker.sleep_mode != "vllm":
+            return LifecycleError("the worker has no sleep mode", state=m.state)
+        if m.state is not State.READY:
+            return LifecycleError(f"a {m.state.value} worker cannot be put to sleep", state=m.state)
+        if not isinstance(self.leases.activity(worker_id, now, tracked=is_tracked(worker)), Idle):
+            # Never sleep a worker that holds (or is about to hold) a lease.
+            return LifecycleError("the worker holds a lease or was just placed on", state=m.state)
+        return None
+
+    def check_sleep(self, worker_id: str, now: float) -> None:
+        """:meth:`begin_sleep`'s strict checks, changing nothing: what another
+        process of the same gateway asks before it puts the engine to sleep.
+
+        :raises LifecycleError: unknown worker, no sleep mode, a state other than
+            ready, or a lease (or a placement in flight) on it.
+        """
+        refusal = self._sleep_refusal(worker_id, now)
+        if refusal is not None:
+            raise refusal
+
+    def follow_sleep(self, worker_id: str, asleep: bool, now: float) -> bool:
+        """Another process of the same gateway (``meshkit serve --processes``) puts
+        the engine to sleep (``asleep``) or woke it: the state follows, with no call
+        to the engine, so the engine is slept or woken once for the whole gateway.
+
+        Going to sleep is refused like :meth:`begin_sleep` (a lease here vetoes it:
+        the other process has not called the engine yet); a worker already asleep
+        here accepts it unchanged. A probe's sleep report that raced with it is
+        dropped (the op epoch moves), as after a sleep or wake of this process's
+        own. ``sleeps_total`` and ``wakes_total`` count only the process that called
+        the engine, so summed over processes they count each call once.
+
+        :returns: whether the state changed (a veto's rollback undoes only those).
+        :raises LifecycleError: (``asleep``) see :meth:`check_sleep`; (awake) no
+            sleep mode, or an untracked worker.
+        """
+        m = self.machine(worker_id)
+        worker = self.fleet.get(worker_id)
+        if worker is None or worker.sleep_mode != "vllm":
+            raise LifecycleError("the worker has no sleep mode", state=m.state)
+        before = m.state
+        if asleep:
+            if before is State.SLEEPING:
+                return False
+            self.check_sleep(worker_id, now)
+            self.apply(worker_id, Event.REPORTED_SLEEPING, now)
+        else:
+            self.apply(worker_id, Event.REPORTED_AWAKE, now)
+        self.op_epoch[worker_id] = self.op_epoch.get(worker_id, 0) + 1
+        return m.state is not before
 
     def sleep_done(self, worker_id: str, ok: bool, now: float) -> None:
         if worker_id in self.ops:

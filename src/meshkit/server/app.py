@@ -23,22 +23,40 @@ Everything else is a 404 ``unknown_endpoint`` in the error shape of the API the
 path belongs to (a 405 ``method_not_allowed`` for a write to a read-only route):
 inference paths never reach this app, the middleware routes them first.
 
-Security: bodies are never read, and no response carries a credential, a
-prompt or an exception text.
+One process of many (``meshkit serve --processes N``, ``peers`` given): the
+processes answer as one gateway. ``/metrics`` merges every process's text
+(:mod:`meshkit.server.merged_metrics`), ``/health`` adds ``process`` (the index of
+the one answering), ``processes`` and ``processes_up`` (this one, and the siblings
+whose ``/liveness`` answered 200), and
+the admin routes list and apply across the processes
+(:mod:`meshkit.server.peer_admin`). A sibling's own request (marked by
+:func:`~meshkit.server.peers.peer_app`) is answered by this process alone, and only
+it reaches the ``/_peer/...`` routes; ``/liveness`` and ``/readiness`` are always
+this process's.
+
+Security: bodies are never read (but by the admin routes, bounded), and no
+response carries a credential, a prompt or an exception text. The one exception,
+``GET /_peer/fleet`` (the workers' API keys, for a restarted sibling), exists only
+for a sibling's request, which comes only over the private socket in the
+supervisor's mode-0700 run directory.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final
 
 from meshkit.core.endpoints import shape_for_path
 from meshkit.errors import MeshError, MethodNotAllowed, UnknownEndpoint
 from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.lifecycle.admin import AdminApp, lifespan
 from meshkit.mesh import Mesh
+from meshkit.server.peers import PEER_SCOPE_KEY
 from meshkit.types import Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from meshkit.server.peers import Peers
 
 __all__ = ["METRICS_CONTENT_TYPE", "ServeApp", "build_gateway"]
 
@@ -47,6 +65,9 @@ Reply = tuple[int, bytes, bytes]  # status, content type, body
 #: The classic Prometheus text format (what ``generate_latest`` writes).
 METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _JSON = b"application/json"
+#: ``/health`` asks the siblings' ``/liveness`` for at most this long: a health
+#: check must answer fast, and a sibling this slow is counted down.
+_LIVENESS_ASK_S: Final = 1.0
 
 
 def _json(status: int, obj: Any) -> Reply:
@@ -57,13 +78,16 @@ class ServeApp:
     """Health, metrics and admin routes for one :class:`~meshkit.Mesh`.
 
     :param mesh: the mesh whose state the routes report.
+    :param peers: the sibling processes, when this is one process of many (see
+        the module docstring); None: the only one.
 
     ``draining`` turns True when shutdown begins, so load balancers stop sending
     new requests (``/readiness`` answers 503) while streams finish.
     """
 
-    def __init__(self, mesh: Mesh) -> None:
+    def __init__(self, mesh: Mesh, peers: Peers | None = None) -> None:
         self.mesh = mesh
+        self.peers = peers
         self.draining = False
         self._routes: dict[str, Callable[[Scope], Reply]] = {
             "/health": self._health,
@@ -71,8 +95,18 @@ class ServeApp:
             "/readiness": self._readiness,
             "/metrics": self._metrics,
         }
+        #: the routes that speak for every process (a client's request, peers given)
+        self._fleet_routes: dict[str, Callable[[Scope], Awaitable[Reply]]] = {
+            "/health": self._fleet_health,
+            "/metrics": self._fleet_metrics,
+        }
         # The lifecycle's admin surface: list, add, remove, drain, sleep, wake.
         self._admin = AdminApp(mesh)
+        self._peer_admin: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None
+        if peers is not None:
+            from meshkit.server.peer_admin import PeerAdmin
+
+            self._peer_admin = PeerAdmin(self._admin, peers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -81,33 +115,43 @@ class ServeApp:
         if scope["type"] != "http":
             return  # websockets: not ours; closing the scope refuses the handshake
         path = scope["path"]
+        # Set only by peer_app, on the private socket: a client cannot forge it.
+        peer = scope.get(PEER_SCOPE_KEY) is True
         if path == "/workers" or path.startswith("/workers/"):
-            await self._admin(scope, receive, send)
+            if self._peer_admin is not None and not peer:
+                await self._peer_admin(scope, receive, send)
+            else:
+                await self._admin(scope, receive, send)
+            return
+        if peer and path.startswith("/_peer/"):
+            from meshkit.server.peer_admin import peer_route
+
+            code, obj = peer_route(self.mesh, scope)
+            status, ctype, body = _json(code, obj)
+            await _whole(send, scope, status, [(b"content-type", ctype)], body)
             return
         route = self._routes.get(path)
+        fleet = self._fleet_routes.get(path) if self.peers is not None and not peer else None
         try:
             if route is None:
                 raise UnknownEndpoint(f"unknown endpoint: {scope['method']} {path[:200]}")
             if scope["method"] not in ("GET", "HEAD"):
                 raise MethodNotAllowed(f"{path} is read-only", allowed=("GET", "HEAD"))
-            status, ctype, body = route(scope)
+            status, ctype, body = await fleet(scope) if fleet is not None else route(scope)
             headers = [(b"content-type", ctype)]
         except MeshError as exc:
             status, headers, body = exc.status, exc.headers(), exc.body(shape_for_path(path))
-        headers.append((b"content-length", str(len(body)).encode()))
-        # Probes poll these routes: a cached answer would hide a state change.
-        headers.append((b"cache-control", b"no-store"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send(
-            {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body}
-        )
+        await _whole(send, scope, status, headers, body)
 
     # -- routes -------------------------------------------------------------------
 
-    def _health(self, scope: Scope) -> Reply:
+    def _health_state(self) -> tuple[int, dict[str, Any]]:
         h = self.mesh.health()
         ok = h["pool"] == "ok" and h["workers"] > 0
-        return _json(200 if ok else 503, {"status": "ok" if ok else "unavailable", **h})
+        return 200 if ok else 503, {"status": "ok" if ok else "unavailable", **h}
+
+    def _health(self, scope: Scope) -> Reply:
+        return _json(*self._health_state())
 
     def _liveness(self, scope: Scope) -> Reply:
         alive = self.mesh.health()["pool"] != "failed"
@@ -125,10 +169,45 @@ class ServeApp:
             raise UnknownEndpoint("metrics are disabled ([metrics] enabled = false)")
         return 200, METRICS_CONTENT_TYPE, self.mesh.metrics.render()
 
+    # -- the same routes, for every process --------------------------------------------
 
-def build_gateway(mesh: Mesh) -> MeshMiddleware:
-    """The standalone gateway: ``MeshMiddleware(ServeApp(mesh), mesh=mesh)``.
+    async def _fleet_health(self, scope: Scope) -> Reply:
+        assert self.peers is not None
+        status, obj = self._health_state()
+        replies = await self.peers.ask("GET", "/liveness", timeout_s=_LIVENESS_ASK_S)
+        obj["process"] = self.peers.index  # which one answered
+        obj["processes"] = self.peers.count
+        obj["processes_up"] = 1 + sum(1 for r in replies if r.status == 200)
+        return _json(status, obj)
+
+    async def _fleet_metrics(self, scope: Scope) -> Reply:
+        assert self.peers is not None
+        from meshkit.server.merged_metrics import merge_metrics
+
+        _, ctype, local = self._metrics(scope)  # 404 when disabled: for every process
+        replies = await self.peers.ask("GET", "/metrics")
+        texts = [(self.peers.index, local)]
+        texts += [(r.index, r.body) for r in replies if r.status == 200]
+        return 200, ctype, merge_metrics(texts, self.peers.count)
+
+
+async def _whole(
+    send: Send, scope: Scope, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    headers.append((b"content-length", str(len(body)).encode()))
+    # Probes poll these routes: a cached answer would hide a state change.
+    headers.append((b"cache-control", b"no-store"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+
+def build_gateway(mesh: Mesh, peers: Peers | None = None) -> MeshMiddleware:
+    """The standalone gateway: ``MeshMiddleware(ServeApp(mesh, peers), mesh=mesh)``.
 
     The :class:`ServeApp` is ``gateway.app``.
+
+    :param peers: the sibling processes (``meshkit serve --processes``); serve
+        :func:`~meshkit.server.peers.peer_app` of the gateway on
+        ``peers.path(peers.index)`` so that they can ask this one.
     """
-    return MeshMiddleware(ServeApp(mesh), mesh=mesh)
+    return MeshMiddleware(ServeApp(mesh, peers), mesh=mesh)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -79,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HTTP server (default: [server] http, else builtin; granian needs meshkit[granian])",
     )
+    s.add_argument(
+        "--processes",
+        metavar="N",
+        help="router processes on the one port, or 'auto' (the usable CPUs; default 1)",
+    )
 
     x = sub.add_parser(
         "extproc",
@@ -120,6 +126,9 @@ def _fail(message: str) -> int:
 def _setup_logging(level: str) -> None:
     numeric = logging.DEBUG if level == "trace" else getattr(logging, level.upper())
     logging.basicConfig(level=numeric, format="%(levelname)s:     %(name)s: %(message)s")
+    # httpx logs every request at INFO: the siblings' questions of serve --processes
+    # would fill the log (meshkit's own upstream calls do not go through it).
+    logging.getLogger("httpx").setLevel(max(numeric, logging.WARNING))
 
 
 def _settings(ns: argparse.Namespace) -> tuple[MeshConfig, ServeSettings]:
@@ -133,10 +142,11 @@ def _settings(ns: argparse.Namespace) -> tuple[MeshConfig, ServeSettings]:
         log_level=ns.log_level,
         access_log=ns.access_log,
         server=ns.server,
+        processes=getattr(ns, "processes", None),
     )
 
 
-def _serve(ns: argparse.Namespace) -> int:
+def _serve(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     try:
         config, settings = _settings(ns)
         mesh = Mesh(config=config)  # the policy (a plugin, maybe) is checked here
@@ -144,6 +154,7 @@ def _serve(ns: argparse.Namespace) -> int:
         return _fail(str(exc))
     try:
         from meshkit.server import runner
+        from meshkit.server.supervisor import child_place
     except ImportError as exc:  # uvicorn is the [server] extra
         mesh.close()
         return _fail(f"meshkit serve needs uvicorn: pip install 'meshkit[server]' ({exc})")
@@ -151,22 +162,58 @@ def _serve(ns: argparse.Namespace) -> int:
         mesh.close()
         return _fail("--server granian: granian is not installed (pip install 'meshkit[granian]')")
     _setup_logging(settings.log_level)
-    if not (mesh.workers or config.dns_workers or config.workers_file):
+    child = child_place()
+    if child is None and settings.processes > 1:
+        mesh.close()  # the children build their own; this one only checked the config
+        return _supervise(settings, argv)
+    if child is None and not (mesh.workers or config.dns_workers or config.workers_file):
         log.warning("no worker is configured: /health answers 503 and every request 501")
 
     def announce(url: str) -> None:
+        if child is not None:
+            # The parent says where the gateway listens, once every child is up.
+            os.write(child.ready_fd, b"1")
+            os.close(child.ready_fd)
+            return
         print(f"meshkit gateway listening on {url}", flush=True)
         names = ", ".join(w.url for w in mesh.workers) or "none"
         log.info("workers: %s; policy: %s; server: %s", names, mesh.policy.name, settings.server)
 
     try:
         # SIGHUP: the same flags, file and environment, read again.
-        runner.serve(mesh, settings, on_ready=announce, reload=lambda: _settings(ns)[0])
+        runner.serve(
+            mesh, settings, on_ready=announce, reload=lambda: _settings(ns)[0], child=child
+        )
     except OSError as exc:
         where = f"{settings.host}:{settings.port}"
         print(f"meshkit: error: cannot listen on {where}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _supervise(settings: ServeSettings, argv: Sequence[str]) -> int:
+    """``serve --processes N``: bind the port, run N children on it."""
+    from meshkit.server.runner import listen, url_of
+    from meshkit.server.supervisor import Supervisor
+
+    try:
+        sock = listen(settings.host, settings.port)
+    except OSError as exc:
+        where = f"{settings.host}:{settings.port}"
+        print(f"meshkit: error: cannot listen on {where}: {exc}", file=sys.stderr)
+        return 1
+
+    def announce(url: str) -> None:
+        print(f"meshkit gateway listening on {url}", flush=True)
+        log.info("%d processes; server: %s", settings.processes, settings.server)
+
+    sup = Supervisor(
+        list(argv), sock, url_of(sock), settings.processes, settings.grace_s, on_ready=announce
+    )
+    try:
+        return sup.run()
+    finally:
+        sock.close()
 
 
 def _extproc_settings(ns: argparse.Namespace) -> tuple[MeshConfig, ExtProcConfig, str]:
@@ -218,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_mock_worker(args[1:])
     ns = build_parser().parse_args(args)
     if ns.command == "serve":
-        return _serve(ns)
+        return _serve(ns, args)
     if ns.command == "extproc":
         return _extproc(ns)
     from meshkit.demo.run import run_demo

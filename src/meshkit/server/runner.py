@@ -26,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -41,6 +42,10 @@ from meshkit.server.app import ServeApp, build_gateway
 from meshkit.server.h1.server import H1Server
 from meshkit.server.hangup import reload_on_hangup
 from meshkit.server.settings import ServeSettings
+
+if TYPE_CHECKING:
+    from meshkit.server.peers import Peers
+    from meshkit.server.supervisor import ChildPlace
 
 __all__ = ["GatewayThread", "listen", "new_event_loop", "serve", "url_of"]
 
@@ -277,17 +282,29 @@ def serve(
     *,
     on_ready: Callable[[str], None] | None = None,
     reload: Callable[[], MeshConfig] | None = None,
+    child: ChildPlace | None = None,
 ) -> None:
     """Serve ``mesh`` in the foreground until SIGTERM/SIGINT, then close it.
 
     :param on_ready: called with the gateway's URL once it accepts requests.
     :param reload: builds the configuration again; SIGHUP applies what it returns
         (:mod:`meshkit.server.hangup`).
+    :param child: this process is one of ``serve --processes N``'s children
+        (:mod:`meshkit.server.supervisor`): it serves the parent's listening socket,
+        answers its siblings on a private Unix socket and stops when the parent
+        goes away.
     :raises OSError: when the address cannot be bound.
     """
-    sock = listen(settings.host, settings.port)
+    if child is None:
+        sock = listen(settings.host, settings.port)
+        peers = None
+    else:
+        from meshkit.server.peers import Peers
+
+        sock = socket.socket(fileno=child.fd)
+        peers = Peers(child.run_dir, child.index, child.count)
     url = url_of(sock)
-    gateway = build_gateway(mesh)
+    gateway = build_gateway(mesh, peers=peers)
     mesh.start_lifecycle()  # probe now: /readiness waits for a verified worker
     run: Runner = {"granian": _run_granian, "uvicorn": _run_uvicorn}.get(
         settings.server, _run_builtin
@@ -297,16 +314,67 @@ def serve(
         if on_ready is not None:
             on_ready(url)
 
+    async def main(early: list[int]) -> None:
+        if peers is None:
+            await run(gateway, sock, settings, ready, early)
+            return
+        assert child is not None
+        await _serve_child(gateway, sock, settings, ready, early, run, peers, child)
+
     try:
         with (
             reload_on_hangup(mesh, reload),
             _quiet_signals() as early,
             asyncio.Runner(loop_factory=new_event_loop) as runner,
         ):
-            runner.run(run(gateway, sock, settings, ready, early))
+            runner.run(main(early))
     finally:
         sock.close()
         mesh.close()
+
+
+async def _serve_child(
+    gateway: MeshMiddleware,
+    sock: socket.socket,
+    settings: ServeSettings,
+    ready: Callable[[], None],
+    early: list[int],
+    run: Runner,
+    peers: Peers,
+    child: ChildPlace,
+) -> None:
+    """One child of ``serve --processes``: the public server, plus the private
+    socket its siblings ask (metrics, the fleet, admin verbs)."""
+    from meshkit.server.peers import copy_fleet, peer_app
+
+    path = peers.path(peers.index)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a previous run of this child
+    private = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    private.bind(path)
+    private.listen(64)
+    inner = H1Server(gateway, app=peer_app(gateway.app), max_connections=256)
+    await inner.start(private)
+    # The parent holds the other end of this pipe: when it is gone (even killed),
+    # the pipe reads EOF and this child drains as if told SIGTERM.
+    loop = asyncio.get_running_loop()
+    lifeline = child.lifeline_fd
+    loop.add_reader(lifeline, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    if child.restarted:
+        try:
+            # The fleet its siblings run: admin verbs may have changed it since start.
+            await copy_fleet(peers, gateway.mesh)
+        except Exception:  # the configured fleet then; never a reason not to serve
+            log.exception("could not copy the fleet from the other processes")
+    try:
+        await run(gateway, sock, settings, ready, early)
+    finally:
+        loop.remove_reader(lifeline)
+        await inner.shutdown(0.0)
+        private.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        await peers.aclose()
 
 
 class GatewayThread:
@@ -321,6 +389,8 @@ class GatewayThread:
     :param gateway: ...unless a gateway (a ``MeshMiddleware`` around any ASGI app)
         is given; then ``mesh`` may be omitted.
     :param server: ``"builtin"`` (default) or ``"uvicorn"``.
+    :param sock: a listening socket to serve on instead of ``host:port`` (a Unix
+        one too: its ``url`` is then ``unix:<path>``); it is closed on exit.
 
     The mesh is not closed on exit: it belongs to the caller.
     """
@@ -337,14 +407,18 @@ class GatewayThread:
         keep_alive_s: float = 5.0,
         max_connections: int = 4096,
         access_log: bool = False,
+        sock: socket.socket | None = None,
     ) -> None:
         if gateway is None:
             if mesh is None:
                 raise TypeError("GatewayThread needs a mesh or a gateway")
             gateway = build_gateway(mesh)
         self.gateway = gateway
-        self._sock = listen(host, port)
-        self.url = url_of(self._sock)
+        self._sock = sock if sock is not None else listen(host, port)
+        if self._sock.family == socket.AF_UNIX:
+            self.url = f"unix:{self._sock.getsockname()}"
+        else:
+            self.url = url_of(self._sock)
         self.settings = ServeSettings(
             host=host,
             port=port,

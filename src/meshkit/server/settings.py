@@ -31,7 +31,7 @@ from pathlib import Path
 from meshkit.config import MeshConfig, parse_worker_arg
 from meshkit.errors import ConfigError
 
-__all__ = ["LOG_LEVELS", "SERVERS", "ServeSettings", "resolve_settings"]
+__all__ = ["LOG_LEVELS", "SERVERS", "ServeSettings", "resolve_settings", "usable_cpus"]
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 SERVERS = ("builtin", "uvicorn", "granian")
@@ -49,6 +49,31 @@ class ServeSettings:
     server: str = "builtin"
     keep_alive_s: float = 5.0
     max_connections: int = 4096
+    #: router processes on the one port (resolved: "auto" is the usable CPUs)
+    processes: int = 1
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _processes(value: int | str, source: str | None) -> int:
+    if value == "auto":
+        return usable_cpus()
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            value = 0
+    if isinstance(value, bool) or value < 1:
+        raise ConfigError(
+            "server.processes", f"must be an integer >= 1 or 'auto', got {value!r}", source=source
+        )
+    return value
 
 
 def _file_keys(path: str) -> set[str]:
@@ -78,6 +103,7 @@ def resolve_settings(
     log_level: str | None = None,
     access_log: bool | None = None,
     server: str | None = None,
+    processes: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[MeshConfig, ServeSettings]:
     """Merge flags (the arguments), the file and the environment.
@@ -124,6 +150,10 @@ def resolve_settings(
         server=server or s.http,
         keep_alive_s=s.keep_alive_s,
         max_connections=s.max_connections,
+        processes=_processes(
+            processes if processes is not None else s.processes,
+            "--processes" if processes is not None else source,
+        ),
     )
     if settings.server not in SERVERS:
         where = "--server" if server else source
@@ -139,4 +169,19 @@ def resolve_settings(
         )
     if settings.grace_s < 0:
         raise ConfigError("server.grace_s", "must be >= 0", source="--grace")
+    if settings.processes > 1:
+        where = "--processes" if processes is not None else source
+        if settings.server == "granian":
+            raise ConfigError(
+                "server.processes", "granian binds its own socket: use processes = 1", source=where
+            )
+        if base.lifecycle.idle_sleep_s is not None:
+            # Each process sees only its own leases: one would put a worker to sleep
+            # while another still streams from it.
+            raise ConfigError(
+                "server.processes",
+                "lifecycle.idle_sleep_s needs processes = 1 "
+                "(sleep decisions do not span processes yet)",
+                source=where,
+            )
     return base, settings

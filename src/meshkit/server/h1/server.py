@@ -45,11 +45,14 @@ class H1Server:
         keep_alive_s: float = 5.0,
         max_connections: int = 4096,
         access_log: bool = False,
+        app: Any = None,
     ) -> None:
         self.gateway = gateway
         self.mesh = gateway.mesh
         self.upstream = gateway.upstream
-        self.app = gateway.app
+        #: what answers the non-inference routes (``app``: another view of them, as
+        #: the siblings' private socket of ``serve --processes`` serves)
+        self.app = app if app is not None else gateway.app
         self.keep_alive_ticks = max(1, math.ceil(keep_alive_s))
         self.max_connections = max_connections
         self.access_log = access_log

@@ -1,0 +1,116 @@
+"""
+One ``/metrics`` for many processes
+===================================
+
+With ``meshkit serve --processes N`` a scrape reaches one child; that child answers
+for the whole gateway: its own text merged with every sibling's (asked on the
+siblings' private sockets, :mod:`meshkit.server.peers`), parsed with
+``prometheus_client``'s parser and written again in the classic text format.
+
+================================  ================================================
+counters, histograms              summed over the processes per identical label
+                                  set (``_total``, ``_count``, ``_sum``,
+                                  ``_bucket``); ``_created`` is dropped (each
+                                  process has its own, and no sum of them means
+                                  anything)
+gauges (and untyped, summaries)   one sample per process, with the label
+                                  ``process="<index>"``: the fleet-wide value is
+                                  ``sum without (process) (...)`` in PromQL
+``mesh_gateway_processes``        the configured number of processes
+``mesh_gateway_processes_up``     this process and the siblings whose text was
+                                  merged into this scrape
+================================  ================================================
+
+A sibling that does not answer (or answers with something that does not parse) is
+left out of the scrape, which still answers: its counters are missing from the
+sums until it is back, and ``mesh_gateway_processes_up`` says so. The output is
+the same whichever child is scraped (processes are merged in index order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from prometheus_client import generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+__all__ = ["PROCESS_LABEL", "merge_metrics"]
+
+#: The label a gauge's samples carry, one per process.
+PROCESS_LABEL = "process"
+_SUMMED = frozenset({"counter", "histogram"})
+_CREATED = "_created"
+
+
+class _Families(Collector):
+    """Already-built families, for ``generate_latest``."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def _parse(text: str) -> list[Metric] | None:
+    try:
+        return list(text_string_to_metric_families(text))
+    except (ValueError, IndexError, TypeError):
+        return None
+
+
+def merge_metrics(texts: Sequence[tuple[int, bytes]], count: int) -> bytes:
+    """The classic Prometheus text of the processes' ``(index, /metrics body)``
+    merged as the module docstring says; ``count`` is ``--processes``."""
+    parsed: list[tuple[int, list[Metric]]] = []
+    for index, body in sorted(texts, key=lambda t: t[0]):
+        families = _parse(body.decode("utf-8", "replace"))
+        if families is not None:
+            parsed.append((index, families))
+    merged: dict[str, Metric] = {}
+    # Per family: sample (name, labels) -> its position in merged[name].samples.
+    slots: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], int]] = {}
+    for index, families in parsed:
+        summed = {f.name for f in families if f.type in _SUMMED}
+        for fam in families:
+            # A counter's or histogram's _created is written as a gauge family of its own.
+            if fam.name.endswith(_CREATED) and fam.name[: -len(_CREATED)] in summed:
+                continue
+            out = merged.get(fam.name)
+            if out is None:
+                out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                slots[fam.name] = {}
+            elif out.type != fam.type:
+                continue  # another version's family of the same name: this process's stays
+            positions = slots[fam.name]
+            add = fam.type in _SUMMED
+            for s in fam.samples:
+                if add and s.name == fam.name + _CREATED:
+                    continue
+                labels = dict(s.labels)
+                if not add:
+                    labels[PROCESS_LABEL] = str(index)
+                key = (s.name, tuple(sorted(labels.items())))
+                at = positions.get(key)
+                if at is None:
+                    positions[key] = len(out.samples)
+                    out.add_sample(s.name, labels, s.value)
+                else:
+                    prev = out.samples[at]
+                    out.samples[at] = prev._replace(value=prev.value + s.value)
+    families_out = list(merged.values())
+    families_out.append(
+        GaugeMetricFamily(
+            "mesh_gateway_processes", "Processes the gateway runs (--processes)", value=count
+        )
+    )
+    families_out.append(
+        GaugeMetricFamily(
+            "mesh_gateway_processes_up",
+            "Processes whose metrics this scrape merged (this one included)",
+            value=len(parsed),
+        )
+    )
+    return generate_latest(_Families(families_out))

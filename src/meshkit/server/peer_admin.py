@@ -1,0 +1,407 @@
+"""
+The admin API of many processes
+===============================
+
+With ``meshkit serve --processes N`` an admin request reaches one child. For the
+gateway to behave as one, :class:`PeerAdmin` (in front of that child's
+:class:`~meshkit.lifecycle.admin.AdminApp`) applies it here and on every sibling
+(:mod:`meshkit.server.peers`); the siblings apply what they are sent locally and
+fan nothing out again.
+
+=================================  ==================================================
+``GET /workers``                   this process's listing merged with the siblings'
+                                   (:mod:`meshkit.server.merged_workers`), plus
+                                   ``"processes": {"answered", "failed"}``
+``POST /workers``                  added here; when that answers 2xx, the same body
+                                   is sent to every sibling
+``DELETE /workers/{id}``,          here and on every sibling at once (a drain stops
+``POST /workers/{id}/drain``       placements in every process together, and the
+                                   waits for their leases overlap)
+``POST /workers/{id}/sleep``       the engine is put to sleep once, by this process,
+                                   after every sibling agreed: each marks the worker
+                                   asleep first, state only, and one that holds a
+                                   lease on it vetoes (409, the others roll back)
+``POST /workers/{id}/wake``        the engine is woken once, here; then every
+                                   sibling marks it awake (state only)
+=================================  ==================================================
+
+A write's answer is this process's plus ``"processes": {"applied": <processes
+that applied it, this one included>, "failed": [<sibling indexes>]}``; a
+``"worker"`` row in it is merged like the listing. A write whose local answer is
+not 2xx is answered as is and sent nowhere. Siblings are sent the path with the
+worker's ``id`` (an index in the path means this process's listing), the query
+string, the body and the ``Authorization`` header, so each checks the admin key
+itself.
+
+Sibling-only routes, answered on the private socket only (a peer request):
+
+* ``GET /_peer/fleet`` — :func:`~meshkit.server.peers.fleet_spec` (carries API keys);
+* ``POST /_peer/workers/{id}/asleep`` and ``.../awake`` — the state follows a sleep
+  or a wake another process makes
+  (:meth:`~meshkit.core.states.WorkerStates.follow_sleep`): ``{"changed",
+  "worker"}``, 409 when this process must not let the engine sleep.
+
+They take no admin key: the socket's directory (mode 0700) is their boundary, and
+the admin request that leads to them was checked where it arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import parse_qs, quote
+
+from meshkit.core.lifecycle import LifecycleError
+from meshkit.core.states import WorkerStates
+from meshkit.core.workers import Worker
+from meshkit.errors import ConfigError
+from meshkit.lifecycle.admin import AdminApp
+from meshkit.server.merged_workers import merge_row, merge_rows
+from meshkit.server.peers import PeerReply, Peers, fleet_spec
+from meshkit.types import Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from meshkit.mesh import Mesh
+
+__all__ = ["PeerAdmin", "peer_route"]
+
+#: A forwarded drain waits for the sibling's leases (``timeout_s``); this much more
+#: covers its answer travelling back.
+_MARGIN_S: Final = 5.0
+#: State-only changes and listings: a sibling slower than this is counted down.
+_ASK_S: Final = 5.0
+#: What is read of a client's body before forwarding it (the admin's own bound,
+#: 64 KiB, plus one byte so it still answers 413 for a larger one).
+_MAX_BODY: Final = 64 * 1024 + 1
+_ACTIONS: Final = ("drain", "sleep", "wake")
+_JSON: Final = b"application/json"
+
+
+class _Answer:
+    """A response held back to be merged: status, headers, and the body as JSON."""
+
+    __slots__ = ("body", "headers", "obj", "status")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+        try:
+            self.obj: Any = json.loads(body) if body else None
+        except ValueError:
+            self.obj = None
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300 and isinstance(self.obj, dict)
+
+
+def _error(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "api_error", "code": code}}
+
+
+async def _send(
+    send: Send, status: int, obj: Any, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    hdrs = [(k, v) for k, v in headers if k.lower() not in (b"content-length", b"content-type")]
+    hdrs += [(b"content-type", _JSON), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _split(path: str) -> tuple[str, str | None]:
+    """``/workers/{id}[/action]`` -> (id, action) (the admin app's own parse)."""
+    rest = path[len("/workers/") :]
+    for a in _ACTIONS:
+        if rest.endswith("/" + a):
+            return rest[: -len(a) - 1], a
+    return rest, None
+
+
+def _resolve(mesh: Mesh, ident: str) -> Worker | None:
+    """The worker ``ident`` names here, as the admin app resolves it."""
+    router = mesh.router
+    if ident.isdigit():
+        i = int(ident)
+        return router.workers[i] if i < len(router.workers) else None
+    w = router.get(ident)
+    if w is None:
+        try:
+            w = router.get(Worker(ident).id)
+        except ConfigError:
+            w = None
+    return w
+
+
+class PeerAdmin:
+    """The admin API of a gateway of many processes (see the module docstring).
+
+    :param admin: this process's admin app (it answers every local part).
+    :param peers: the siblings.
+    """
+
+    def __init__(self, admin: AdminApp, peers: Peers) -> None:
+        self.admin = admin
+        self.mesh = admin.mesh
+        self.peers = peers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method = scope.get("method", "GET")
+        path = scope.get("path", "/")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        if path.rstrip("/") == "/workers":
+            if method == "GET":
+                await self._list(scope, send)
+                return
+            if method == "POST":
+                await self._add(scope, receive, send)
+                return
+        elif path.startswith("/workers/") and method in ("POST", "DELETE"):
+            ident, action = _split(path)
+            if (method, action) in (("DELETE", None), ("POST", "drain")):
+                await self._drain(scope, send, ident, action)
+                return
+            if (method, action) == ("POST", "sleep"):
+                await self._sleep(scope, send, ident)
+                return
+            if (method, action) == ("POST", "wake"):
+                await self._wake(scope, send)
+                return
+        await self.admin(scope, receive, send)  # an error: this process answers it
+
+    # -- the parts ------------------------------------------------------------------
+
+    async def _local(self, scope: Scope, body: bytes = b"") -> _Answer:
+        """This process's admin answer, held back."""
+        delivered = False
+        start: Message = {}
+        chunks: list[bytes] = []
+
+        async def receive() -> Message:
+            nonlocal delivered
+            if delivered:
+                return {"type": "http.disconnect"}
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.admin(scope, receive, send)
+        headers = [(bytes(k), bytes(v)) for k, v in start.get("headers", ())]
+        return _Answer(int(start.get("status", 500)), headers, b"".join(chunks))
+
+    async def _relay(self, send: Send, answer: _Answer) -> None:
+        await send(
+            {"type": "http.response.start", "status": answer.status, "headers": answer.headers}
+        )
+        await send({"type": "http.response.body", "body": answer.body})
+
+    def _forwarded(
+        self, scope: Scope, extra: Sequence[tuple[bytes, bytes]] = ()
+    ) -> list[tuple[bytes, bytes]]:
+        """The client's headers a sibling needs: its admin key, and ``extra``."""
+        auth = [(k, v) for k, v in scope.get("headers", ()) if k.lower() == b"authorization"]
+        return [*auth[:1], *extra]
+
+    def _query(self, scope: Scope) -> str:
+        q = scope.get("query_string", b"")
+        return "?" + q.decode("latin-1") if q else ""
+
+    def _merge_worker(self, obj: dict[str, Any], replies: Sequence[PeerReply]) -> None:
+        """Merge the siblings' ``worker`` rows into the local answer's."""
+        row = obj.get("worker")
+        if not isinstance(row, dict):
+            return
+        theirs = []
+        for r in replies:
+            other = r.json() if r.ok else None
+            if isinstance(other, dict) and isinstance(other.get("worker"), dict):
+                theirs.append((r.index, other["worker"]))
+        obj["worker"] = merge_row(row, self.peers.index, theirs)
+
+    async def _answer(self, send: Send, local: _Answer, replies: Sequence[PeerReply]) -> None:
+        obj = dict(local.obj)
+        self._merge_worker(obj, replies)
+        ok = [r.index for r in replies if r.ok]
+        obj["processes"] = {
+            "applied": 1 + len(ok),
+            "failed": [r.index for r in replies if not r.ok],
+        }
+        await _send(send, local.status, obj, local.headers)
+
+    # -- the verbs ------------------------------------------------------------------
+
+    async def _list(self, scope: Scope, send: Send) -> None:
+        local = await self._local(scope)
+        if not local.ok or not isinstance(local.obj.get("workers"), list):
+            await self._relay(send, local)
+            return
+        replies = await self.peers.ask(
+            "GET", "/workers" + self._query(scope), headers=self._forwarded(scope), timeout_s=_ASK_S
+        )
+        answered = []
+        failed = []
+        for r in replies:
+            other = r.json() if r.status == 200 else None
+            if isinstance(other, dict) and isinstance(other.get("workers"), list):
+                answered.append((r.index, other["workers"]))
+            else:
+                failed.append(r.index)
+        obj = dict(local.obj)
+        obj["workers"] = merge_rows(local.obj["workers"], self.peers.index, answered)
+        obj["processes"] = {"answered": 1 + len(answered), "failed": failed}
+        await _send(send, local.status, obj, local.headers)
+
+    async def _add(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive)
+        local = await self._local(scope, body)
+        if not local.ok:
+            await self._relay(send, local)
+            return
+        replies = await self.peers.ask(
+            "POST",
+            "/workers",
+            headers=self._forwarded(scope, [(b"content-type", _JSON)]),
+            body=body,
+            timeout_s=_ASK_S,
+        )
+        await self._answer(send, local, replies)
+
+    async def _drain(self, scope: Scope, send: Send, ident: str, action: str | None) -> None:
+        worker = _resolve(self.mesh, ident)
+        wait = _wait_s(scope, self.mesh.config.lifecycle.drain_timeout_s)
+        if worker is None or wait is None or not self.admin._authorized(scope):
+            await self._relay(send, await self._local(scope))  # its error
+            return
+        # Both at once: the local answer is 2xx once the key and the worker are
+        # good (a drain that timed out answers 200 with drained false).
+        path = f"/workers/{quote(worker.id, safe='')}" + (f"/{action}" if action else "")
+        local, replies = await asyncio.gather(
+            self._local(scope),
+            self.peers.ask(
+                scope["method"],
+                path + self._query(scope),
+                headers=self._forwarded(scope),
+                timeout_s=wait + _MARGIN_S,
+            ),
+        )
+        if not local.ok:
+            await self._relay(send, local)
+            return
+        await self._answer(send, local, replies)
+
+    async def _follow(
+        self, worker: Worker, asleep: bool, among: Sequence[int] | None = None
+    ) -> list[PeerReply]:
+        path = f"/_peer/workers/{quote(worker.id, safe='')}/{'asleep' if asleep else 'awake'}"
+        if among is None:
+            return await self.peers.ask("POST", path, timeout_s=_ASK_S)
+        return list(
+            await asyncio.gather(
+                *(self.peers.ask_one(i, "POST", path, timeout_s=_ASK_S) for i in among)
+            )
+        )
+
+    async def _sleep(self, scope: Scope, send: Send, ident: str) -> None:
+        worker = _resolve(self.mesh, ident)
+        if worker is None or not self.admin._authorized(scope):
+            await self._relay(send, await self._local(scope))
+            return
+        try:
+            self.mesh.router.do(WorkerStates.check_sleep, worker.id)
+        except LifecycleError:
+            await self._relay(send, await self._local(scope))  # its 409
+            return
+        # Every sibling first, state only: one with a lease must be able to say no
+        # before the engine is asleep under its request.
+        agreed = await self._follow(worker, True)
+        changed = [r.index for r in agreed if r.ok and (r.json() or {}).get("changed") is True]
+        refused = [r for r in agreed if r.status == 409]
+        if refused:
+            await self._follow(worker, False, changed)
+            who = ", ".join(str(r.index) for r in refused)
+            obj = _error("invalid_state", f"process {who} cannot let the worker sleep now")
+            obj["processes"] = {"applied": 0, "failed": [r.index for r in agreed if not r.ok]}
+            await _send(send, 409, obj)
+            return
+        local = await self._local(scope)
+        if not local.ok:
+            await self._follow(worker, False, changed)
+            await self._relay(send, local)
+            return
+        await self._answer(send, local, agreed)
+
+    async def _wake(self, scope: Scope, send: Send) -> None:
+        local = await self._local(scope)
+        row = local.obj.get("worker") if local.ok else None
+        worker = _resolve(self.mesh, str(row.get("url"))) if isinstance(row, dict) else None
+        if worker is None:
+            await self._relay(send, local)
+            return
+        await self._answer(send, local, await self._follow(worker, False))
+
+
+def _wait_s(scope: Scope, default: float) -> float | None:
+    """``?timeout_s=`` (None when the admin app will refuse it)."""
+    raw = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("timeout_s")
+    if not raw:
+        return default
+    try:
+        value = float(raw[-1])
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+async def _read_body(receive: Receive) -> bytes:
+    """The client's body, up to :data:`_MAX_BODY` (the admin app refuses more)."""
+    chunks: list[bytes] = []
+    total = 0
+    while total < _MAX_BODY:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        total += len(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)[:_MAX_BODY]
+
+
+# -- what siblings ask ------------------------------------------------------------------
+
+
+def peer_route(mesh: Mesh, scope: Scope) -> tuple[int, Any]:
+    """A sibling's ``/_peer/...`` request: (status, JSON body)."""
+    path = scope["path"]
+    method = scope["method"]
+    if path == "/_peer/fleet":
+        if method != "GET":
+            return 405, _error("method_not_allowed", "use GET")
+        return 200, fleet_spec(mesh)
+    if path.startswith("/_peer/workers/"):
+        rest = path[len("/_peer/workers/") :]
+        ident, _, verb = rest.rpartition("/")
+        if verb in ("asleep", "awake"):
+            if method != "POST":
+                return 405, _error("method_not_allowed", "use POST")
+            worker = _resolve(mesh, ident)
+            if worker is None:
+                return 404, _error("unknown_worker", "no such worker")
+            try:
+                changed = mesh.router.do(WorkerStates.follow_sleep, worker.id, verb == "asleep")
+            except LifecycleError as exc:
+                return 409, _error("invalid_state", str(exc))
+            found = mesh.router.describe(worker.id)
+            return 200, {"changed": changed, "worker": found[0] if found else None}
+    return 404, _error("unknown_endpoint", f"unknown endpoint: {method} {path[:200]}")

@@ -1,0 +1,332 @@
+"""
+Several router processes on one port
+====================================
+
+``meshkit serve --processes N`` (``[server] processes``) runs N children, each a
+whole gateway (its own :class:`~meshkit.Mesh`, prepare pool and event loop), on
+the one listening socket this parent binds and hands down (pre-fork, as gunicorn
+and uvicorn's ``--workers`` do). One shared accept queue, not ``SO_REUSEPORT``: a
+connection the kernel queued is accepted by whichever child is free, so a child
+that dies leaves no queued connection behind (with per-child sockets, the
+connections queued on a dead child's socket are reset).
+
+The parent serves nothing itself. It
+
+* starts the children and prints ``meshkit gateway listening on <url>`` once
+  every one of them is accepting (each writes one byte to its ready pipe);
+* restarts a child that exits while the gateway runs, after a back-off that
+  doubles while the child keeps dying within :data:`STABLE_S` of its start (up to
+  :data:`MAX_BACKOFF_S`), so a child that cannot start does not spin;
+* forwards SIGTERM / SIGINT (the grace applies in every child, at the same time)
+  and SIGHUP (each child reloads the same flags, file and environment), closes its
+  copy of the listening socket when shutdown starts, and kills what is still
+  running ``grace_s`` + :data:`KILL_AFTER_S` seconds later.
+
+A child learns its place from :data:`CHILD_ENV` (a JSON object: the listening
+socket's file descriptor, its index, the count, the run directory of the
+siblings' private sockets, its ready pipe). The run directory is created with
+mode 0700 and removed when the parent exits.
+
+Exit codes: the parent exits 0 after a graceful shutdown, or with the code of a
+child that failed before the gateway was up (2 for a configuration error, 1 when
+it could not serve).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CHILD_ENV",
+    "KILL_AFTER_S",
+    "MAX_BACKOFF_S",
+    "STABLE_S",
+    "ChildPlace",
+    "Supervisor",
+    "child_place",
+]
+
+log = logging.getLogger("meshkit.server")
+
+#: the environment variable that makes ``meshkit serve`` a supervised child
+CHILD_ENV = "_MESHKIT_CHILD"
+#: a child that ran this long before it died is restarted without back-off
+STABLE_S = 10.0
+#: the longest wait before a child that keeps dying is started again
+MAX_BACKOFF_S = 10.0
+#: after the grace, how long children may take to close before they are killed
+KILL_AFTER_S = 10.0
+#: how long the first start of all children may take before the parent gives up
+START_TIMEOUT_S = 120.0
+_TICK_S = 0.1
+
+
+@dataclass(frozen=True)
+class ChildPlace:
+    """What a supervised child is told by its parent."""
+
+    fd: int
+    index: int
+    count: int
+    run_dir: str
+    #: write one byte here once accepting
+    ready_fd: int
+    #: reads EOF when the parent is gone
+    lifeline_fd: int
+    #: started again after a crash (it copies its siblings' fleet)
+    restarted: bool = False
+
+
+def child_place(environ: dict[str, str] | None = None) -> ChildPlace | None:
+    """This process's place among the children, or ``None`` when not supervised."""
+    raw = (os.environ if environ is None else environ).get(CHILD_ENV)
+    if not raw:
+        return None
+    obj = json.loads(raw)
+    return ChildPlace(
+        int(obj["fd"]),
+        int(obj["index"]),
+        int(obj["count"]),
+        str(obj["run_dir"]),
+        int(obj["ready_fd"]),
+        int(obj["lifeline_fd"]),
+        bool(obj.get("restarted", False)),
+    )
+
+
+class _Child:
+    __slots__ = (
+        "backoff_s",
+        "index",
+        "lifeline_w",
+        "popen",
+        "ready",
+        "ready_r",
+        "start_after",
+        "started_at",
+        "starts",
+    )
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.ready_r: int | None = None
+        self.lifeline_w: int | None = None
+        self.starts = 0
+        self.ready = False
+        self.started_at = 0.0
+        self.start_after = 0.0
+        self.backoff_s = 0.5
+
+
+class Supervisor:
+    """Run ``count`` children of ``argv`` (the ``meshkit`` arguments) on ``sock``.
+
+    :param on_ready: called with the URL once every child accepts requests.
+    :param clock: monotonic seconds (tests may pass their own).
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        sock: Any,
+        url: str,
+        count: int,
+        grace_s: float,
+        *,
+        on_ready: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.argv = list(argv)
+        self.sock = sock
+        self.url = url
+        self.count = count
+        self.grace_s = grace_s
+        self.on_ready = on_ready
+        self.clock = clock
+        self.run_dir = tempfile.mkdtemp(prefix="meshkit-serve-")  # mode 0700
+        self.children = [_Child(i) for i in range(count)]
+        self.restarts = 0
+        self._signals: list[int] = []
+        self._stopping = False
+        self._announced = False
+        self._exit_code = 0
+
+    # -- children ---------------------------------------------------------------------
+
+    def _start(self, child: _Child) -> None:
+        r, w = os.pipe()
+        life_r, life_w = os.pipe()
+        fd = self.sock.fileno()
+        place = {
+            "fd": fd,
+            "index": child.index,
+            "count": self.count,
+            "run_dir": self.run_dir,
+            "ready_fd": w,
+            "lifeline_fd": life_r,
+            "restarted": child.starts > 0,
+        }
+        env = {**os.environ, CHILD_ENV: json.dumps(place)}
+        try:
+            # The arguments are this process's own command line, run again.
+            child.popen = subprocess.Popen(  # noqa: S603
+                [sys.executable, "-m", "meshkit", *self.argv],
+                env=env,
+                pass_fds=(fd, w, life_r),
+                # Signals come from this parent only: a terminal's Ctrl-C reaches the
+                # whole foreground group, and the children would each see it first.
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(r)
+            os.close(life_w)
+            raise
+        finally:
+            os.close(w)
+            os.close(life_r)
+        child.ready_r = r
+        child.lifeline_w = life_w
+        child.starts += 1
+        child.ready = False
+        child.started_at = self.clock()
+
+    def _reap(self, child: _Child) -> int | None:
+        """The child's exit code once it has exited (its pipe closed), else None."""
+        p = child.popen
+        if p is None:
+            return None
+        code = p.poll()
+        if code is None:
+            return None
+        for fd in (child.ready_r, child.lifeline_w):
+            if fd is not None:
+                os.close(fd)
+        child.ready_r = child.lifeline_w = None
+        child.popen = None
+        return code
+
+    def _read_ready(self) -> None:
+        pending = {c.ready_r: c for c in self.children if c.ready_r is not None and not c.ready}
+        if not pending:
+            return
+        readable, _, _ = select.select(list(pending), [], [], 0)
+        for fd in readable:
+            child = pending[fd]
+            data = os.read(fd, 1)
+            if data:
+                child.ready = True
+            # EOF without a byte: the child died before it was up; _reap sees it.
+
+    # -- signals ----------------------------------------------------------------------
+
+    def _on_signal(self, sig: int, _frame: object) -> None:
+        self._signals.append(sig)
+
+    def _forward(self, sig: int) -> None:
+        for c in self.children:
+            if c.popen is not None and c.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.popen.send_signal(sig)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Supervise until SIGTERM/SIGINT; returns the exit code."""
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        previous = {s: signal.signal(s, self._on_signal) for s in handled}
+        try:
+            return self._loop()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            self._stop_all(force=True)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _loop(self) -> int:
+        for c in self.children:
+            self._start(c)
+        started = self.clock()
+        deadline: float | None = None
+        while True:
+            while self._signals:
+                sig = self._signals.pop(0)
+                if sig == signal.SIGHUP:
+                    log.info("SIGHUP: every process reloads its configuration")
+                    self._forward(signal.SIGHUP)
+                    continue
+                if not self._stopping:
+                    self._stopping = True
+                    # No new connection: the children close theirs as they drain.
+                    self.sock.close()
+                    deadline = self.clock() + self.grace_s + KILL_AFTER_S
+                self._forward(sig)  # a second SIGINT: the children cut their grace
+            self._read_ready()
+            now = self.clock()
+            for c in self.children:
+                code = self._reap(c)
+                if code is None:
+                    continue
+                if self._stopping:
+                    continue
+                if not self._announced:
+                    # A child that cannot start: the others would not either.
+                    log.error("process %d exited with code %d while starting", c.index, code)
+                    self._stopping = True
+                    self._forward(signal.SIGTERM)
+                    deadline = now + self.grace_s + KILL_AFTER_S
+                    self._exit_code = code or 1
+                    continue
+                lived = now - c.started_at
+                c.backoff_s = 0.5 if lived >= STABLE_S else min(c.backoff_s * 2, MAX_BACKOFF_S)
+                c.start_after = now + (0.0 if lived >= STABLE_S else c.backoff_s)
+                self.restarts += 1
+                log.warning(
+                    "process %d exited with code %d after %.1f s; restarting", c.index, code, lived
+                )
+            if not self._stopping:
+                for c in self.children:
+                    if c.popen is None and now >= c.start_after:
+                        self._start(c)
+                if not self._announced and all(c.ready for c in self.children):
+                    self._announced = True
+                    if self.on_ready is not None:
+                        self.on_ready(self.url)
+                if not self._announced and now - started > START_TIMEOUT_S:
+                    log.error("the processes did not start within %.0f s", START_TIMEOUT_S)
+                    self._stopping = True
+                    self._exit_code = 1
+                    self._forward(signal.SIGTERM)
+                    deadline = now + KILL_AFTER_S
+            if self._stopping:
+                if all(c.popen is None for c in self.children):
+                    return self._exit_code
+                if deadline is not None and now >= deadline:
+                    log.warning("processes still running after the grace: killed")
+                    self._stop_all(force=True)
+            time.sleep(_TICK_S)
+
+    def _stop_all(self, *, force: bool) -> None:
+        for c in self.children:
+            p = c.popen
+            if p is None:
+                continue
+            if p.poll() is None and force:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5.0)
+            self._reap(c)

@@ -1,0 +1,252 @@
+"""``meshkit serve --processes N`` through real processes: every child serves, a killed
+child comes back without failing requests that had not started, SIGTERM's grace
+spans the children, SIGHUP reaches them all, and they do not outlive the parent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+
+from harness import wait_until
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def children_of(pid: int) -> list[int]:
+    """The live children of ``pid`` (from /proc; zombies left out)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, so split after it
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            out.append(int(entry))
+    return sorted(out)
+
+
+def fresh(url: str, method: str = "GET", path: str = "/health", **kw: Any) -> httpx2.Response:
+    """One request on a new connection (the kernel hands it to any child)."""
+    with httpx2.Client(trust_env=False, timeout=30) as c:
+        return c.request(method, url + path, **kw)
+
+
+def processes_seen(url: str, tries: int = 60) -> set[int]:
+    return {fresh(url).json()["process"] for _ in range(tries)}
+
+
+@pytest.fixture
+def two(mock_factory: Any, spawn: Any) -> Any:
+    w0 = mock_factory(name="w0", output_tokens=3)
+    w1 = mock_factory(name="w1", output_tokens=3)
+    gw = spawn("serve", "--worker", w0.url, "--worker", w1.url, "--port", "0", "--processes", "2")
+    assert wait_until(lambda: fresh(gw.url, path="/readiness").status_code == 200, timeout=60)
+    assert wait_until(lambda: len(children_of(gw.popen.pid)) == 2)
+    return gw
+
+
+def test_every_process_serves_and_health_says_how_many(two: Any) -> None:
+    assert processes_seen(two.url) == {0, 1}
+    h = fresh(two.url).json()
+    assert (h["processes"], h["processes_up"]) == (2, 2)
+    for _ in range(20):
+        r = fresh(two.url, "POST", "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+
+
+def test_a_killed_child_is_restarted_and_queued_requests_do_not_fail(two: Any) -> None:
+    parent = two.popen.pid
+    victim = children_of(parent)[0]
+    os.kill(victim, signal.SIGKILL)
+    # While it is down and while it comes back, new connections queue on the one
+    # listening socket and the other child takes them: none fails.
+    failures: list[str] = []
+    done = threading.Event()
+
+    def load() -> None:
+        while not done.is_set():
+            try:
+                r = fresh(two.url, "POST", "/v1/chat/completions", json=CHAT)
+                if r.status_code != 200:
+                    failures.append(f"{r.status_code} {r.text[:200]}")
+            except httpx2.HTTPError as exc:
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        back = wait_until(
+            lambda: len(children_of(parent)) == 2 and victim not in children_of(parent),
+            timeout=60,
+        )
+        assert back, "the killed child was not restarted"
+        assert wait_until(lambda: fresh(two.url).json()["processes_up"] == 2, timeout=60)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(30)
+    assert failures == []
+    assert processes_seen(two.url) == {0, 1}
+    err = "".join(two.stderr)
+    assert "exited with code -9" in err and "restarting" in err
+
+
+def test_sigterm_lets_streams_on_every_child_finish(mock_factory: Any, spawn: Any) -> None:
+    w = mock_factory(name="slow", per_token_ms=100.0, output_tokens=12)
+    gw = spawn("serve", "--worker", w.url, "--port", "0", "--processes", "2")
+    assert wait_until(lambda: processes_seen(gw.url, 20) == {0, 1})
+    stream = {**CHAT, "stream": True}
+    bodies: list[bytes] = []
+    started = threading.Barrier(7)
+
+    def one() -> None:
+        with (
+            httpx2.Client(trust_env=False, timeout=30) as client,
+            client.stream("POST", gw.url + "/v1/chat/completions", json=stream) as r,
+        ):
+            chunks = r.iter_bytes()
+            body = next(chunks)
+            started.wait(30)
+            bodies.append(body + b"".join(chunks))
+
+    # Six streams on six connections, which the kernel hands to either child; each
+    # child drains its own before it exits, and the parent waits for both.
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    started.wait(30)
+    gw.signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert len(bodies) == 6
+    for body in bodies:
+        events = [line for line in body.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert sum("tok" in e for e in events) == 12
+    rc, err = gw.wait(60)
+    assert rc == 0, err
+    assert "Traceback" not in err
+    with pytest.raises(httpx2.ConnectError):
+        fresh(gw.url)
+
+
+def test_sighup_reloads_every_child(mock_factory: Any, spawn: Any, tmp_path: Path) -> None:
+    w0, w1 = mock_factory(name="w0"), mock_factory(name="w1")
+    cfg = tmp_path / "meshkit.toml"
+    cfg.write_text(f'[[workers]]\nurl = "{w0.url}"\n')
+    gw = spawn("serve", "--config", str(cfg), "--port", "0", "--processes", "2")
+    assert wait_until(lambda: processes_seen(gw.url, 20) == {0, 1})
+    cfg.write_text(f'[[workers]]\nurl = "{w0.url}"\n\n[[workers]]\nurl = "{w1.url}"\n')
+    gw.signal(signal.SIGHUP)
+
+    def all_reloaded() -> bool:
+        seen = {}
+        for _ in range(30):
+            h = fresh(gw.url).json()
+            seen[h["process"]] = h["workers"]
+        return seen == {0: 2, 1: 2}
+
+    assert wait_until(all_reloaded, timeout=30)
+
+
+def test_children_do_not_outlive_a_killed_parent(two: Any) -> None:
+    kids = children_of(two.popen.pid)
+    assert len(kids) == 2
+    two.popen.kill()
+    two.popen.wait(10)
+
+    def gone() -> bool:
+        return not any(Path(f"/proc/{k}").exists() and _alive(k) for k in kids)
+
+    assert wait_until(gone, timeout=60)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--processes", "0"], "server.processes"),
+        (["--processes", "many"], "server.processes"),
+        (["--processes", "2", "--server", "granian"], "granian binds its own socket"),
+    ],
+)
+def test_bad_process_counts_are_refused(meshkit_run: Any, args: list[str], message: str) -> None:
+    done = meshkit_run("serve", "--worker", "http://127.0.0.1:9", "--port", "0", *args)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_idle_sleep_needs_one_process(meshkit_run: Any, tmp_path: Path) -> None:
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(
+        '[[workers]]\nurl = "http://127.0.0.1:9"\n\n[lifecycle]\nidle_sleep_s = 60.0\n'
+        "\n[server]\nprocesses = 2\n"
+    )
+    done = meshkit_run("serve", "--config", str(cfg), "--port", "0")
+    assert done.returncode == 2
+    assert "idle_sleep_s needs processes = 1" in done.stderr
+
+
+def test_auto_is_the_usable_cpus() -> None:
+    from meshkit.server.settings import resolve_settings, usable_cpus
+
+    _, s = resolve_settings(workers=["http://127.0.0.1:9"], processes="auto", environ={})
+    assert s.processes == usable_cpus() == len(os.sched_getaffinity(0))
+    _, s = resolve_settings(workers=["http://127.0.0.1:9"], environ={})
+    assert s.processes == 1
+
+
+def test_the_child_environment_round_trips() -> None:
+    from meshkit.server.supervisor import CHILD_ENV, child_place
+
+    assert child_place({}) is None
+    place = {"fd": 3, "index": 1, "count": 2, "run_dir": "/x", "ready_fd": 4, "lifeline_fd": 5}
+    got = child_place({CHILD_ENV: json.dumps(place)})
+    assert got is not None and (got.index, got.count, got.lifeline_fd) == (1, 2, 5)
+
+
+def test_a_restarted_child_takes_the_fleet_admin_verbs_changed(
+    two: Any, mock_factory: Any
+) -> None:
+    extra = mock_factory(name="w2", output_tokens=3)
+    r = fresh(two.url, "POST", "/workers", json={"url": extra.url})
+    assert r.status_code == 201, r.text
+    assert r.json()["processes"]["applied"] == 2
+
+    def workers_by_process() -> dict[int, int]:
+        seen = {}
+        for _ in range(30):
+            h = fresh(two.url).json()
+            seen[h["process"]] = h["workers"]
+        return seen
+
+    assert workers_by_process() == {0: 3, 1: 3}
+    parent = two.popen.pid
+    victim = children_of(parent)[-1]
+    os.kill(victim, signal.SIGKILL)
+    assert wait_until(
+        lambda: len(children_of(parent)) == 2 and victim not in children_of(parent), timeout=60
+    )
+    assert wait_until(lambda: fresh(two.url).json()["processes_up"] == 2, timeout=60)
+    # The new child was built from the flags (two workers), then copied the third.
+    assert wait_until(lambda: workers_by_process() == {0: 3, 1: 3}, timeout=30)
