@@ -225,9 +225,7 @@ def test_the_child_environment_round_trips() -> None:
     assert got is not None and (got.index, got.count, got.lifeline_fd) == (1, 2, 5)
 
 
-def test_a_restarted_child_takes_the_fleet_admin_verbs_changed(
-    two: Any, mock_factory: Any
-) -> None:
+def test_a_restarted_child_takes_the_fleet_admin_verbs_changed(two: Any, mock_factory: Any) -> None:
     extra = mock_factory(name="w2", output_tokens=3)
     r = fresh(two.url, "POST", "/workers", json={"url": extra.url})
     assert r.status_code == 201, r.text
