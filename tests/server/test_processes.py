@@ -4,10 +4,12 @@ spans the children, SIGHUP reaches them all, and they do not outlive the parent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,19 @@ def fresh(url: str, method: str = "GET", path: str = "/health", **kw: Any) -> ht
     """One request on a new connection (the kernel hands it to any child)."""
     with httpx2.Client(trust_env=False, timeout=30) as c:
         return c.request(method, url + path, **kw)
+
+
+@contextlib.contextmanager
+def _client_of(url: str, process: int) -> Iterator[httpx2.Client]:
+    """A client whose one keep-alive connection ``process`` accepted."""
+    for _ in range(200):
+        c = httpx2.Client(trust_env=False, timeout=30, limits=httpx2.Limits(max_connections=1))
+        if c.get(url + "/health").json()["process"] == process:
+            with contextlib.closing(c):
+                yield c
+            return
+        c.close()
+    raise AssertionError(f"no connection reached process {process}")
 
 
 def processes_seen(url: str, tries: int = 60) -> set[int]:
@@ -196,15 +211,43 @@ def test_bad_process_counts_are_refused(meshkit_run: Any, args: list[str], messa
     assert done.stderr.count("\n") == 1
 
 
-def test_idle_sleep_needs_one_process(meshkit_run: Any, tmp_path: Path) -> None:
+def test_idle_sleep_waits_for_a_lease_held_in_another_process(
+    mock_factory: Any, spawn: Any, tmp_path: Path
+) -> None:
+    # A ~3 s stream against an idle timeout of 0.3 s, on the process that does not
+    # decide idle sleeps (process 0 decides; process 1 holds the lease).
+    mock = mock_factory(name="s", sleep_mode=True, output_tokens=60, per_token_ms=50)
     cfg = tmp_path / "m.toml"
     cfg.write_text(
-        '[[workers]]\nurl = "http://127.0.0.1:9"\n\n[lifecycle]\nidle_sleep_s = 60.0\n'
-        "\n[server]\nprocesses = 2\n"
+        f'[[workers]]\nurl = "{mock.url}"\nlabels = {{ "mesh.sleep_mode" = "vllm" }}\n\n'
+        "[lifecycle]\nidle_sleep_s = 0.3\nhealth_interval_s = 0.05\nwake_wait_s = 20.0\n"
     )
-    done = meshkit_run("serve", "--config", str(cfg), "--port", "0")
-    assert done.returncode == 2
-    assert "idle_sleep_s needs processes = 1" in done.stderr
+    gw = spawn("serve", "--config", str(cfg), "--port", "0", "--processes", "2")
+    stats = mock.worker.stats
+    # Let the gateway settle: idle from its start, the worker may sleep at once.
+    assert wait_until(lambda: stats.sleep_calls >= 1, timeout=30)
+    slept = stats.sleep_calls
+    stream = {**CHAT, "stream": True}
+    with (
+        _client_of(gw.url, 1) as c,
+        c.stream("POST", gw.url + "/v1/chat/completions", json=stream) as r,
+    ):
+        assert r.status_code == 200
+        chunks = 0
+        for _ in r.iter_bytes():
+            chunks += 1
+            # Woken for this stream, it must stay awake until the stream ends.
+            assert stats.sleep_calls == slept
+    assert chunks > 5
+    assert wait_until(lambda: stats.sleep_calls == slept + 1, timeout=30)
+
+    def asleep_everywhere() -> bool:
+        rows = fresh(gw.url, path="/workers").json()["workers"]
+        return {p["state"] for p in rows[0]["processes"].values()} == {"sleeping"}
+
+    assert wait_until(asleep_everywhere, timeout=30)
+    r = fresh(gw.url, "POST", "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200, r.text
 
 
 def test_auto_is_the_usable_cpus() -> None:

@@ -432,8 +432,11 @@ class WorkerStates:
         self.sleeps_total += 1
         return self.fleet.get(worker_id)
 
-    def _sleep_refusal(self, worker_id: str, now: float) -> LifecycleError | None:
-        """Why ``worker_id`` must not be put to sleep now (None: it may)."""
+    def _sleep_refusal(
+        self, worker_id: str, now: float, idle_s: float = 0.0
+    ) -> LifecycleError | None:
+        """Why ``worker_id`` must not be put to sleep now (None: it may); with
+        ``idle_s``, also when it was not idle here for that long."""
         m = self.machines.get(worker_id)
         worker = self.fleet.get(worker_id)
         if m is None or worker is None:
@@ -442,23 +445,28 @@ class WorkerStates:
             return LifecycleError("the worker has no sleep mode", state=m.state)
         if m.state is not State.READY:
             return LifecycleError(f"a {m.state.value} worker cannot be put to sleep", state=m.state)
-        if not isinstance(self.leases.activity(worker_id, now, tracked=is_tracked(worker)), Idle):
+        act = self.leases.activity(worker_id, now, tracked=is_tracked(worker))
+        if not isinstance(act, Idle):
             # Never sleep a worker that holds (or is about to hold) a lease.
             return LifecycleError("the worker holds a lease or was just placed on", state=m.state)
+        if now - act.since < idle_s:
+            return LifecycleError(
+                f"the worker was used here in the last {idle_s:g} s", state=m.state
+            )
         return None
 
-    def check_sleep(self, worker_id: str, now: float) -> None:
+    def check_sleep(self, worker_id: str, now: float, idle_s: float = 0.0) -> None:
         """:meth:`begin_sleep`'s strict checks, changing nothing: what another
         process of the same gateway asks before it puts the engine to sleep.
 
         :raises LifecycleError: unknown worker, no sleep mode, a state other than
             ready, or a lease (or a placement in flight) on it.
         """
-        refusal = self._sleep_refusal(worker_id, now)
+        refusal = self._sleep_refusal(worker_id, now, idle_s)
         if refusal is not None:
             raise refusal
 
-    def follow_sleep(self, worker_id: str, asleep: bool, now: float) -> bool:
+    def follow_sleep(self, worker_id: str, asleep: bool, now: float, idle_s: float = 0.0) -> bool:
         """Another process of the same gateway (``meshkit serve --processes``) puts
         the engine to sleep (``asleep``) or woke it: the state follows, with no call
         to the engine, so the engine is slept or woken once for the whole gateway.
@@ -482,7 +490,7 @@ class WorkerStates:
         if asleep:
             if before is State.SLEEPING:
                 return False
-            self.check_sleep(worker_id, now)
+            self.check_sleep(worker_id, now, idle_s)
             self.apply(worker_id, Event.REPORTED_SLEEPING, now)
         else:
             self.apply(worker_id, Event.REPORTED_AWAKE, now)

@@ -44,7 +44,7 @@ import json
 import logging
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.engine_load import parse_metrics
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from meshkit.router import Router
     from meshkit.upstream.base import AsyncUpstream
 
-__all__ = ["Lifecycle"]
+__all__ = ["Lifecycle", "SleepGate"]
 
 log = logging.getLogger("meshkit.lifecycle")
 
@@ -92,6 +92,17 @@ def _copy_outcome(task: asyncio.Future[T], cfut: concurrent.futures.Future[T]) -
         cfut.set_result(task.result())
 
 
+class SleepGate(Protocol):
+    """The other processes' say on an idle sleep (``meshkit serve --processes``):
+    :meth:`agree` asks each to mark the worker asleep, which one that used it within
+    ``idle_s`` (or holds a lease on it) refuses; :meth:`undo` takes an agreement
+    back when the engine did not go to sleep after all."""
+
+    async def agree(self, worker: Worker, idle_s: float) -> bool: ...
+
+    async def undo(self, worker: Worker) -> None: ...
+
+
 class Lifecycle:
     """Drains, wakes, sleeps and probes of one Mesh's workers (see the module docstring)."""
 
@@ -117,6 +128,11 @@ class Lifecycle:
         self.discovery: Discovery | None = None
         #: the KV-event subscribers of workers that name a publisher
         self.kv = KvSubscribers(router, router.config.kv)
+        #: (serve --processes) False in all but one process: one decides idle sleeps
+        self.idle_sleeps = True
+        #: (serve --processes) asked before an idle sleep; set before start()
+        self.sleep_gate: SleepGate | None = None
+        self._gating: set[str] = set()
 
     # -- thread control (any thread) ---------------------------------------------------
 
@@ -280,7 +296,7 @@ class Lifecycle:
             self.spawn(self.kv.run())
             if self.config.probe:
                 self.spawn(self._probe_loop())
-            if self.config.idle_sleep_s is not None:
+            if self.config.idle_sleep_s is not None and self.idle_sleeps:
                 self.spawn(self._idle_loop())
             self._up.set()
             await self._stop.wait()
@@ -458,6 +474,22 @@ class Lifecycle:
             await asyncio.sleep(period)
             try:
                 for wid in self.router.do(WorkerStates.idle_candidates):
-                    self.spawn(self._sleep(wid, level, strict=False))
+                    if wid not in self._gating:
+                        self.spawn(self._idle_sleep(wid, level, idle_s))
             except Exception:  # pragma: no cover - a bug must not stop the loop
                 log.exception("lifecycle idle check failed")
+
+    async def _idle_sleep(self, worker_id: str, level: int, idle_s: float) -> None:
+        gate = self.sleep_gate
+        worker = self.router.get(worker_id)
+        if gate is None or worker is None:
+            await self._sleep(worker_id, level, strict=False)
+            return
+        self._gating.add(worker_id)
+        try:
+            if not await gate.agree(worker, idle_s):
+                return  # another process used it lately, or could not be asked
+            if not await self._sleep(worker_id, level, strict=False):
+                await gate.undo(worker)
+        finally:
+            self._gating.discard(worker_id)

@@ -302,14 +302,7 @@ class PeerAdmin:
     async def _follow(
         self, worker: Worker, asleep: bool, among: Sequence[int] | None = None
     ) -> list[PeerReply]:
-        path = f"/_peer/workers/{quote(worker.id, safe='')}/{'asleep' if asleep else 'awake'}"
-        if among is None:
-            return await self.peers.ask("POST", path, timeout_s=_ASK_S)
-        return list(
-            await asyncio.gather(
-                *(self.peers.ask_one(i, "POST", path, timeout_s=_ASK_S) for i in among)
-            )
-        )
+        return await follow(self.peers, worker, asleep, among)
 
     async def _sleep(self, scope: Scope, send: Send, ident: str) -> None:
         worker = _resolve(self.mesh, ident)
@@ -348,6 +341,69 @@ class PeerAdmin:
             await self._relay(send, local)
             return
         await self._answer(send, local, await self._follow(worker, False))
+
+
+async def follow(
+    peers: Peers,
+    worker: Worker,
+    asleep: bool,
+    among: Sequence[int] | None = None,
+    idle_s: float = 0.0,
+) -> list[PeerReply]:
+    """Ask the siblings (``among``: only those) to mark ``worker`` asleep or awake,
+    state only; going to sleep, one that used it within ``idle_s`` refuses (409)."""
+    path = f"/_peer/workers/{quote(worker.id, safe='')}/{'asleep' if asleep else 'awake'}"
+    if asleep and idle_s > 0:
+        path += f"?idle_s={idle_s:g}"
+    if among is None:
+        return await peers.ask("POST", path, timeout_s=_ASK_S)
+    return list(
+        await asyncio.gather(*(peers.ask_one(i, "POST", path, timeout_s=_ASK_S) for i in among))
+    )
+
+
+class PeerSleepGate:
+    """The :class:`~meshkit.lifecycle.controller.SleepGate` of one process of many:
+    an idle sleep goes ahead only when every sibling marked the worker asleep, none
+    having used it within ``idle_s`` (a sibling that cannot be asked counts as a no).
+
+    The lifecycle runs on its own thread and loop; the siblings are asked on the
+    server's loop (``bind``), where the peers' clients live. Unbound, it refuses.
+    """
+
+    def __init__(self, peers: Peers) -> None:
+        self.peers = peers
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: worker id -> the siblings whose state an agreement changed
+        self._changed: dict[str, list[int]] = {}
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    async def _on_server(self, coro: Any) -> Any:
+        loop = self._loop
+        if loop is None:
+            coro.close()
+            raise RuntimeError("the sleep gate is not bound to the server's loop")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    async def agree(self, worker: Worker, idle_s: float) -> bool:
+        try:
+            replies = await self._on_server(follow(self.peers, worker, True, idle_s=idle_s))
+        except RuntimeError:
+            return False
+        changed = [r.index for r in replies if r.ok and (r.json() or {}).get("changed") is True]
+        if all(r.ok for r in replies):
+            self._changed[worker.id] = changed
+            return True
+        if changed:
+            await self._on_server(follow(self.peers, worker, False, changed))
+        return False
+
+    async def undo(self, worker: Worker) -> None:
+        changed = self._changed.pop(worker.id, [])
+        if changed:
+            await self._on_server(follow(self.peers, worker, False, changed))
 
 
 def _wait_s(scope: Scope, default: float) -> float | None:
@@ -398,8 +454,15 @@ def peer_route(mesh: Mesh, scope: Scope) -> tuple[int, Any]:
             worker = _resolve(mesh, ident)
             if worker is None:
                 return 404, _error("unknown_worker", "no such worker")
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             try:
-                changed = mesh.router.do(WorkerStates.follow_sleep, worker.id, verb == "asleep")
+                idle_s = max(0.0, float(query.get("idle_s", ["0"])[-1]))
+            except ValueError:
+                return 400, _error("invalid_request", "idle_s must be a number")
+            try:
+                changed = mesh.router.do(
+                    WorkerStates.follow_sleep, worker.id, verb == "asleep", idle_s=idle_s
+                )
             except LifecycleError as exc:
                 return 409, _error("invalid_state", str(exc))
             found = mesh.router.describe(worker.id)

@@ -305,6 +305,13 @@ def serve(
         peers = Peers(child.run_dir, child.index, child.count)
     url = url_of(sock)
     gateway = build_gateway(mesh, peers=peers)
+    gate = None
+    if peers is not None:
+        from meshkit.server.peer_admin import PeerSleepGate
+
+        # One process decides idle sleeps; the others each have a veto.
+        mesh.lifecycle.idle_sleeps = peers.index == 0
+        mesh.lifecycle.sleep_gate = gate = PeerSleepGate(peers)
     mesh.start_lifecycle()  # probe now: /readiness waits for a verified worker
     run: Runner = {"granian": _run_granian, "uvicorn": _run_uvicorn}.get(
         settings.server, _run_builtin
@@ -319,6 +326,8 @@ def serve(
             await run(gateway, sock, settings, ready, early)
             return
         assert child is not None
+        assert gate is not None
+        gate.bind(asyncio.get_running_loop())
         await _serve_child(gateway, sock, settings, ready, early, run, peers, child)
 
     try:

@@ -175,13 +175,4 @@ def resolve_settings(
             raise ConfigError(
                 "server.processes", "granian binds its own socket: use processes = 1", source=where
             )
-        if base.lifecycle.idle_sleep_s is not None:
-            # Each process sees only its own leases: one would put a worker to sleep
-            # while another still streams from it.
-            raise ConfigError(
-                "server.processes",
-                "lifecycle.idle_sleep_s needs processes = 1 "
-                "(sleep decisions do not span processes yet)",
-                source=where,
-            )
     return base, settings

@@ -179,3 +179,20 @@ def test_clear() -> None:
     assert len(tree) == 0
     assert tree.size == 0
     assert tree.match("abc") == {}
+
+
+def test_one_text_longer_than_the_budget_keeps_the_others() -> None:
+    # A single client prompt over the budget used to evict every tenant's prefixes,
+    # then itself: the tree ended empty.
+    t = RadixTree(max_size=1000)
+    for i in range(20):
+        t.insert(f"prompt {i:02d} " + "x" * 30, f"w{i % 4}", float(i))
+    before = t.size
+    t.insert("G" * 1200, "w9", 30.0)
+    assert 0 < t.size <= 1000
+    assert t.match("G" * 1200, {"w9"})["w9"] == 500  # its head, half the budget
+    kept = sum(
+        t.match(f"prompt {i:02d} " + "x" * 30, {f"w{i % 4}"})[f"w{i % 4}"] > 0 for i in range(20)
+    )
+    assert kept >= 10
+    assert before <= 1000

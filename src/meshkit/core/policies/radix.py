@@ -41,6 +41,9 @@ from collections.abc import Callable, Collection
 
 __all__ = ["RadixTree"]
 
+#: one text holds at most 1/_ONE_TEXT of the tree's budget
+_ONE_TEXT = 2
+
 
 class _Node:
     __slots__ = ("children", "label", "parent", "tenants", "tick")
@@ -136,6 +139,12 @@ class RadixTree:
         """Record that ``tenant`` was sent ``text`` at ``now``; evict LRU leaves if over budget."""
         if not text:
             return
+        if self.max_size is not None and len(text) > self.max_size // _ONE_TEXT:
+            # One prompt longer than the budget would evict every other tenant's
+            # prefixes and then itself: keep its head, the part later requests share.
+            text = text[: self.max_size // _ONE_TEXT]
+            if not text:
+                return
         self._tick += 1
         tick = self._tick
         node = self._root
