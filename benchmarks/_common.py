@@ -235,3 +235,37 @@ def qwen_tokenizer_path() -> str | None:
         if p.is_file():
             return str(p)
     return None
+
+
+def source_state(repo: str | Path) -> str:
+    """The commit and a digest of the uncommitted changes under ``repo``'s src/
+    (what a benchmark measured)."""
+    import hashlib
+    import subprocess
+
+    def git(*cmd: str) -> str:
+        try:
+            out = subprocess.run(
+                ["git", "-C", str(repo), *cmd], capture_output=True, text=True, timeout=10
+            )
+            return out.stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    diff = git("diff", "HEAD", "--", "src")
+    untracked = git("ls-files", "--others", "--exclude-standard", "--", "src").split()
+    if not diff and not untracked:
+        return f"commit {head}, src/ clean"
+    digest = hashlib.sha256((diff + "\n".join(untracked)).encode()).hexdigest()[:12]
+    extra = f"{len(untracked)} untracked files; " if untracked else ""
+    return f"commit {head} + uncommitted src/ changes ({extra}diff sha256 {digest})"
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" when unknown)."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return ""

@@ -95,6 +95,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from _common import cpu_model, source_state
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "tests", "prepare", "data", "tiny")
 BLOCK = 16
@@ -773,38 +775,8 @@ def targets(runs: Sequence[Cell], ks: Sequence[int]) -> list[str]:
     return out
 
 
-def source_state() -> str:
-    """The commit and a digest of the uncommitted changes under src/ (what was measured)."""
-    import hashlib
-    import subprocess
-
-    def git(*cmd: str) -> str:
-        try:
-            out = subprocess.run(
-                ["git", "-C", ROOT, *cmd], capture_output=True, text=True, timeout=10
-            )
-            return out.stdout
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
-    diff = git("diff", "HEAD", "--", "src")
-    if not diff:
-        return f"commit {head}, src/ clean"
-    digest = hashlib.sha256(diff.encode()).hexdigest()[:12]
-    return f"commit {head} + uncommitted src/ changes (diff sha256 {digest})"
-
-
 def machine() -> str:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    model = cpu_model()
     return (
         f"{os.cpu_count()} cores ({model or platform.processor() or 'unknown CPU'}), "
         f"{platform.system()} {platform.release()}, Python {platform.python_version()}"
@@ -981,7 +953,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.workloads = [w for w in args.workloads.split(",") if w]
 
     t0 = time.monotonic()
-    args.source = source_state()
+    args.source = source_state(ROOT)
     snapshot = args.snapshot = None
     if not args.live_src:
         # Measure one version of meshkit: src/ may be edited while the matrix runs,
@@ -1024,7 +996,7 @@ def _main(args: argparse.Namespace, configs: list[str], argv: list[str], t0: flo
             )
     total = time.monotonic() - t0
     if args.live_src:
-        after = source_state()
+        after = source_state(ROOT)
         if after != args.source:
             args.source += f"; CHANGED during the run, at the end: {after}"
     print(f"source: {args.source}")
