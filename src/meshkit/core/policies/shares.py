@@ -35,7 +35,6 @@ then every :data:`REPLAN_EVERY`, and when the fleet changes.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections.abc import Hashable, Iterable, Sequence
@@ -86,15 +85,30 @@ class Decayed(Generic[K]):
         scale = self._scale(now)
         return [(k, v / scale) for k, v in self._scaled.items()]
 
+    def at_least(self, floor: float, now: float) -> list[tuple[K, float]]:
+        """The items whose value is ``floor`` or more (one pass, no copy of the rest)."""
+        scale = self._scale(now)
+        cut = floor * scale
+        return [(k, v / scale) for k, v in self._scaled.items() if v >= cut]
+
     def forget(self, keys: Iterable[K]) -> None:
         for key in keys:
             self._scaled.pop(key, None)
 
     def keep_largest(self, count: int) -> None:
         """Drop all but the ``count`` largest values."""
-        if len(self._scaled) > count:
-            top = heapq.nlargest(count, self._scaled.items(), key=lambda kv: kv[1])
-            self._scaled = dict(top)
+        scaled = self._scaled
+        if len(scaled) > count:
+            # A sort of the bare values in C, then one pass: several times cheaper
+            # than a heap keyed by a Python lambda, and this runs on the request path.
+            cut = sorted(scaled.values())[len(scaled) - count]
+            kept = {k: v for k, v in scaled.items() if v > cut}
+            for k, v in scaled.items():  # ties at the cut, in insertion order
+                if len(kept) >= count:
+                    break
+                if v == cut:
+                    kept[k] = v
+            self._scaled = kept
 
     def __len__(self) -> int:
         return len(self._scaled)
@@ -204,7 +218,7 @@ class TrafficShares:
         hot: list[tuple[float, int]] = []
         if total > 0:
             floor = _HOT_FRACTION * limit * total
-            hot = [(v / total, p) for p, v in self._counts.items(now) if v >= floor]
+            hot = [(v / total, p) for p, v in self._counts.at_least(floor, now)]
         # Hottest first; the point breaks ties the same way in every process.
         hot.sort(key=lambda sp: (-sp[0], sp[1]))
         background = max(0.0, 1.0 - sum(s for s, _ in hot)) / n
