@@ -528,3 +528,26 @@ def test_a_worker_only_a_sibling_lists_is_listed_without_an_index() -> None:
     ]
     assert rows[0]["state"] == "ready"  # this process's
     assert rows[0]["processes"]["2"]["state"] == "draining"
+
+
+def test_the_wake_gate_falls_back_to_a_local_wake_when_process_0_is_gone() -> None:
+    from meshkit.server.peer_admin import PeerSleepGate
+
+    run_dir = tempfile.mkdtemp(prefix="mk-")
+    try:
+        gate = PeerSleepGate(Peers(run_dir, 1, 2), wake_timeout_s=1.0)
+        worker = Worker("http://127.0.0.1:9")
+
+        async def unbound() -> bool | None:
+            return await gate.wake(worker)
+
+        assert asyncio.run(unbound()) is None  # not bound to a server loop yet
+
+        async def bound() -> bool | None:
+            gate.bind(asyncio.get_running_loop())
+            # The lifecycle asks from its own thread and loop.
+            return await asyncio.to_thread(asyncio.run, gate.wake(worker))
+
+        assert asyncio.run(bound()) is None  # no socket for process 0: wake here
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

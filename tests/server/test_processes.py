@@ -250,6 +250,33 @@ def test_idle_sleep_waits_for_a_lease_held_in_another_process(
     assert r.status_code == 200, r.text
 
 
+def test_a_sleeping_worker_is_woken_once_for_the_whole_gateway(
+    mock_factory: Any, spawn: Any, tmp_path: Path
+) -> None:
+    mock = mock_factory(name="s", sleep_mode=True, output_tokens=3, wake_ms=200)
+    cfg = tmp_path / "m.toml"
+    # Probes far apart: what a process knows of the sleep and the wake comes from
+    # the siblings, not from its own probe.
+    cfg.write_text(
+        f'[[workers]]\nurl = "{mock.url}"\nlabels = {{ "mesh.sleep_mode" = "vllm" }}\n\n'
+        "[lifecycle]\nhealth_interval_s = 30.0\nwake_wait_s = 20.0\n"
+    )
+    gw = spawn("serve", "--config", str(cfg), "--port", "0", "--processes", "2")
+    assert wait_until(lambda: processes_seen(gw.url, 20) == {0, 1}, timeout=60)
+    assert wait_until(
+        lambda: fresh(gw.url, "POST", "/workers/0/sleep").status_code == 200, timeout=30
+    )
+    stats = mock.worker.stats
+    assert stats.sleep_calls == 1
+    # A request on each process, one after the other: the first wakes the engine,
+    # the second finds it awake through process 0 instead of calling it again.
+    for process in (1, 0, 1):
+        with _client_of(gw.url, process) as c:
+            r = c.post(gw.url + "/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200, r.text
+    assert stats.wake_calls == 1
+
+
 def test_auto_is_the_usable_cpus() -> None:
     from meshkit.server.settings import resolve_settings, usable_cpus
 

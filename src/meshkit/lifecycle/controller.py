@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from meshkit.router import Router
     from meshkit.upstream.base import AsyncUpstream
 
-__all__ = ["Lifecycle", "SleepGate"]
+__all__ = ["Lifecycle", "SleepGate", "WakeGate"]
 
 log = logging.getLogger("meshkit.lifecycle")
 
@@ -103,6 +103,14 @@ class SleepGate(Protocol):
     async def undo(self, worker: Worker) -> None: ...
 
 
+class WakeGate(Protocol):
+    """Who wakes an engine when this process is one of many: :meth:`wake` asks the
+    one process that wakes engines for the whole gateway; True or False is its
+    answer (ready or not), None that it could not be asked (wake it from here)."""
+
+    async def wake(self, worker: Worker) -> bool | None: ...
+
+
 class Lifecycle:
     """Drains, wakes, sleeps and probes of one Mesh's workers (see the module docstring)."""
 
@@ -132,6 +140,8 @@ class Lifecycle:
         self.idle_sleeps = True
         #: (serve --processes) asked before an idle sleep; set before start()
         self.sleep_gate: SleepGate | None = None
+        #: (serve --processes, all but one process) wakes engines for this one
+        self.wake_gate: WakeGate | None = None
         self._gating: set[str] = set()
 
     # -- thread control (any thread) ---------------------------------------------------
@@ -442,6 +452,11 @@ class Lifecycle:
                 worker = self.router.do(WorkerStates.wake_target, worker_id)
                 if worker is None:
                     return False
+                gate = self.wake_gate
+                answer = await gate.wake(worker) if gate is not None else None
+                if answer is not None:
+                    ok = answer  # woken (or not) once, by the process that wakes engines
+                    return ok
                 res = await self._call("POST", worker, "/wake_up", self.config.wake_timeout_s)
                 ok = res is not None and 200 <= res[0] < 300
                 if not ok:

@@ -124,9 +124,12 @@ class ServeApp:
                 await self._admin(scope, receive, send)
             return
         if peer and path.startswith("/_peer/"):
-            from meshkit.server.peer_admin import peer_route
+            from meshkit.server.peer_admin import peer_route, peer_wake
 
-            code, obj = peer_route(self.mesh, scope)
+            if path.startswith("/_peer/workers/") and path.endswith("/wake"):
+                code, obj = await peer_wake(self.mesh, scope)
+            else:
+                code, obj = peer_route(self.mesh, scope)
             status, ctype, body = _json(code, obj)
             await _whole(send, scope, status, [(b"content-type", ctype)], body)
             return

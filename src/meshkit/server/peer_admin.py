@@ -363,16 +363,23 @@ async def follow(
 
 
 class PeerSleepGate:
-    """The :class:`~meshkit.lifecycle.controller.SleepGate` of one process of many:
-    an idle sleep goes ahead only when every sibling marked the worker asleep, none
-    having used it within ``idle_s`` (a sibling that cannot be asked counts as a no).
+    """The :class:`~meshkit.lifecycle.controller.SleepGate` and
+    :class:`~meshkit.lifecycle.controller.WakeGate` of one process of many.
+
+    * An idle sleep goes ahead only when every sibling marked the worker asleep,
+      none having used it within ``idle_s`` (a sibling that cannot be asked counts
+      as a no).
+    * A wake (a request found the worker asleep) is asked of process 0, which wakes
+      engines for the whole gateway, so two processes never both call the engine;
+      when process 0 cannot be asked, this process wakes it itself.
 
     The lifecycle runs on its own thread and loop; the siblings are asked on the
     server's loop (``bind``), where the peers' clients live. Unbound, it refuses.
     """
 
-    def __init__(self, peers: Peers) -> None:
+    def __init__(self, peers: Peers, wake_timeout_s: float = 60.0) -> None:
         self.peers = peers
+        self.wake_timeout_s = wake_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         #: worker id -> the siblings whose state an agreement changed
         self._changed: dict[str, list[int]] = {}
@@ -404,6 +411,34 @@ class PeerSleepGate:
         changed = self._changed.pop(worker.id, [])
         if changed:
             await self._on_server(follow(self.peers, worker, False, changed))
+
+    async def wake(self, worker: Worker) -> bool | None:
+        path = f"/_peer/workers/{quote(worker.id, safe='')}/wake"
+        ask = self.peers.ask_one(0, "POST", path, timeout_s=self.wake_timeout_s + _MARGIN_S)
+        try:
+            reply = await self._on_server(ask)
+        except RuntimeError:
+            return None
+        obj = reply.json() if reply.status == 200 else None
+        if not isinstance(obj, dict) or not isinstance(obj.get("ready"), bool):
+            return None  # process 0 is down or does not know the worker: wake it here
+        return bool(obj["ready"])
+
+
+async def peer_wake(mesh: Mesh, scope: Scope) -> tuple[int, Any]:
+    """``POST /_peer/workers/{id}/wake``: wake the engine for a sibling (once: a wake
+    already under way is joined) and answer whether it is ready."""
+    if scope["method"] != "POST":
+        return 405, _error("method_not_allowed", "use POST")
+    ident = scope["path"][len("/_peer/workers/") : -len("/wake")]
+    worker = _resolve(mesh, ident)
+    if worker is None:
+        return 404, _error("unknown_worker", "no such worker")
+    try:
+        ready = await mesh.awake(worker)
+    except LifecycleError as exc:
+        return 409, _error("invalid_state", str(exc))
+    return 200, {"ready": ready}
 
 
 def _wait_s(scope: Scope, default: float) -> float | None:
