@@ -277,6 +277,34 @@ def test_a_sleeping_worker_is_woken_once_for_the_whole_gateway(
     assert stats.wake_calls == 1
 
 
+def test_hash_placement_agrees_across_the_processes(
+    mock_factory: Any, spawn: Any, tmp_path: Path
+) -> None:
+    ws = [mock_factory(name=f"w{i}", output_tokens=2) for i in range(4)]
+    cfg = tmp_path / "m.toml"
+    # The ring alone: with the share plan (share_fit > 0) placement also follows the
+    # traffic each process has seen, so processes agree as far as their samples do
+    # (docs/policies.md, "Traffic shares"), which opposite orders are not.
+    cfg.write_text(
+        'policy = "prefix_hash"\n[policies.prefix_hash]\nshare_fit = 0\n'
+        + "".join(f'[[workers]]\nurl = "{w.url}"\n' for w in ws)
+    )
+    gw = spawn("serve", "--config", str(cfg), "--port", "0", "--processes", "2")
+    assert wait_until(lambda: processes_seen(gw.url, 20) == {0, 1}, timeout=60)
+    picked: dict[int, dict[int, str]] = {0: {}, 1: {}}
+    # The same prompts, in opposite orders: only a placement that is a function of
+    # the prompt (not of a counter or of what came before) agrees.
+    for process, order in ((0, range(24)), (1, reversed(range(24)))):
+        with _client_of(gw.url, process) as c:
+            for i in order:
+                body = {"model": "m", "messages": [{"role": "user", "content": f"tenant {i}"}]}
+                r = c.post(gw.url + "/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                picked[process][i] = r.headers["x-mock-worker"]
+    assert picked[0] == picked[1]
+    assert len(set(picked[0].values())) == 4
+
+
 def test_auto_is_the_usable_cpus() -> None:
     from meshkit.server.settings import resolve_settings, usable_cpus
 
