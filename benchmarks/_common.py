@@ -269,3 +269,23 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return ""
+
+
+def kept_reading(path: str | Path) -> str:
+    """The hand-written ``## Reading`` section (and what follows it) of the report
+    at ``path``, which a rewrite keeps ("" when there is none)."""
+    try:
+        old = Path(path).read_text()
+    except OSError:
+        return ""
+    at = old.find("\n## Reading")
+    return old[at + 1 :].rstrip() + "\n" if at >= 0 else ""
+
+
+def write_report(path: Path, text: str) -> None:
+    """Write a Markdown report, keeping its hand-written Reading."""
+    import sys
+
+    reading = kept_reading(path)
+    path.write_text(text + ("\n" + reading if reading else ""))
+    print(f"report written to {path}", file=sys.stderr)

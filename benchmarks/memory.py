@@ -93,7 +93,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import cpu_model, source_state
+from _common import cpu_model, source_state, write_report
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -724,17 +724,6 @@ def render(
             lines.append(f"| {offered:,} | {size:,} | {_mib(rss_now - rss0)} |")
         lines.append("")
     return "\n".join(lines)
-
-
-def write_report(path: Path, text: str) -> None:
-    reading = ""
-    if path.exists():
-        old = path.read_text()
-        at = old.find("\n## Reading")
-        if at >= 0:
-            reading = old[at + 1 :].rstrip() + "\n"
-    path.write_text(text + ("\n" + reading if reading else ""))
-    print(f"report written to {path}", file=sys.stderr)
 
 
 # -- main --------------------------------------------------------------------------------

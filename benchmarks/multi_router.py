@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from _common import cpu_model, source_state
+from _common import cpu_model, kept_reading, source_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "tests", "prepare", "data", "tiny")
@@ -792,13 +792,7 @@ def write_report(
     table: Sequence[Cell],
     total_s: float,
 ) -> None:
-    reading = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            old = f.read()
-        at = old.find("\n## Reading")
-        if at >= 0:
-            reading = old[at + 1 :].rstrip() + "\n"
+    reading = kept_reading(path)
     cmd = " ".join(["python", "benchmarks/multi_router.py", *argv])
     lines = [
         "# Many routers, one fleet (benchmarks/multi_router.py)",

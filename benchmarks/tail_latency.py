@@ -106,6 +106,7 @@ from _common import (
     free_port,
     qwen_tokenizer_path,
     source_state,
+    write_report,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -993,17 +994,6 @@ def render(
             "",
         ]
     return "\n".join(lines)
-
-
-def write_report(path: Path, text: str) -> None:
-    reading = ""
-    if path.exists():
-        old = path.read_text()
-        at = old.find("\n## Reading")
-        if at >= 0:
-            reading = old[at + 1 :].rstrip() + "\n"
-    path.write_text(text + ("\n" + reading if reading else ""))
-    print(f"report written to {path}", file=sys.stderr)
 
 
 # -- main --------------------------------------------------------------------------------
