@@ -136,15 +136,21 @@ def _prompt(target_chars: int, variant: int) -> str:
     over the workers while each variant keeps its worker.
     """
     rng = random.Random(variant * 7919 + target_chars)
-    parts = [f"Document {variant}: {rng.choice(_WORDS)} {rng.choice(_WORDS)}."]
-    size = len(parts[0])
-    while size < target_chars:
+    head = f"Document {variant}: {rng.choice(_WORDS)} {rng.choice(_WORDS)}."
+    return (head + " " + words(rng, target_chars - len(head)))[:target_chars]
+
+
+def words(rng: random.Random, chars: int) -> str:
+    """About ``chars`` characters of filler prose (words, now and then a full stop)."""
+    out: list[str] = []
+    n = 0
+    while n < chars:
         w = rng.choice(_WORDS)
         if rng.random() < 0.08:
             w += "."
-        parts.append(w)
-        size += len(w) + 1
-    return " ".join(parts)[:target_chars]
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:chars]
 
 
 def bodies(size: int, variants: int = 8) -> list[bytes]:

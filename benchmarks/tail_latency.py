@@ -100,12 +100,12 @@ from typing import IO, Any
 
 import loadgen
 from _common import (
-    _WORDS,
     DistinctBodies,
     cpu_model,
     free_port,
     qwen_tokenizer_path,
     source_state,
+    words,
     write_report,
 )
 
@@ -131,18 +131,6 @@ HEAVY_LEAD_S = 0.5
 # -- request bodies ----------------------------------------------------------------------
 
 
-def _words(rng: random.Random, chars: int) -> str:
-    out: list[str] = []
-    n = 0
-    while n < chars:
-        w = rng.choice(_WORDS)
-        if rng.random() < 0.08:
-            w += "."
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)[:chars]
-
-
 def chat_bodies(
     size: int, pool: int, head_chars: int | None, seed: int, model: str = MODEL
 ) -> DistinctBodies:
@@ -164,14 +152,14 @@ def chat_bodies(
         raise SystemExit(f"a body of {size} bytes is too small")
     head_len = chars if head_chars is None else min(head_chars, chars)
     rng = random.Random(seed)
-    text = _words(rng, max(256 * KiB, 4 * head_len))
+    text = words(rng, max(256 * KiB, 4 * head_len))
     span = len(text) - head_len
     heads = []
     for i in range(pool):
         at = (i * 104729) % span
         head = f"Request {i}: " + text[at : at + head_len]
         heads.append(head[:head_len].encode())
-    tail = _words(rng, chars - head_len) if chars > head_len else ""
+    tail = words(rng, chars - head_len) if chars > head_len else ""
     return DistinctBodies(prefix.encode(), heads, (tail + suffix).encode())
 
 
