@@ -350,7 +350,8 @@ class Mesh:
     ) -> bool:
         """:meth:`sleep` without blocking the event loop."""
         fut = asyncio.wrap_future(self._sleep(worker, level))
-        return bool(await asyncio.wait_for(fut, self._wait_s(timeout_s)))
+        async with asyncio.timeout(self._wait_s(timeout_s)):  # not wait_for: see Router
+            return bool(await fut)
 
     def wake(self, worker: Worker | str, *, timeout_s: float | None = None) -> bool:
         """Wake a sleeping worker (one ``POST /wake_up``) and wait until it is ready.

@@ -685,7 +685,9 @@ class Router:
                 waiter = (loop, fut)
                 self._async_waiters.setdefault(worker_id, []).append(waiter)
             try:
-                await asyncio.wait_for(fut, wait)
+                # not wait_for: on 3.11 it drops a cancel that lands with the wake-up
+                async with asyncio.timeout(wait):
+                    await fut
             except TimeoutError:
                 pass
             finally:

@@ -358,8 +358,10 @@ class Lifecycle:
                 raise
             except Exception:  # pragma: no cover - a bug must not stop the probes
                 log.exception("lifecycle probe round failed")
+            # not wait_for: on 3.11 it drops a cancel that lands with the wake-up
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await self._kick.wait()
             self._kick.clear()
 
     async def _probe_round(self) -> None:

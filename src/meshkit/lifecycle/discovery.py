@@ -101,8 +101,9 @@ class Discovery:
             except Exception:  # pragma: no cover - a bug must not stop discovery
                 log.exception("discovery round failed")
             timeout = self.cfg.watch_interval_s if self.needed else None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), timeout)
+            with contextlib.suppress(TimeoutError):  # not wait_for: see Lifecycle
+                async with asyncio.timeout(timeout):
+                    await self._poke.wait()
             self._poke.clear()
 
     async def round(self) -> None:

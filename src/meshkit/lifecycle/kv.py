@@ -102,8 +102,9 @@ class KvSubscribers:
         try:
             while True:
                 self.sync()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._poke.wait(), _SYNC_S)
+                with contextlib.suppress(TimeoutError):  # not wait_for: see Lifecycle
+                    async with asyncio.timeout(_SYNC_S):
+                        await self._poke.wait()
                 self._poke.clear()
         finally:
             tasks = list(self._tasks.values())
