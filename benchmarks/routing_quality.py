@@ -317,14 +317,34 @@ def run_policy(
     fleet: Sequence[Candidate],
     cache_blocks: int,
     record: list[PlacementContext] | None = None,
+    processes: int = 1,
+    spread: str = "request",
 ) -> Result:
-    """Replay through the policy; ``record`` collects every context (loads copied)."""
-    policy: Policy = create_policy(spec, options)
-    rng = random.Random(7)
+    """Replay through the policy; ``record`` collects every context (loads copied).
+
+    ``processes`` > 1 is ``meshkit serve --processes N``: N independent routers,
+    each with its own policy state and its own in-flight counts (this simulation has
+    no engine ``/metrics`` to share), over the one fleet of caches. ``spread`` is how
+    the kernel deals the work: ``request`` (each request to any process, as when
+    clients open a connection per request) or ``conversation`` (a conversation's
+    turns on one process, as over one keep-alive connection).
+    """
+    policies: list[Policy] = [create_policy(spec, options) for _ in range(processes)]
+    rngs = [random.Random(7 + p) for p in range(processes)]
+    deal = random.Random(11)
+    own: list[dict[str, int]] = [{c.key: 0 for c in fleet} for _ in range(processes)]
+    proc_of: dict[int, int] = {}  # request -> the process that placed it
     index = {c.key: i for c, i in zip(fleet, range(len(fleet)), strict=True)}
     views: dict[int, RequestView] = {}
     timing = [0.0, 0]
     clock = time.perf_counter
+
+    def process_of(r: Request) -> int:
+        if processes == 1:
+            return 0
+        if spread == "conversation":
+            return r.conv % processes
+        return deal.randrange(processes)
 
     def view_of(r: Request, conv: Conversation) -> RequestView:
         assert CHAT is not None
@@ -346,12 +366,13 @@ def run_policy(
         caches: Sequence[BlockCache],
     ) -> int:
         # A policy sees only the request and the load, never the simulated caches.
+        p = proc_of[r.rid] = process_of(r)
         ctx = PlacementContext(
             candidates=fleet,
             view=view_of(r, conv),
-            load=load,
+            load=load if processes == 1 else own[p],
             weight={},
-            rng=rng,
+            rng=rngs[p],
             fleet=fleet,
             fleet_version=1,
             now=r.arrive,
@@ -359,18 +380,22 @@ def run_policy(
         if record is not None:
             record.append(dataclasses.replace(ctx, load=dict(load)))
         t0 = clock()
-        cand = policy.select(ctx)
+        cand = policies[p].select(ctx)
         timing[0] += clock() - t0
         timing[1] += 1
         return index[cand.key]
 
     def placed(w: int, r: Request, conv: Conversation, now: float) -> None:
-        policy.on_placed(fleet[w], views[r.rid], now)
+        p = proc_of[r.rid]
+        own[p][fleet[w].key] += 1
+        policies[p].on_placed(fleet[w], views[r.rid], now)
 
     def done(w: int, r: Request, conv: Conversation, now: float) -> None:
         v = views.pop(r.rid)
+        p = proc_of.pop(r.rid)
+        own[p][fleet[w].key] -= 1
         ok = Completion(status=200, ok=True, ttft=0.1, duration=r.finish - r.arrive)
-        policy.on_complete(fleet[w], v, ok, now)
+        policies[p].on_complete(fleet[w], v, ok, now)
 
     res = replay(label, convs, reqs, fleet, cache_blocks, choose, placed, done)
     res.select_s, res.decisions = timing[0], int(timing[1])
@@ -494,6 +519,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--png", help="write a plot here (needs matplotlib)")
     ap.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="routers of one `meshkit serve --processes N`, each with its own state",
+    )
+    ap.add_argument(
+        "--spread",
+        choices=("request", "conversation"),
+        default="request",
+        help="how requests reach the processes (with --processes)",
+    )
+    ap.add_argument(
         "--micro", type=int, metavar="N", help="only time select, best of N passes (see micro)"
     )
     args = ap.parse_args(argv)
@@ -513,7 +550,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bound = run_oracle(convs, reqs, fleet[:1], None, "bound (one infinite cache)")
     results = [
-        run_policy(label, spec, opts, convs, reqs, fleet, cache_blocks)
+        run_policy(
+            label, spec, opts, convs, reqs, fleet, cache_blocks, None, args.processes, args.spread
+        )
         for label, spec, opts in POLICIES
     ]
 
@@ -521,7 +560,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{args.workers} workers x {args.cache_tokens} cached tokens, {args.tenants} tenants "
         f"(Zipf {args.zipf}), {len(convs)} conversations, {len(reqs)} requests, "
-        f"mean in flight per worker {mean_inflight:.1f}\n"
+        f"mean in flight per worker {mean_inflight:.1f}"
+        + (
+            f", {args.processes} router processes (spread by {args.spread})"
+            if args.processes > 1
+            else ""
+        )
+        + "\n"
     )
     print(
         "| policy | hit rate (tokens) | vs oracle | requests max/mean "
