@@ -67,16 +67,30 @@ def test_the_store_keeps_the_last_items_of_a_conversation() -> None:
     assert len(store) == 0
 
 
-@pytest.mark.parametrize("field", ["max_conversations", "max_conversation_items"])
+@pytest.mark.parametrize("field", ["max_conversations", "max_conversation_items", "max_responses"])
 def test_the_bounds_are_validated(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         MockConfig(**{field: 0})
 
 
 def test_the_bounds_have_flags() -> None:
-    ns = build_parser().parse_args(["--max-conversations", "3", "--max-conversation-items", "4"])
+    ns = build_parser().parse_args(
+        ["--max-conversations", "3", "--max-conversation-items", "4", "--max-responses", "5"]
+    )
     cfg = config_from_args(ns)
-    assert (cfg.max_conversations, cfg.max_conversation_items) == (3, 4)
+    assert (cfg.max_conversations, cfg.max_conversation_items, cfg.max_responses) == (3, 4, 5)
+
+
+def test_the_worker_keeps_at_most_max_responses(
+    spawn: Callable[..., MockWorkerThread], http: httpx2.Client
+) -> None:
+    m = spawn(max_responses=2)
+    url = m.url + "/v1/responses"
+    ids = [http.post(url, json={"model": "m", "input": f"q{i}"}).json()["id"] for i in range(3)]
+    assert http.get(f"{url}/{ids[0]}").status_code == 404  # the oldest went
+    assert [http.get(f"{url}/{i}").status_code for i in ids[1:]] == [200, 200]
+    follow = http.post(url, json={"model": "m", "input": "again", "previous_response_id": ids[0]})
+    assert follow.status_code == 404 and follow.json()["error"]["param"] == "previous_response_id"
 
 
 def test_the_worker_keeps_at_most_max_conversations(

@@ -71,7 +71,7 @@ class MockApp:
         self.stats = stats
         self.sleeping_tags: set[str] = set()
         self.vocab = Vocab()
-        self.responses = ResponseStore()
+        self.responses = ResponseStore(config.max_responses)
         self.conversations = ConversationStore(
             config.max_conversations, config.max_conversation_items
         )

@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer", default=None, help="tokenizer.json (or its directory) for chat/completions"
     )
+    p.add_argument("--max-responses", type=int, default=d.max_responses)
     p.add_argument("--max-conversations", type=int, default=d.max_conversations)
     p.add_argument("--max-conversation-items", type=int, default=d.max_conversation_items)
     return p
@@ -98,6 +99,7 @@ def config_from_args(ns: argparse.Namespace) -> MockConfig:
         kv_events_format=ns.kv_events_format,
         kv_replay_buffer=ns.kv_replay_buffer,
         tokenizer=ns.tokenizer,
+        max_responses=ns.max_responses,
         max_conversations=ns.max_conversations,
         max_conversation_items=ns.max_conversation_items,
     )

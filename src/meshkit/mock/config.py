@@ -88,6 +88,9 @@ class MockConfig:
     #: prompts are then tokenized as an engine does (chat template, special tokens)
     #: for the token counts and the cache model. ``None`` = whitespace words.
     tokenizer: str | None = None
+    #: Responses kept (``/v1/responses``, for ``previous_response_id`` and
+    #: ``GET /v1/responses/{id}``); the oldest goes first.
+    max_responses: int = 1000
     #: Conversations kept (``/v1/conversations``); the least recently used goes first.
     max_conversations: int = 1000
     #: Items kept per conversation; the oldest go first.
@@ -118,6 +121,8 @@ class MockConfig:
             raise ValueError("kv_replay_buffer must be >= 1")
         if self.max_conversations < 1 or self.max_conversation_items < 1:
             raise ValueError("max_conversations and max_conversation_items must be >= 1")
+        if self.max_responses < 1:
+            raise ValueError("max_responses must be >= 1")
         if self.kv_events is not None and self.cache_tokens <= 0:
             raise ValueError(
                 "kv_events needs the prefix-cache model: set cache_tokens > 0 "
