@@ -211,17 +211,23 @@ def test_bad_process_counts_are_refused(meshkit_run: Any, args: list[str], messa
     assert done.stderr.count("\n") == 1
 
 
+def _sleepy_config(tmp_path: Path, url: str, lifecycle: str) -> Path:
+    """A config of one ``mesh.sleep_mode=vllm`` worker and these lifecycle lines."""
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(
+        f'[[workers]]\nurl = "{url}"\nlabels = {{ "mesh.sleep_mode" = "vllm" }}\n\n'
+        f"[lifecycle]\n{lifecycle}\nwake_wait_s = 20.0\n"
+    )
+    return cfg
+
+
 def test_idle_sleep_waits_for_a_lease_held_in_another_process(
     mock_factory: Any, spawn: Any, tmp_path: Path
 ) -> None:
     # A ~3 s stream against an idle timeout of 0.3 s, on the process that does not
     # decide idle sleeps (process 0 decides; process 1 holds the lease).
     mock = mock_factory(name="s", sleep_mode=True, output_tokens=60, per_token_ms=50)
-    cfg = tmp_path / "m.toml"
-    cfg.write_text(
-        f'[[workers]]\nurl = "{mock.url}"\nlabels = {{ "mesh.sleep_mode" = "vllm" }}\n\n'
-        "[lifecycle]\nidle_sleep_s = 0.3\nhealth_interval_s = 0.05\nwake_wait_s = 20.0\n"
-    )
+    cfg = _sleepy_config(tmp_path, mock.url, "idle_sleep_s = 0.3\nhealth_interval_s = 0.05")
     gw = spawn("serve", "--config", str(cfg), "--port", "0", "--processes", "2")
     stats = mock.worker.stats
     # Let the gateway settle: idle from its start, the worker may sleep at once.
@@ -254,13 +260,9 @@ def test_a_sleeping_worker_is_woken_once_for_the_whole_gateway(
     mock_factory: Any, spawn: Any, tmp_path: Path
 ) -> None:
     mock = mock_factory(name="s", sleep_mode=True, output_tokens=3, wake_ms=200)
-    cfg = tmp_path / "m.toml"
     # Probes far apart: what a process knows of the sleep and the wake comes from
     # the siblings, not from its own probe.
-    cfg.write_text(
-        f'[[workers]]\nurl = "{mock.url}"\nlabels = {{ "mesh.sleep_mode" = "vllm" }}\n\n'
-        "[lifecycle]\nhealth_interval_s = 30.0\nwake_wait_s = 20.0\n"
-    )
+    cfg = _sleepy_config(tmp_path, mock.url, "health_interval_s = 30.0")
     gw = spawn("serve", "--config", str(cfg), "--port", "0", "--processes", "2")
     assert wait_until(lambda: processes_seen(gw.url, 20) == {0, 1}, timeout=60)
     assert wait_until(
