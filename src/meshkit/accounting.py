@@ -107,7 +107,7 @@ class Accounting:
         ok = completed and self.status < 400 and acct.error is None
         lease = self.attempt_lease
         lease.release(ok=ok, status=None if self._failed else self.status)
-        api = self.view.api.value
+        api = self.view.match.endpoint.label
         m = router.metrics
         usage = acct.usage
         ttft = acct.ttft

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from harness import AsyncTransportMode, Mode, TransportMode
 from meshkit import Mesh, Worker
@@ -92,7 +93,11 @@ def test_an_id_nobody_holds_is_501_and_asked_once(
     for _ in range(2):
         r = mode.request("POST", "/v1/responses", json=_follow(nobody, kind))
         assert r.status == 501, r.body
-        assert r.json()["error"]["code"] == "stateful_routing_unsupported"
+        error = r.json()["error"]
+        assert error["code"] == "stateful_routing_unsupported"
+        # it says what happened (nobody holds it), not what to do instead
+        assert "no worker holds" in error["message"], error
+        assert nobody not in error["message"]
     assert _lookups(mocks, nobody, kind) == len(mocks)  # one round, not two
     assert sum(m.worker.stats.requests_total.get("/v1/responses", 0) for m in mocks) == 0
     assert mesh.total_load() == 0
@@ -169,6 +174,10 @@ def test_a_conversation_across_two_routers_with_the_openai_sdk(
         assert 1 <= _lookups(mocks, conv.id, "conversation") <= len(mocks)  # the second's
         items = first.conversations.items.list(conv.id, order="asc")
         assert [i.type for i in items.data] == ["message"] * 5
+        # conversation calls are counted as their own API, apart from Responses
+        counted = generate_latest(one.mesh.metrics.registry).decode()
+        assert 'mesh_router_requests_total{api="conversations",status="200"} 2.0' in counted
+        assert 'api="responses"' not in counted
     finally:
         one.close()
     assert mesh.total_load() == 0
@@ -229,3 +238,32 @@ def test_the_miss_is_remembered_for_its_ttl_only(mock_factory: Any, kind: str) -
     finally:
         mode.close()
         mesh.close()
+
+
+@pytest.mark.not_in_extproc("resource operations are 501 unsupported_in_ext_proc (tests/extproc)")
+@KINDS
+def test_an_owner_found_by_a_resource_call_is_remembered(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any, kind: str
+) -> None:
+    mocks = _fleet(mock_factory)
+    # created on the last worker, the one a router asks last
+    rid, owner = _first_turn(mesh_factory, [mocks[-1].url], kind)
+    mesh = mesh_factory(workers=[m.url for m in mocks], lifecycle={"probe": False})
+    mode = run_mode(mesh)
+    path = (
+        "/v1/responses/{}/input_items"
+        if kind == "previous_response_id"
+        else "/v1/conversations/{}/items"
+    ).format(rid)
+
+    def asked() -> list[int]:
+        return [m.worker.stats.requests_total.get(path, 0) for m in mocks]
+
+    first = mode.request("GET", path)
+    assert first.status == 200, first.body
+    assert first.headers["x-mock-worker"] == owner
+    assert asked() == [1, 1, 1]  # the others answered 404 first
+    again = mode.request("GET", path)
+    assert again.status == 200, again.body
+    assert asked() == [1, 1, 2]  # the owner only, now
+    assert mesh.total_load() == 0

@@ -103,6 +103,10 @@ class Endpoint:
     #: a whole answer is a stored state object (a response, a conversation): the
     #: origin that gave it holds its ``id`` (Responses affinity learns it)
     answers_state: bool = False
+    #: the ``api`` label of this endpoint's metrics: the API family as the SDKs
+    #: name it (conversations are routed as Responses state but are their own API,
+    #: so their fast resource calls do not mix into the Responses latencies)
+    label: str = ""
 
     @property
     def has_body(self) -> bool:
@@ -137,7 +141,10 @@ def _ep(
     *,
     state: bool = False,
 ) -> Endpoint:
-    return Endpoint(name, api, op, frozenset(methods.split("|")), template, stream, shape, state)
+    label = "conversations" if template.startswith("/v1/conversations") else api.value
+    return Endpoint(
+        name, api, op, frozenset(methods.split("|")), template, stream, shape, state, label
+    )
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (

@@ -34,6 +34,7 @@ from collections.abc import Generator
 
 import msgspec
 
+from meshkit.core.endpoints import Op
 from meshkit.core.forward import (
     Attempt,
     AttemptResult,
@@ -86,6 +87,11 @@ def resource_flow(
         result = yield attempt
         status = result.status
         if status is not None and status < 400:
+            rid = view.match.resource_id
+            if len(targets) > 1 and rid and view.match.endpoint.op is not Op.DELETE:
+                # Found by asking: the next operation on it (the items listed after
+                # a turn through another router) goes to this origin only.
+                placer.remember_response(rid, cand.origin)
             return attempt
         if result.failure is Failure.POOL:
             attempt.lease.abandon()

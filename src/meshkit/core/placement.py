@@ -161,11 +161,7 @@ def eligible(
                     "the worker holding the referenced Responses state is no longer configured"
                 )
         elif state_owner_origin([w for w, _ in entries]) is None:
-            raise StatefulRoutingUnsupported(
-                "this request references stored Responses state (previous_response_id, "
-                "conversation or item_reference) and the workers do not share one state "
-                "domain; label them mesh.responses_state=shared or route by response id"
-            )
+            raise StatefulRoutingUnsupported(_no_owner(view))
     full_fleet = _fleet_refusal(fleet)
     if full_fleet is not None:
         raise full_fleet
@@ -194,6 +190,26 @@ def eligible(
             retry_after_s=1.0,
         )
     return out
+
+
+def _no_owner(view: RequestView) -> str:
+    """Why a stateful request has nowhere to go. With an id, the forward flow asked
+    every origin before placing (``GET /v1/responses/{id}`` or the conversation's),
+    so the answer is that none holds it; an ``item_reference`` alone names no object
+    that could be looked up."""
+    if view.previous_response_id:
+        what = "the previous_response_id"
+    elif view.conversation:
+        what = "the conversation"
+    else:
+        return (
+            "this request references stored Responses items (item_reference) and the "
+            "workers do not share one state store; label them mesh.responses_state=shared"
+        )
+    return (
+        f"no worker holds {what} this request continues (each origin was asked); "
+        "workers that share one state store can be labelled mesh.responses_state=shared"
+    )
 
 
 def _fleet_refusal(fleet: Fleet) -> Overloaded | None:
