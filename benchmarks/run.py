@@ -20,9 +20,7 @@ What it does (see README.md for the method):
    ``repeated`` — 8 prompts per size, cycled: a prefix cache hits — and
    ``distinct`` — a unique 256-token head per request: it never hits), prompt
    size and client count measures each frontend in turn, alternating the order
-   every round (A/B), for ``--rounds`` rounds; before each window it waits (at
-   most 60 s) until every frontend and backend is quiet, so a backlog left by the
-   previous window is not billed to the next frontend;
+   every round (A/B), for ``--rounds`` rounds;
 4. measures ``MeshTransport`` against a plain ``httpx2.Client`` (client side);
 5. profiles the meshkit standalone frontend with py-spy under the 1 KiB proxy load
    (full mode, when py-spy is installed);
@@ -55,7 +53,6 @@ from _common import (
     peak_rss_bytes,
     qwen_tokenizer_path,
     reset_peak_rss,
-    tree_cpu_seconds,
 )
 from frontends.launch import FRONTENDS, Frontend, command, ensure_router
 
@@ -384,29 +381,6 @@ def plan(ns: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-#: a frontend is quiet when its process tree uses less than this share of a core
-QUIET_CORES = 0.05
-
-
-def settle(pids: list[int], timeout: float, step: float = 0.2) -> float:
-    """Wait until ``pids`` (the frontends and backends) are quiet, at most ``timeout``
-    seconds; the seconds waited (``timeout`` or more when they never went quiet).
-
-    A frontend that was sent more than it could serve keeps working after its
-    window ends (the FastAPI baseline at 1 MiB x 16 clients tokenizes its backlog
-    for seconds, as it does not cancel a request whose client left); on the pinned
-    core that work would be billed to the next frontend's window."""
-    start = time.monotonic()
-    before = tree_cpu_seconds(pids)
-    while True:
-        time.sleep(step)
-        now = tree_cpu_seconds(pids)
-        waited = time.monotonic() - start
-        if now - before < QUIET_CORES * step or waited >= timeout:
-            return waited
-        before = now
-
-
 def run_workload(
     workload: str,
     fes: list[Frontend],
@@ -480,8 +454,6 @@ def run_workload(
                     p, url = started[fe.key]
                     if p is not None and not p.alive():
                         continue
-                    quiet = [q.pid for q, _ in started.values() if q is not None and q.alive()]
-                    waited = settle(quiet + backend_pids, ctx["settle_timeout"])
                     if p is not None:
                         reset_peak_rss(p.pid)
                     out = lg.run(
@@ -496,7 +468,6 @@ def run_workload(
                         drain_timeout=ctx["drain_timeout"],
                     )
                     out["rss_bytes"] = peak_rss_bytes(p.pid) if p is not None else 0
-                    out["settle_s"] = round(waited, 2)
                     if p is not None:
                         p.truncate_log()
                     out.update(
@@ -514,7 +485,6 @@ def run_workload(
                         f"{fe.key:16s} {out.get('rps', 0):9.1f} req/s "
                         f"cpu {report.us_per_req(out):8.1f} us/req "
                         f"p99 {out.get('lat_p99_ms', float('nan')):8.2f} ms"
-                        + (f"  (settled {waited:.1f} s first)" if waited > 1.0 else "")
                         + (
                             f"  errors={out['errors']} {out['first_error']}"
                             if out["errors"]
@@ -720,8 +690,6 @@ def main(argv: list[str] | None = None) -> int:
         "logdir": logdir,
         "start_timeout": 60.0,
         "drain_timeout": 20.0 if ns.smoke else 120.0,
-        # bounded: a frontend that never goes quiet is measured anyway (and logged)
-        "settle_timeout": 2.0 if ns.smoke else 60.0,
     }
     commands["mock workers"] = shlex.join(backends[0][0].argv).replace("b0", "b<i>")
     commands["load generator"] = shlex.join(lg.popen.args)  # type: ignore[arg-type]
