@@ -138,8 +138,16 @@ def _drive(mode: Mode, outputs: list[str]) -> None:
     assert r.status == 415
     # a worker failure (the "crashy" worker resets every stream) and a closed port
     crash = {**_chat(True), "model": "crashy"}
-    with mode.stream("POST", "/v1/chat/completions", json=crash, headers=h) as chunks:
-        outputs.append(b"".join(chunks).decode("latin-1"))
+    got: list[bytes] = []
+    try:
+        with mode.stream("POST", "/v1/chat/completions", json=crash, headers=h) as chunks:
+            got.extend(chunks)
+    except httpx2.TransportError:
+        # ext-proc: Envoy resets the client's stream when the worker's breaks after
+        # the head was relayed (docs/extproc.md); what did arrive is still checked
+        if mode.name != "extproc":
+            raise
+    outputs.append(b"".join(got).decode("latin-1"))
     r = req("POST", "/v1/chat/completions", json={**_chat(), "model": "gone"}, headers=h)
     assert r.status in (502, 503)
     r = req("POST", "/v1/chat/completions", json={**_chat(), "model": "failing"}, headers=h)
