@@ -292,3 +292,50 @@ def test_an_early_aclose_frees_the_slot_and_an_ended_one_pools_it(
                 await up.aclose()
 
     run(go())
+
+
+def test_a_unix_socket_carries_every_request_whatever_the_host(
+    run: Callable[[Coroutine[Any, Any, Any]], Any], tmp_path: Any
+) -> None:
+    """``uds``: the socket decides where a request goes, the URL names its host;
+    the connection is kept alive for the next request (serve --processes asks its
+    siblings so). A socket nobody listens on is a connect failure."""
+    path = str(tmp_path / "w.sock")
+    seen: list[bytes] = []
+    conns = 0
+
+    async def main() -> None:
+        nonlocal conns
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal conns
+            conns += 1
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:  # the client closed it
+                    return
+                seen.append(head)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+
+        server = await asyncio.start_unix_server(serve, path)
+        up = FastUpstream(config(), uds=path)
+        try:
+            for _ in range(2):
+                got = await collect(up, attempt("http://meshkit-peer/metrics", method="GET"))
+                assert got == (200, b"ok")
+            missing = FastUpstream(config(), uds=str(tmp_path / "none.sock"))
+            with pytest.raises(UpstreamFailure) as info:
+                await missing.asend(attempt("http://meshkit-peer/health", method="GET"))
+            assert info.value.failure is Failure.CONNECT
+            await missing.aclose()
+        finally:
+            await up.aclose()
+            server.close()
+
+    run(main())
+    assert conns == 1
+    assert [h.split(b"\r\n", 2)[:2] for h in seen] == [
+        [b"GET /metrics HTTP/1.1", b"host: meshkit-peer"]
+    ] * 2

@@ -126,9 +126,6 @@ def _fail(message: str) -> int:
 def _setup_logging(level: str) -> None:
     numeric = logging.DEBUG if level == "trace" else getattr(logging, level.upper())
     logging.basicConfig(level=numeric, format="%(levelname)s:     %(name)s: %(message)s")
-    # httpx logs every request at INFO: the siblings' questions of serve --processes
-    # would fill the log (meshkit's own upstream calls do not go through it).
-    logging.getLogger("httpx").setLevel(max(numeric, logging.WARNING))
 
 
 def _settings(ns: argparse.Namespace) -> tuple[MeshConfig, ServeSettings]:

@@ -33,7 +33,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from meshkit.core.lifecycle import State
 from meshkit.core.workers import Worker
@@ -42,9 +42,8 @@ from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.types import ASGIApp, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    import httpx
-
     from meshkit.mesh import Mesh
+    from meshkit.upstream.fast import FastUpstream
 
 __all__ = [
     "MAX_REPLY_BYTES",
@@ -63,6 +62,8 @@ PEER_SCOPE_KEY: Final = "meshkit.peer"
 MAX_REPLY_BYTES: Final = 16 * 1024 * 1024
 #: AF_UNIX paths are at most 108 bytes on Linux, 104 on macOS (NUL included).
 _MAX_SOCKET_PATH: Final = 103
+#: the URL every question names: the socket decides where it goes
+_ORIGIN: Final = "http://meshkit-peer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +95,9 @@ class Peers:
     :param index: this process's index, ``0 <= index < count``.
     :param count: the number of processes (``--processes``).
 
-    One HTTP/1.1 client per sibling, over its Unix socket, created at the first
-    ask. A client belongs to the event loop that created it: asked from another
-    loop (a start-up step run before the server's loop), the clients are made
-    anew there and the old ones dropped unclosed.
+    One keep-alive client per sibling, over its Unix socket, created at the first
+    ask: the upstream layer's (:class:`~meshkit.upstream.fast.FastUpstream` with
+    ``uds``), not a second HTTP client.
     """
 
     def __init__(self, run_dir: str, index: int, count: int) -> None:
@@ -108,8 +108,7 @@ class Peers:
         self.count = count
         if len(os.fsencode(self.path(count - 1))) > _MAX_SOCKET_PATH:
             raise ValueError(f"the run directory path is too long for a Unix socket: {run_dir}")
-        self._clients: dict[int, httpx.AsyncClient] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._upstreams: dict[int, FastUpstream] = {}
 
     def __repr__(self) -> str:
         return f"Peers({self.run_dir!r}, {self.index}, {self.count})"
@@ -157,57 +156,55 @@ class Peers:
         timeout_s: float = 5.0,
     ) -> PeerReply:
         """:meth:`ask` of sibling ``i`` alone."""
-        import httpx
+        from meshkit.upstream.base import UpstreamFailure
 
-        client = self._client(i)
+        request = _Ask(method, _ORIGIN + path, list(headers), body)
         try:
             async with asyncio.timeout(timeout_s):
-                request = client.build_request(
-                    method, path, headers=list(headers), content=body or None, timeout=timeout_s
-                )
-                response = await client.send(request, stream=True)
+                exchange = await self._upstream(i).asend(request)
                 try:
-                    chunks: list[bytes] = []
-                    size = 0
-                    async for chunk in response.aiter_raw():
-                        size += len(chunk)
-                        if size > MAX_REPLY_BYTES:
-                            return PeerReply(i, None, b"", "reply over MAX_REPLY_BYTES")
-                        chunks.append(chunk)
+                    data = await exchange.read(MAX_REPLY_BYTES + 1)
                 finally:
-                    await response.aclose()
+                    await exchange.aclose()
         except TimeoutError:
             return PeerReply(i, None, b"", "timeout")
-        except (httpx.HTTPError, OSError) as exc:
-            # The class names the kind (ConnectError: no socket or refused); the
-            # text is left out.
-            return PeerReply(i, None, b"", f"unreachable ({type(exc).__name__})")
-        return PeerReply(i, response.status_code, b"".join(chunks))
+        except (UpstreamFailure, OSError) as exc:
+            # The failure names the kind (connect: no socket or refused); no text.
+            kind = exc.failure.value if isinstance(exc, UpstreamFailure) else "connect"
+            return PeerReply(i, None, b"", f"unreachable ({kind})")
+        if len(data) > MAX_REPLY_BYTES:
+            return PeerReply(i, None, b"", "reply over MAX_REPLY_BYTES")
+        return PeerReply(i, exchange.status, data)
 
-    def _client(self, i: int) -> httpx.AsyncClient:
-        import httpx
+    def _upstream(self, i: int) -> FastUpstream:
+        """The client of sibling ``i``: meshkit's own (:mod:`meshkit.upstream.fast`)
+        on its Unix socket. It keeps its connections for the loop that made them
+        and starts new ones on another loop (a start-up step run before the
+        server's loop)."""
+        from meshkit.config import UpstreamConfig
+        from meshkit.upstream.fast import FastUpstream
 
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._clients = {}
-            self._loop = loop
-        client = self._clients.get(i)
-        if client is None:
-            client = self._clients[i] = httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=self.path(i)),
-                base_url="http://meshkit-peer",
-                timeout=5.0,  # each ask sets its own (and bounds the whole exchange)
-                trust_env=False,  # never a proxy, never .netrc credentials
-            )
-        return client
+        upstream = self._upstreams.get(i)
+        if upstream is None:
+            # Each ask bounds the whole exchange; these only stop a stuck socket.
+            config = UpstreamConfig(connect_timeout_s=5.0, read_timeout_s=60.0)
+            upstream = self._upstreams[i] = FastUpstream(config, uds=self.path(i))
+        return upstream
 
     async def aclose(self) -> None:
-        """Close the clients (those of the running loop)."""
-        clients, self._clients = self._clients, {}
-        loop = asyncio.get_running_loop()
-        if loop is self._loop:
-            for client in clients.values():
-                await client.aclose()
+        """Close the connections."""
+        upstreams, self._upstreams = self._upstreams, {}
+        for upstream in upstreams.values():
+            await upstream.aclose()
+
+
+class _Ask(NamedTuple):
+    """A question to a sibling (an upstream ``Request``)."""
+
+    method: str
+    url: str
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
 
 
 # -- what a child serves on its own socket --------------------------------------------

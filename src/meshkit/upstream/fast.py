@@ -26,6 +26,10 @@ a 1 KiB proxy's samples (``benchmarks/RESULTS.notes.md``). What it cannot send
 
 The pools belong to the loop of the first ``asend``; one from another loop starts
 new pools (the old loop's connections are dropped, not closed: that loop owns them).
+
+``uds``: every connection goes to that Unix socket, whatever the URL's host (which
+still names the ``host`` header), as httpx's ``AsyncHTTPTransport(uds=...)`` does;
+``serve --processes`` asks its siblings so (:mod:`meshkit.server.peers`).
 """
 
 from __future__ import annotations
@@ -73,12 +77,17 @@ _NO_HEADERS: Headers = []
 class FastUpstream(AsyncUpstream):
     """Pooled keep-alive HTTP/1.1 client on asyncio protocols (see the module doc)."""
 
-    __slots__ = ("_fallback", "_hub", "_routes", "config")
+    __slots__ = ("_fallback", "_hub", "_routes", "config", "uds")
 
     def __init__(
-        self, config: UpstreamConfig | None = None, fallback: AsyncUpstream | None = None
+        self,
+        config: UpstreamConfig | None = None,
+        fallback: AsyncUpstream | None = None,
+        *,
+        uds: str | None = None,
     ) -> None:
         self.config = config or UpstreamConfig()
+        self.uds = uds
         self._hub: Hub | None = None
         #: request URL -> (its origin's pool, or None for https; the request line)
         self._routes: dict[str, tuple[Pool | None, bytes]] = {}
@@ -220,11 +229,11 @@ class FastUpstream(AsyncUpstream):
         hub.total += 1
         conn = Conn(pool)
         try:
-            if deadline is None:
-                await loop.create_connection(lambda: conn, pool.host, pool.port)
-            else:
-                async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(deadline):
+                if self.uds is None:
                     await loop.create_connection(lambda: conn, pool.host, pool.port)
+                else:
+                    await loop.create_unix_connection(lambda: conn, self.uds)
         except BaseException as exc:
             if not conn.closed:
                 conn.closed = True
