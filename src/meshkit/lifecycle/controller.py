@@ -44,12 +44,12 @@ import json
 import logging
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.engine_load import parse_metrics
 from meshkit.core.states import WorkerStates
-from meshkit.core.workers import Tls, Worker
+from meshkit.core.workers import Worker
 from meshkit.errors import InvalidRequest
 from meshkit.lifecycle.kv import KvSubscribers
 
@@ -69,16 +69,6 @@ _MAX_BODY = 64 * 1024
 _MAX_MODELS = 1024
 #: workers whose last model-list read is remembered
 _MAX_TRACKED = 4096
-
-
-class _Call(NamedTuple):
-    """A request of the runner's own (an upstream ``Request``)."""
-
-    method: str
-    url: str
-    headers: list[tuple[bytes, bytes]]
-    body: bytes = b""
-    tls: Tls | None = None
 
 
 def _copy_outcome(task: asyncio.Future[T], cfut: concurrent.futures.Future[T]) -> None:
@@ -327,7 +317,7 @@ class Lifecycle:
         self, method: str, worker: Worker, path: str, timeout_s: float, limit: int = _MAX_BODY
     ) -> tuple[int, bytes] | None:
         """One call to a worker; None when it could not be reached in time."""
-        from meshkit.upstream.base import UpstreamFailure  # loaded with the thread
+        from meshkit.upstream.base import Call, UpstreamFailure  # loaded with the thread
 
         upstream = self._upstream
         if upstream is None:  # pragma: no cover - only called from tasks of _main
@@ -336,7 +326,7 @@ class Lifecycle:
         headers = [(b"authorization", b"Bearer " + key.encode("latin-1"))] if key else []
         try:
             async with asyncio.timeout(timeout_s):
-                call = _Call(method, worker.url + path, headers, tls=worker.tls)
+                call = Call(method, worker.url + path, headers, tls=worker.tls)
                 exchange = await upstream.asend(call)
                 try:
                     # A worker is not trusted to be small.

@@ -33,7 +33,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final
 
 from meshkit.core.lifecycle import State
 from meshkit.core.workers import Worker
@@ -156,9 +156,9 @@ class Peers:
         timeout_s: float = 5.0,
     ) -> PeerReply:
         """:meth:`ask` of sibling ``i`` alone."""
-        from meshkit.upstream.base import UpstreamFailure
+        from meshkit.upstream.base import Call, UpstreamFailure
 
-        request = _Ask(method, _ORIGIN + path, list(headers), body)
+        request = Call(method, _ORIGIN + path, list(headers), body)
         try:
             async with asyncio.timeout(timeout_s):
                 exchange = await self._upstream(i).asend(request)
@@ -196,15 +196,6 @@ class Peers:
         upstreams, self._upstreams = self._upstreams, {}
         for upstream in upstreams.values():
             await upstream.aclose()
-
-
-class _Ask(NamedTuple):
-    """A question to a sibling (an upstream ``Request``)."""
-
-    method: str
-    url: str
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
 
 
 # -- what a child serves on its own socket --------------------------------------------

@@ -38,15 +38,19 @@ from __future__ import annotations
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from types import ModuleType, TracebackType
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 from meshkit.core.forward import Failure
 from meshkit.errors import InvalidRequest
 from meshkit.http1 import NO_CONTENT, Unsendable, build_head, http_origin
 
+if TYPE_CHECKING:
+    from meshkit.core.workers import Tls
+
 __all__ = [
     "AsyncExchange",
     "AsyncUpstream",
+    "Call",
     "Request",
     "SyncExchange",
     "SyncUpstream",
@@ -76,6 +80,17 @@ class Request(Protocol):
 
     @property
     def body(self) -> bytes: ...
+
+
+class Call(NamedTuple):
+    """A :class:`Request` of meshkit's own (a probe, a sibling's question), not a
+    client's: the flow's requests are :class:`~meshkit.core.forward.Attempt`."""
+
+    method: str
+    url: str
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+    tls: Tls | None = None
 
 
 class UpstreamFailure(Exception):
