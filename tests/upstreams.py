@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshkit.core.forward import Attempt
+from meshkit.core.workers import Candidate, Worker
 
 JSON = [(b"content-type", b"application/json")]
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -45,6 +46,10 @@ class FakeLease:
         return None
 
 
+#: the worker an attempt names (the URL alone decides where it goes)
+_CANDIDATE = Candidate(Worker("http://127.0.0.1:9"))
+
+
 def attempt(
     url: str,
     body: bytes = b"",
@@ -55,7 +60,7 @@ def attempt(
     """One attempt to ``url`` (JSON content type unless ``headers`` are given)."""
     return Attempt(
         number=0,
-        candidate=None,  # type: ignore[arg-type]
+        candidate=_CANDIDATE,
         lease=FakeLease(),
         method=method,
         url=url,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Protocol
+from typing import Final, Protocol
 from urllib.parse import quote, urlsplit
 
 import httptools
@@ -273,9 +273,9 @@ def date_header() -> bytes:
 class Framing:
     """How a response body is delimited."""
 
-    LENGTH = 0  # Content-Length given
-    CHUNKED = 1
-    CLOSE = 2  # HTTP/1.0 without a length: the body ends with the connection
+    LENGTH: Final = 0  # Content-Length given
+    CHUNKED: Final = 1
+    CLOSE: Final = 2  # HTTP/1.0 without a length: the body ends with the connection
 
 
 def response_head(

@@ -58,14 +58,18 @@ def _done(futures: list[Any]) -> list[Any]:
 def _gate_preparation(mesh: Mesh) -> threading.Event:
     """Make every preparation wait on a gate: a slow path meshkit cannot skip."""
     gate = threading.Event()
-    inner = mesh.preparer._whole
+    pool = mesh.pool
+    inner = pool.submit
 
-    def slow(match: Any, body: bytes) -> Any:
-        if current_worker_index() is not None:  # only in the pool's threads
-            gate.wait(60)
-        return inner(match, body)
+    def submit(fn: Any) -> Any:
+        def slow() -> Any:
+            if current_worker_index() is not None:  # only in the pool's threads
+                gate.wait(60)
+            return fn()
 
-    mesh.preparer._whole = slow  # type: ignore[method-assign]
+        return inner(slow)
+
+    pool.submit = submit  # type: ignore[method-assign]
     return gate
 
 
@@ -261,25 +265,10 @@ def test_a_pd_pair_is_admitted_as_a_pair(mock_factory: Any, mesh_factory: Any) -
 
 
 def _attempt(url: str, stream: bool = True) -> Any:
-    from meshkit.core.forward import Attempt
-
-    class _Lease:
-        candidate: Any = None
-        started = 0.0
-
-        def release(self, *, ok: bool, status: int | None = None) -> None:
-            return None
+    from upstreams import attempt
 
     body = json.dumps({**CHAT, "stream": stream}).encode()
-    return Attempt(
-        number=0,
-        candidate=None,  # type: ignore[arg-type]
-        lease=_Lease(),
-        method="POST",
-        url=url + PATH,
-        headers=[(b"content-type", b"application/json")],
-        body=body,
-    )
+    return attempt(url + PATH, body, headers=[(b"content-type", b"application/json")])
 
 
 @pytest.mark.parametrize("lib_name", ["httpx", "httpx2"])

@@ -58,7 +58,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import ClassVar, Final, TypeVar
 
 __all__ = [
     "BREAKER_TRANSITIONS",
@@ -105,7 +105,7 @@ class LifecycleError(Exception):
     ``status_hint`` is what an HTTP surface should answer (409 Conflict).
     """
 
-    status_hint = 409
+    status_hint: ClassVar[int] = 409
 
     def __init__(self, message: str, *, state: State | None = None) -> None:
         super().__init__(message)

@@ -66,6 +66,7 @@ from typing import Any
 import msgspec
 
 from meshkit.core.endpoints import StreamFormat
+from meshkit.core.events import Indexed, Lifecycle
 
 __all__ = ["StreamAccountant", "Usage"]
 
@@ -87,22 +88,8 @@ _decode = msgspec.json.decode
 _DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
 
 
-class _LifecycleResponse(msgspec.Struct):
-    id: Any = None
-    usage: Any = None
-    error: Any = None
-
-
-class _Lifecycle(msgspec.Struct):
-    response: _LifecycleResponse | None = None
-
-
-class _Indexed(msgspec.Struct):
-    index: Any = 0
-
-
-_lifecycle_decoder = msgspec.json.Decoder(_Lifecycle)
-_index_decoder = msgspec.json.Decoder(_Indexed)
+_lifecycle_decoder = msgspec.json.Decoder(Lifecycle)
+_index_decoder = msgspec.json.Decoder(Indexed)
 
 # Read per request: a module global is cheaper than an enum member's attribute.
 _NONE, _RESPONSES = StreamFormat.NONE, StreamFormat.RESPONSES

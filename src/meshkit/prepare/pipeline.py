@@ -69,7 +69,7 @@ class Preparer:
         self._match_tokens = config.kv.match_tokens
         self.tokenizers = tokenizers
         self._policy = policy
-        self._inline = config.prepare.inline_threshold_bytes
+        self._inline_bytes = config.prepare.inline_threshold_bytes
         self._max_tokenize = config.prepare.max_tokenize_bytes
         self._depth = config.bounds.max_json_depth
         header = config.routing.session_header
@@ -110,7 +110,7 @@ class Preparer:
         heads = self._read_headers(match, headers)
         if match.endpoint.api is _TOKENIZE and self.tokenizers.has_any():
             return heads, None, lambda: self._tokenize(match, body)
-        if len(body) > self._inline:
+        if len(body) > self._inline_bytes:
             return heads, None, lambda: self._whole(match, body)
         view = self._parse(match, body)
         sizes = self._kv_wanted(view)
