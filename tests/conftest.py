@@ -3,13 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import meshkit
 from harness import MODE_CLASSES, MODES, Mode
 from meshkit import Mesh
 from meshkit.mock import MockConfig, MockWorkerThread
+from meshkit.testing.build import stale_files
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "meshkit"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    stale = stale_files(SRC)
+    if stale:
+        pytest.exit(
+            f"the installed meshkit is not this tree's ({len(stale)} files differ, e.g. "
+            f"{stale[0]}): run scripts/install-test-deps again, or install it editable "
+            "for development (scripts/install-test-deps --editable)",
+            returncode=4,
+        )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    build = "compiled (mypyc)" if meshkit.compiled() else "interpreted"
+    return f"meshkit: {build}, from {Path(meshkit.__file__).parent}"
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import meshkit
 from meshkit import Mesh, Worker
 from meshkit.server import ServeApp, build_gateway
 
@@ -60,6 +61,7 @@ def test_all_good(make: Any) -> None:
         "healthy_workers": 1,
         "verified_workers": 1,
         "in_flight": 0,
+        "build": "compiled" if meshkit.compiled() else "interpreted",
     }
 
 

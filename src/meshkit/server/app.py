@@ -6,8 +6,8 @@ The gateway's own app
 pure ASGI app that answers only what a gateway needs besides inference:
 
 ================  ============================================================
-``/health``       200 ``{"status": "ok", ...}``; 503 when the prepare pool is
-                  unhealthy or no worker is configured
+``/health``       200 ``{"status": "ok", ..., "build": "compiled"}``; 503 when the
+                  prepare pool is unhealthy or no worker is configured
 ``/liveness``     200 unless the prepare pool failed (restarting is the fix)
 ``/readiness``    200 only when the pool is up, a probe has found a worker
                   healthy (probing starts with the gateway) and the gateway is
@@ -47,6 +47,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
 
+from meshkit import compiled
 from meshkit.core.endpoints import shape_for_path
 from meshkit.errors import MeshError, MethodNotAllowed, UnknownEndpoint
 from meshkit.frontends.asgi import MeshMiddleware
@@ -65,6 +66,8 @@ Reply = tuple[int, bytes, bytes]  # status, content type, body
 #: The classic Prometheus text format (what ``generate_latest`` writes).
 METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _JSON = b"application/json"
+#: which build answers (``meshkit.compiled()``), in /health
+_BUILD = "compiled" if compiled() else "interpreted"
 #: ``/health`` asks the siblings' ``/liveness`` for at most this long: a health
 #: check must answer fast, and a sibling this slow is counted down.
 _LIVENESS_ASK_S: Final = 1.0
@@ -151,7 +154,8 @@ class ServeApp:
     def _health_state(self) -> tuple[int, dict[str, Any]]:
         h = self.mesh.health()
         ok = h["pool"] == "ok" and h["workers"] > 0
-        return 200 if ok else 503, {"status": "ok" if ok else "unavailable", **h}
+        status = "ok" if ok else "unavailable"
+        return 200 if ok else 503, {"status": status, **h, "build": _BUILD}
 
     def _health(self, scope: Scope) -> Reply:
         return _json(*self._health_state())

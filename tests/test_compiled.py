@@ -1,0 +1,135 @@
+"""The compiled build (``hatch_build.py``): what it compiles, when, and that the
+suite ran the build it was meant to.
+
+CI installs meshkit as a wheel (``scripts/install-test-deps``) and sets
+``MESHKIT_EXPECT_COMPILED=1``: a compilation that fell back to pure Python then
+fails here instead of passing unnoticed.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import re
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import meshkit
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import hatch_build  # noqa: E402
+
+
+def _module(path: str) -> str:
+    return path.removeprefix("src/").removesuffix(".py").replace("/", ".")
+
+
+def _is_extension(name: str) -> bool:
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.origin is not None, name
+    return spec.origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def test_every_listed_module_exists() -> None:
+    for path in hatch_build.COMPILED:
+        assert (ROOT / path).is_file(), path
+    assert len(set(hatch_build.COMPILED)) == len(hatch_build.COMPILED)
+
+
+def test_the_build_is_what_ci_expects() -> None:
+    if os.environ.get("MESHKIT_EXPECT_COMPILED") == "1":
+        assert meshkit.compiled(), "the wheel was built without its compiled modules"
+
+
+def test_compiled_means_exactly_the_listed_modules() -> None:
+    listed = {_module(p) for p in hatch_build.COMPILED}
+    if not meshkit.compiled():
+        assert not any(_is_extension(m) for m in listed)
+        return
+    assert all(_is_extension(m) for m in listed)
+    # what stays interpreted: the msgspec shapes, the policies plugins subclass
+    for name in ("meshkit.core.requests", "meshkit.core.events", "meshkit.core.policies.simple"):
+        assert not _is_extension(name), name
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_the_build_reads_every_runtime_dependency() -> None:
+    """mypy types the compiled modules' calls from what the build environment holds."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    runtime = _names(project["project"]["dependencies"])
+    build = _names(project["build-system"]["requires"])
+    assert runtime <= build, runtime - build
+    assert "mypy" in build
+
+
+class _Hook(hatch_build.CustomBuildHook):
+    """The hook without hatchling's builder around it."""
+
+    def __init__(self, target: str = "wheel") -> None:
+        self._target = target
+        self._root = str(ROOT)
+
+    @property
+    def target_name(self) -> str:  # type: ignore[override]
+        return self._target
+
+    @property
+    def root(self) -> str:  # type: ignore[override]
+        return self._root
+
+
+def _build_data() -> dict[str, Any]:
+    return {"pure_python": True, "infer_tag": False, "force_include": {}}
+
+
+def test_an_editable_install_is_never_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    called: list[Path] = []
+    monkeypatch.setattr(hatch_build, "_compile", lambda root: called.append(root) or {})
+    monkeypatch.setenv("MESHKIT_COMPILE", "1")
+    data = _build_data()
+    _Hook().initialize("editable", data)
+    _Hook("sdist").initialize("standard", data)
+    assert called == [] and data == _build_data()
+
+
+def test_compile_0_builds_the_pure_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
+    called: list[Path] = []
+    monkeypatch.setattr(hatch_build, "_compile", lambda root: called.append(root) or {})
+    monkeypatch.setenv("MESHKIT_COMPILE", "0")
+    data = _build_data()
+    _Hook().initialize("standard", data)
+    assert called == [] and data == _build_data()
+
+
+def _failing(root: Path) -> dict[str, str]:
+    raise RuntimeError("no C compiler")
+
+
+def test_a_failed_compilation_falls_back_unless_required(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hatch_build, "_compile", _failing)
+    monkeypatch.delenv("MESHKIT_COMPILE", raising=False)
+    data = _build_data()
+    with pytest.warns(UserWarning, match="pure-Python wheel"):
+        _Hook().initialize("standard", data)
+    assert data == _build_data()
+    monkeypatch.setenv("MESHKIT_COMPILE", "1")
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        _Hook().initialize("standard", _build_data())
+
+
+def test_a_compiled_wheel_is_platform_specific(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = {"/tmp/x/meshkit/router.so": "meshkit/router.so"}
+    monkeypatch.setattr(hatch_build, "_compile", lambda root: built)
+    monkeypatch.delenv("MESHKIT_COMPILE", raising=False)
+    data = _build_data()
+    _Hook().initialize("standard", data)
+    assert data == {"pure_python": False, "infer_tag": True, "force_include": built}
