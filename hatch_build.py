@@ -48,15 +48,18 @@ COMPILED = (
     "src/meshkit/core/payload.py",
     "src/meshkit/core/placement.py",
     "src/meshkit/core/relay.py",
+    "src/meshkit/core/requests.py",
     "src/meshkit/core/states.py",
     "src/meshkit/core/streams.py",
     "src/meshkit/core/workers.py",
     "src/meshkit/frontends/routed.py",
     "src/meshkit/http1.py",
+    "src/meshkit/mesh.py",
     "src/meshkit/metrics.py",
     "src/meshkit/prepare/pipeline.py",
     "src/meshkit/router.py",
     "src/meshkit/server/h1/conn.py",
+    "src/meshkit/upstream/drive.py",
     "src/meshkit/upstream/fast.py",
 )
 

@@ -54,7 +54,7 @@ def test_compiled_means_exactly_the_listed_modules() -> None:
         return
     assert all(_is_extension(m) for m in listed)
     # what stays interpreted: the msgspec shapes, the policies plugins subclass
-    for name in ("meshkit.core.requests", "meshkit.core.events", "meshkit.core.policies.simple"):
+    for name in ("meshkit.core.shapes", "meshkit.core.policies.simple"):
         assert not _is_extension(name), name
 
 

@@ -36,6 +36,15 @@ from urllib.parse import quote
 import msgspec
 
 from meshkit.core.endpoints import ENDPOINTS, Api, Match, Op
+from meshkit.core.shapes import (
+    AnyBody,
+    ChatBody,
+    CompletionBody,
+    GenerateBody,
+    Json,
+    MessagesBody,
+    ResponsesBody,
+)
 from meshkit.errors import HeadersTooLarge, InvalidRequest, UnsupportedMediaType
 
 __all__ = [
@@ -51,73 +60,8 @@ __all__ = [
 #: default of ``bounds.max_json_depth``
 MAX_JSON_DEPTH = 64
 
-Json = Any
 
-
-# -- typed shapes: only what routing reads; unknown fields are skipped ---------
-
-
-class _Chat(msgspec.Struct):
-    model: str | None = None
-    messages: list[Json] = []
-    tools: list[Json] | None = None
-    stream: bool | None = None
-    stream_options: dict[str, Json] | None = None
-    user: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    data_parallel_rank: Json = msgspec.UNSET
-
-
-class _Completion(msgspec.Struct):
-    model: str | None = None
-    prompt: str | list[Json] | None = None
-    stream: bool | None = None
-    stream_options: dict[str, Json] | None = None
-    user: str | None = None
-    data_parallel_rank: Json = msgspec.UNSET
-
-
-class _Messages(msgspec.Struct):
-    model: str | None = None
-    system: str | list[Json] | None = None
-    tools: list[Json] | None = None
-    messages: list[Json] = []
-    stream: bool | None = None
-    metadata: dict[str, Json] | None = None
-    data_parallel_rank: Json = msgspec.UNSET
-
-
-class _Responses(msgspec.Struct):
-    model: str | None = None
-    instructions: str | None = None
-    tools: list[Json] | None = None
-    input: str | list[Json] | None = None
-    stream: bool | None = None
-    previous_response_id: str | None = None
-    conversation: str | dict[str, Json] | None = None
-    user: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    data_parallel_rank: Json = msgspec.UNSET
-
-
-class _Generate(msgspec.Struct):
-    model: str | None = None
-    text: str | list[str] | None = None
-    input_ids: list[Json] | None = None
-    stream: bool | None = None
-    rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] | None = None
-    data_parallel_rank: Json = msgspec.UNSET
-
-
-class _Any(msgspec.Struct):
-    model: str | None = None
-    data_parallel_rank: Json = msgspec.UNSET
-
-
-_ANY = msgspec.json.Decoder(_Any)
+_ANY = msgspec.json.Decoder(AnyBody)
 # Read per request: module globals are cheaper than enum members' attributes.
 _CANCEL, _COUNT_TOKENS, _CREATE_STATE = Op.CANCEL, Op.COUNT_TOKENS, Op.CREATE_STATE
 _TYPED_OPS = (Op.CREATE, Op.COUNT_TOKENS)
@@ -375,7 +319,7 @@ def _usage_flag(opts: dict[str, Json] | None) -> bool:
     return bool(opts and opts.get("include_usage") is True)
 
 
-def _chat(view: RequestView, p: _Chat, want_text: bool) -> None:
+def _chat(view: RequestView, p: ChatBody, want_text: bool) -> None:
     view.stream = bool(p.stream)
     view.include_usage = view.stream and _usage_flag(p.stream_options)
     view.routing_key = p.prompt_cache_key or p.safety_identifier or p.user
@@ -398,7 +342,7 @@ def _is_system(m: Json) -> bool:
     return isinstance(m, dict) and m.get("role") in ("system", "developer")
 
 
-def _completion(view: RequestView, p: _Completion, want_text: bool) -> None:
+def _completion(view: RequestView, p: CompletionBody, want_text: bool) -> None:
     view.stream = bool(p.stream)
     view.include_usage = view.stream and _usage_flag(p.stream_options)
     view.routing_key = p.user
@@ -417,7 +361,7 @@ def _completion(view: RequestView, p: _Completion, want_text: bool) -> None:
             _set_text(view, [x for x in prompt if isinstance(x, str)], want_text)
 
 
-def _messages(view: RequestView, p: _Messages, want_text: bool) -> None:
+def _messages(view: RequestView, p: MessagesBody, want_text: bool) -> None:
     view.stream = bool(p.stream)
     meta = p.metadata or {}
     uid = meta.get("user_id")
@@ -434,7 +378,7 @@ def _messages(view: RequestView, p: _Messages, want_text: bool) -> None:
     _set_text(view, parts, want_text)
 
 
-def _responses(view: RequestView, p: _Responses, want_text: bool) -> None:
+def _responses(view: RequestView, p: ResponsesBody, want_text: bool) -> None:
     view.stream = bool(p.stream)
     view.routing_key = p.prompt_cache_key or p.safety_identifier or p.user
     view.previous_response_id = p.previous_response_id or None
@@ -483,7 +427,7 @@ def _item_reference(item: dict[str, Json]) -> str | None:
     return None
 
 
-def _generate(view: RequestView, p: _Generate, want_text: bool) -> None:
+def _generate(view: RequestView, p: GenerateBody, want_text: bool) -> None:
     view.stream = bool(p.stream)
     view.return_logprob = bool(p.return_logprob)
     if isinstance(p.text, list):
@@ -554,9 +498,9 @@ def _content_text(content: Json) -> str:
 
 #: the typed decoder of each API's create body, and what reads the result
 _PARSERS: dict[Api, tuple[msgspec.json.Decoder[Any], Callable[[RequestView, Any, bool], None]]] = {
-    Api.CHAT: (msgspec.json.Decoder(_Chat), _chat),
-    Api.COMPLETIONS: (msgspec.json.Decoder(_Completion), _completion),
-    Api.MESSAGES: (msgspec.json.Decoder(_Messages), _messages),
-    Api.RESPONSES: (msgspec.json.Decoder(_Responses), _responses),
-    Api.GENERATE: (msgspec.json.Decoder(_Generate), _generate),
+    Api.CHAT: (msgspec.json.Decoder(ChatBody), _chat),
+    Api.COMPLETIONS: (msgspec.json.Decoder(CompletionBody), _completion),
+    Api.MESSAGES: (msgspec.json.Decoder(MessagesBody), _messages),
+    Api.RESPONSES: (msgspec.json.Decoder(ResponsesBody), _responses),
+    Api.GENERATE: (msgspec.json.Decoder(GenerateBody), _generate),
 }

@@ -66,7 +66,7 @@ from typing import Any
 import msgspec
 
 from meshkit.core.endpoints import StreamFormat
-from meshkit.core.events import Indexed, Lifecycle
+from meshkit.core.shapes import Indexed, Lifecycle
 
 __all__ = ["StreamAccountant", "Usage"]
 

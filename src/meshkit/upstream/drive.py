@@ -81,12 +81,15 @@ Op = tuple[int, Any]
 Steps = Generator[Op, Any, T]
 
 
-@dataclass(slots=True)
 class Relayed(Generic[X]):
     """A worker's response to relay; the caller now owns the attempt's lease."""
 
-    attempt: Attempt
-    exchange: X
+    # A plain class: mypyc does not build generic dataclasses.
+    __slots__ = ("attempt", "exchange")
+
+    def __init__(self, attempt: Attempt, exchange: X) -> None:
+        self.attempt = attempt
+        self.exchange = exchange
 
 
 @dataclass(slots=True)

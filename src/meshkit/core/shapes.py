@@ -1,0 +1,117 @@
+"""
+Wire shapes
+===========
+
+The msgspec types meshkit decodes JSON with: request bodies
+(:mod:`meshkit.core.requests`) and response events (:mod:`meshkit.core.streams`).
+They live apart from the code that reads them because a compiled build
+(``hatch_build.py``) compiles those modules with mypyc, which does not build msgspec
+``Struct`` classes: defined in a compiled module, a Struct loses the field types
+msgspec reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "AnyBody",
+    "ChatBody",
+    "CompletionBody",
+    "GenerateBody",
+    "Indexed",
+    "Json",
+    "Lifecycle",
+    "LifecycleResponse",
+    "MessagesBody",
+    "ResponsesBody",
+]
+
+Json = Any
+
+# -- request bodies: only what routing reads; unknown fields are skipped --------
+
+
+class ChatBody(msgspec.Struct):
+    model: str | None = None
+    messages: list[Json] = []
+    tools: list[Json] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Json] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+class CompletionBody(msgspec.Struct):
+    model: str | None = None
+    prompt: str | list[Json] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Json] | None = None
+    user: str | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+class MessagesBody(msgspec.Struct):
+    model: str | None = None
+    system: str | list[Json] | None = None
+    tools: list[Json] | None = None
+    messages: list[Json] = []
+    stream: bool | None = None
+    metadata: dict[str, Json] | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+class ResponsesBody(msgspec.Struct):
+    model: str | None = None
+    instructions: str | None = None
+    tools: list[Json] | None = None
+    input: str | list[Json] | None = None
+    stream: bool | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Json] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+class GenerateBody(msgspec.Struct):
+    model: str | None = None
+    text: str | list[str] | None = None
+    input_ids: list[Json] | None = None
+    stream: bool | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+class AnyBody(msgspec.Struct):
+    model: str | None = None
+    data_parallel_rank: Json = msgspec.UNSET
+
+
+# -- response events ------------------------------------------------------------
+
+
+class LifecycleResponse(msgspec.Struct):
+    """The ``response`` of a Responses lifecycle event: only what the books read."""
+
+    id: Any = None
+    usage: Any = None
+    error: Any = None
+
+
+class Lifecycle(msgspec.Struct):
+    """A Responses lifecycle event (``response.created``, ``response.completed``...)."""
+
+    response: LifecycleResponse | None = None
+
+
+class Indexed(msgspec.Struct):
+    """A streamed chat chunk's choice ``index``, and nothing else."""
+
+    index: Any = 0
