@@ -87,7 +87,8 @@ def _kept(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> Hea
         headers = list(headers)
     out = []
     for k, v in headers:
-        k = k.lower()
+        if not k.islower():  # servers and ASGI give them lower-cased: no copy then
+            k = k.lower()
         if k not in drop:
             out.append((k, v))
         elif k == b"connection" and v.lower() not in _PLAIN_CONNECTION:

@@ -332,6 +332,11 @@ class Match:
         return self.endpoint.path(self.resource_id, self.item_id)
 
 
+#: each endpoint's match without ids, made once: a Match is immutable, so every
+#: request to a static path shares its endpoint's (one object less per request)
+_BARE: dict[str, Match] = {e.name: Match(e) for e in ENDPOINTS}
+
+
 def shape_for_path(path: str) -> ErrorShape:
     """The error shape a client of ``path`` expects (Anthropic under /v1/messages)."""
     for prefix, shape in _PREFIXES:
@@ -364,7 +369,7 @@ def resolve(method: str, path: str) -> Match | None:
     """
     static = _STATIC.get(path)
     if static is not None:
-        return Match(_pick(static, method, path))
+        return _BARE[_pick(static, method, path).name]
     if not _under_prefix(path):
         return None
     if path.startswith(_MODELS_PREFIX) and len(path) > len(_MODELS_PREFIX):

@@ -51,7 +51,7 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from meshkit.core.credentials import request_headers
@@ -84,6 +84,7 @@ __all__ = [
     "ReadinessWaiter",
     "RetryPolicy",
     "WakePending",
+    "answered",
     "build_attempt",
     "forward_flow",
     "pool_refusal",
@@ -128,6 +129,21 @@ class AttemptResult:
     @classmethod
     def failed(cls, failure: Failure) -> AttemptResult:
         return cls(failure=failure)
+
+
+#: the results of plain answers, one per status: an AttemptResult is immutable, so
+#: every attempt answered with a status shares it (one object less per request)
+_ANSWERED: dict[int, AttemptResult] = {}
+
+
+def answered(status: int) -> AttemptResult:
+    """``AttemptResult(status=status)``, shared."""
+    got = _ANSWERED.get(status)
+    if got is None:
+        got = AttemptResult(status=status)
+        if 100 <= status <= 599:  # bounded by the statuses there are
+            _ANSWERED[status] = got
+    return got
 
 
 class Lease(Protocol):
@@ -231,24 +247,59 @@ class RetryPolicy:
         return float(raw * (0.5 + rng.random() / 2))
 
 
-@dataclass(slots=True)
 class Attempt:
-    """One try: where to send which bytes."""
+    """One try: where to send which bytes.
 
-    number: int
-    candidate: Candidate
-    lease: Lease
-    method: str
-    url: str
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    delay_s: float = 0.0
-    history: list[tuple[str, AttemptResult]] = field(default_factory=list)
-    #: "never", "errors" (non-2xx) or "always": read the body into the result
-    read_body: str = "never"
-    #: a question to a worker (where a referenced response lives), never the answer:
-    #: a front end that does not send attempts itself (ext-proc) sends these
-    probe: bool = False
+    A plain class, not a dataclass: one is made per request, and a compiled build
+    (``hatch_build.py``) compiles an explicit ``__init__`` but leaves a dataclass's
+    generated one interpreted (5-10x the cost).
+    """
+
+    __slots__ = (
+        "body",
+        "candidate",
+        "delay_s",
+        "headers",
+        "history",
+        "lease",
+        "method",
+        "number",
+        "probe",
+        "read_body",
+        "url",
+    )
+
+    def __init__(
+        self,
+        number: int,
+        candidate: Candidate,
+        lease: Lease,
+        method: str,
+        url: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        delay_s: float = 0.0,
+        history: list[tuple[str, AttemptResult]] | None = None,
+        read_body: str = "never",
+        probe: bool = False,
+    ) -> None:
+        self.number = number
+        self.candidate = candidate
+        self.lease = lease
+        self.method = method
+        self.url = url
+        self.headers = headers
+        self.body = body
+        self.delay_s = delay_s
+        self.history: list[tuple[str, AttemptResult]] = [] if history is None else history
+        #: "never", "errors" (non-2xx) or "always": read the body into the result
+        self.read_body = read_body
+        #: a question to a worker (where a referenced response lives), never the
+        #: answer: a front end that does not send attempts itself (ext-proc) sends these
+        self.probe = probe
+
+    def __repr__(self) -> str:
+        return f"Attempt(number={self.number}, {self.method} {self.url})"
 
     @property
     def tls(self) -> Tls | None:

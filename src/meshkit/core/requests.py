@@ -28,7 +28,7 @@ an item id cannot be: no endpoint answers for an item alone.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 from urllib.parse import quote
@@ -81,48 +81,108 @@ class LocalResponse:
     body: bytes
 
 
-@dataclass(slots=True)
 class RequestView:
-    """What placement knows about one request."""
+    """What placement knows about one request.
 
-    match: Match
-    body: bytes = b""
-    query: str = ""
-    model: str | None = None
-    stream: bool = False
-    include_usage: bool = False
-    previous_response_id: str | None = None
-    conversation: str | None = None
-    item_references: tuple[str, ...] = ()
-    #: prompt_cache_key / safety_identifier / user, or a configured header's value
-    routing_key: str | None = None
-    #: prompt in prompt order ("" until a policy asks for text)
-    routing_text: str = ""
-    #: token ids of a prefix of the prompt, when a policy asks for tokens
-    token_ids: list[int] | None = None
-    #: the prompt's leading token ids as the engine computes them (its chat
-    #: template rendered), when a policy matches them against KV events
-    prompt_ids: list[int] | None = None
-    #: their KV-index block keys per block size (computed with them, off the lock)
-    kv_keys: dict[int, list[int]] | None = None
-    #: prompt-size estimate (characters) used by load-weighting policies
-    prompt_weight: int = 0
-    #: the client sent data_parallel_rank itself (the body must be rebuilt once)
-    has_dp_rank: bool = False
-    #: items in a batched /generate request (None: not batched)
-    batch: int | None = None
-    #: /generate asked for logprobs (PD merges the prefill's input logprobs)
-    return_logprob: bool = False
-    #: ``Idempotency-Key``, scoped by path: a retry joins its running twin
-    idempotency_key: str | None = None
-    #: ``x-mesh-wait: false``: answer 503 ``worker_waking`` rather than hold the request
-    no_wait: bool = False
-    #: the answer meshkit gives itself (``/v1/tokenize``), instead of forwarding
-    local: LocalResponse | None = None
-    #: anything a plugin or a front end attaches (never logged)
-    extra: dict[str, Any] = field(default_factory=dict)
-    #: the worker ids this request may go to (a proxy's subset hint); None: any
-    only: frozenset[str] | None = None
+    A plain class, not a dataclass: one is made per request, and a compiled build
+    (``hatch_build.py``) compiles an explicit ``__init__`` but leaves a dataclass's
+    generated one interpreted (5-10x the cost).
+    """
+
+    __slots__ = (
+        "batch",
+        "body",
+        "conversation",
+        "extra",
+        "has_dp_rank",
+        "idempotency_key",
+        "include_usage",
+        "item_references",
+        "kv_keys",
+        "local",
+        "match",
+        "model",
+        "no_wait",
+        "only",
+        "previous_response_id",
+        "prompt_ids",
+        "prompt_weight",
+        "query",
+        "return_logprob",
+        "routing_key",
+        "routing_text",
+        "stream",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        match: Match,
+        body: bytes = b"",
+        query: str = "",
+        model: str | None = None,
+        stream: bool = False,
+        include_usage: bool = False,
+        previous_response_id: str | None = None,
+        conversation: str | None = None,
+        item_references: tuple[str, ...] = (),
+        routing_key: str | None = None,
+        routing_text: str = "",
+        token_ids: list[int] | None = None,
+        prompt_ids: list[int] | None = None,
+        kv_keys: dict[int, list[int]] | None = None,
+        prompt_weight: int = 0,
+        has_dp_rank: bool = False,
+        batch: int | None = None,
+        return_logprob: bool = False,
+        idempotency_key: str | None = None,
+        no_wait: bool = False,
+        local: LocalResponse | None = None,
+        extra: dict[str, Any] | None = None,
+        only: frozenset[str] | None = None,
+    ) -> None:
+        self.match = match
+        self.body = body
+        self.query = query
+        self.model = model
+        self.stream = stream
+        self.include_usage = include_usage
+        self.previous_response_id = previous_response_id
+        self.conversation = conversation
+        self.item_references = item_references
+        #: prompt_cache_key / safety_identifier / user, or a configured header's value
+        self.routing_key = routing_key
+        #: prompt in prompt order ("" until a policy asks for text)
+        self.routing_text = routing_text
+        #: token ids of a prefix of the prompt, when a policy asks for tokens
+        self.token_ids = token_ids
+        #: the prompt's leading token ids as the engine computes them (its chat
+        #: template rendered), when a policy matches them against KV events
+        self.prompt_ids = prompt_ids
+        #: their KV-index block keys per block size (computed with them, off the lock)
+        self.kv_keys = kv_keys
+        #: prompt-size estimate (characters) used by load-weighting policies
+        self.prompt_weight = prompt_weight
+        #: the client sent data_parallel_rank itself (the body must be rebuilt once)
+        self.has_dp_rank = has_dp_rank
+        #: items in a batched /generate request (None: not batched)
+        self.batch = batch
+        #: /generate asked for logprobs (PD merges the prefill's input logprobs)
+        self.return_logprob = return_logprob
+        #: ``Idempotency-Key``, scoped by path: a retry joins its running twin
+        self.idempotency_key = idempotency_key
+        #: ``x-mesh-wait: false``: answer 503 ``worker_waking`` rather than hold the request
+        self.no_wait = no_wait
+        #: the answer meshkit gives itself (``/v1/tokenize``), instead of forwarding
+        self.local = local
+        #: anything a plugin or a front end attaches (never logged)
+        self.extra: dict[str, Any] = {} if extra is None else extra
+        #: the worker ids this request may go to (a proxy's subset hint); None: any
+        self.only = only
+
+    def __repr__(self) -> str:
+        # Never the body, the routing text or the ids: a prompt must not reach a log.
+        return f"RequestView({self.match.endpoint.name}, model={self.model!r})"
 
     @property
     def api(self) -> Api:

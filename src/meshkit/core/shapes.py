@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "Answer",
     "AnyBody",
     "ChatBody",
     "CompletionBody",
@@ -109,6 +110,17 @@ class Lifecycle(msgspec.Struct):
     """A Responses lifecycle event (``response.created``, ``response.completed``...)."""
 
     response: LifecycleResponse | None = None
+
+
+class Answer(msgspec.Struct):
+    """A whole (non-streamed) JSON answer, as far as the books read it: decoding
+    only these skips building the rest (the choices, their messages)."""
+
+    usage: Any = None
+    meta_info: Any = None
+    error: Any = None
+    object: Any = None
+    id: Any = None
 
 
 class Indexed(msgspec.Struct):

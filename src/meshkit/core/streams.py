@@ -66,7 +66,7 @@ from typing import Any
 import msgspec
 
 from meshkit.core.endpoints import StreamFormat
-from meshkit.core.shapes import Indexed, Lifecycle
+from meshkit.core.shapes import Answer, Indexed, Lifecycle
 
 __all__ = ["StreamAccountant", "Usage"]
 
@@ -90,6 +90,7 @@ _DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
 
 _lifecycle_decoder = msgspec.json.Decoder(Lifecycle)
 _index_decoder = msgspec.json.Decoder(Indexed)
+_answer_decoder = msgspec.json.Decoder(Answer)
 
 # Read per request: a module global is cheaper than an enum member's attribute.
 _NONE, _RESPONSES = StreamFormat.NONE, StreamFormat.RESPONSES
@@ -659,6 +660,8 @@ class StreamAccountant:
     def _finish_body(self, body: bytes | bytearray, now: float) -> None:
         if not body or body.isspace():  # strip() would copy the body
             return
+        if body[:1] == b"{" and self._finish_answer(body, now):
+            return
         try:
             obj = _decode(body)
         except _DECODE_ERRORS:
@@ -694,6 +697,27 @@ class StreamAccountant:
             rid = obj.get("id")
             if isinstance(rid, str) and rid:
                 self.response_id = rid
+
+    def _finish_answer(self, body: bytes | bytearray, now: float) -> bool:
+        """The common answer (one object, usage with output, no error) from its
+        few fields alone; False: read it whole (:meth:`_finish_body`)."""
+        try:
+            ans = _answer_decoder.decode(body)
+        except _DECODE_ERRORS:
+            return False  # the whole read counts it
+        if ans.error is not None or ans.object == "error":
+            return False
+        u = _usage_from(ans.usage) or _usage_from(ans.meta_info)
+        if u is None or u.output_tokens <= 0:
+            return False  # whether it holds output is in the choices
+        self.done = True
+        self._usage = u
+        self.first_token_at = now
+        if self.state_ids:
+            rid = ans.id
+            if isinstance(rid, str) and rid:
+                self.response_id = rid
+        return True
 
     def _json(self, payload: bytes) -> dict[str, Any] | None:
         try:

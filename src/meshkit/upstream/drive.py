@@ -38,6 +38,7 @@ from meshkit.core.forward import (
     LocalResponse,
     Pair,
     PairResult,
+    answered,
 )
 from meshkit.errors import RequestTooLarge
 from meshkit.upstream.base import AsyncExchange, SyncExchange, UpstreamFailure
@@ -107,7 +108,7 @@ Final = Relayed[X] | Answered
 def _result(exchange: Any, body: bytes | None) -> tuple[AttemptResult, LocalResponse | None]:
     status = exchange.status
     if body is None:
-        return AttemptResult(status=status), None
+        return answered(status), None
     headers = tuple((k, v) for k, v in served_headers(exchange.headers) if k != b"content-length")
     captured = LocalResponse(status, headers, body)
     return AttemptResult(status=status, headers=headers, body=body), captured
@@ -173,7 +174,7 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                     if _wants_body(attempt, exchange.status):
                         result, captured = yield from _captured(exchange)
                     else:
-                        result = AttemptResult(status=exchange.status)
+                        result = answered(exchange.status)
                 if companion is not None:
                     prefill = yield (JOIN, other)
                     companion = other = None

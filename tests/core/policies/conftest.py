@@ -36,6 +36,7 @@ def view(
     token_ids: list[int] | None = None,
     routing_key: str | None = None,
     model: str | None = None,
+    prompt_ids: list[int] | None = None,
 ) -> RequestView:
     assert CHAT is not None
     return RequestView(
@@ -45,6 +46,7 @@ def view(
         routing_key=routing_key,
         model=model,
         prompt_weight=len(text),
+        prompt_ids=prompt_ids,
     )
 
 

@@ -34,7 +34,7 @@ def test_events_name_the_worker_that_holds_the_prompt(kit: SimpleNamespace) -> N
     store(idx, b.worker.id, PROMPT)
     store(idx, a.worker.id, [9] * 16, h0=1)  # a publishes too, but holds another prompt
     store(idx, c.worker.id, [8] * 16, h0=2)
-    v = replace(kit.view(TEXT), prompt_ids=PROMPT)
+    v = kit.view(TEXT, prompt_ids=PROMPT)
     assert p.select(replace(kit.ctx(cands, v), kv=idx)) is b
     # precomputed keys (as prepare computes them) give the same answer
     v.kv_keys = {16: chain(PROMPT, 16)}
@@ -49,7 +49,7 @@ def test_a_worker_without_events_keeps_the_tree(kit: SimpleNamespace) -> None:
     p.on_placed(a, kit.view(TEXT), 0.0)  # a publishes nothing: the tree speaks for it
     idx = KvIndex(1000)
     store(idx, b.worker.id, PROMPT[:16])  # b holds a quarter of it
-    v = replace(kit.view(TEXT), prompt_ids=PROMPT)
+    v = kit.view(TEXT, prompt_ids=PROMPT)
     assert p.select(replace(kit.ctx([a, b], v), kv=idx)) is a
 
 
@@ -60,10 +60,10 @@ def test_a_hot_holder_spills_and_a_miss_goes_to_the_least_loaded(kit: SimpleName
     store(idx, a.worker.id, [7] * 16, h0=1)
     store(idx, c.worker.id, [6] * 16, h0=2)
     p = CacheAware()
-    v = replace(kit.view(TEXT), prompt_ids=PROMPT)
+    v = kit.view(TEXT, prompt_ids=PROMPT)
     hot = {b.key: 20, a.key: 1, c.key: 0}
     assert p.select(replace(kit.ctx([a, b, c], v, load=hot), kv=idx)) is c
     other = [5] * 64
-    miss = replace(kit.view("user\nfive"), prompt_ids=other)
+    miss = kit.view("user\nfive", prompt_ids=other)
     load = {a.key: 2, b.key: 1, c.key: 3}
     assert p.select(replace(kit.ctx([a, b, c], miss, load=load), kv=idx)) is b

@@ -57,7 +57,7 @@ def test_with_kv_events_the_uncached_work_is_what_counts(kit: SimpleNamespace) -
     idx = KvIndex(1000)
     idx.apply(b.worker.id, Batch(0.0, (BlockStored((1, 2, 3, 4), None, tuple(ids), 16),)))
     idx.apply(a.worker.id, Batch(0.0, ()))
-    v = replace(kit.view("x" * 8192), prompt_ids=ids)
+    v = kit.view("x" * 8192, prompt_ids=ids)
     p = LeastLoad()
     assert p.needs.kv_events
     load = {a.key: 1, b.key: 1, c.key: 0}

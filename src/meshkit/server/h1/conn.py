@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import httptools
@@ -60,21 +59,50 @@ MAX_PIPELINED = 16
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
-@dataclass(slots=True)
 class Request:
-    method: str
-    path: str
-    raw_path: bytes
-    query: bytes
-    headers: Headers
-    body: bytes
-    http11: bool
-    keep_alive: bool
-    match: Match | None
-    #: answered with this error instead of being run (a bound, a bad request line)
-    refusal: MeshError | None = None
-    #: the API shape of that error
-    shape: Any = "openai"
+    """A request read off the connection (a plain class: see ``core.forward.Attempt``)."""
+
+    __slots__ = (
+        "body",
+        "headers",
+        "http11",
+        "keep_alive",
+        "match",
+        "method",
+        "path",
+        "query",
+        "raw_path",
+        "refusal",
+        "shape",
+    )
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        raw_path: bytes,
+        query: bytes,
+        headers: Headers,
+        body: bytes,
+        http11: bool,
+        keep_alive: bool,
+        match: Match | None,
+        refusal: MeshError | None = None,
+        shape: Any = "openai",
+    ) -> None:
+        self.method = method
+        self.path = path
+        self.raw_path = raw_path
+        self.query = query
+        self.headers = headers
+        self.body = body
+        self.http11 = http11
+        self.keep_alive = keep_alive
+        self.match = match
+        #: answered with this error instead of being run (a bound, a bad request line)
+        self.refusal = refusal
+        #: the API shape of that error
+        self.shape = shape
 
 
 class _Refused(Exception):
