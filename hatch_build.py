@@ -38,7 +38,7 @@ from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-#: compiled in a wheel: the modules every proxied request runs through
+#: compiled in a wheel: the modules a proxied request runs through, in every mode
 COMPILED = (
     "src/meshkit/accounting.py",
     "src/meshkit/core/credentials.py",
@@ -52,13 +52,16 @@ COMPILED = (
     "src/meshkit/core/states.py",
     "src/meshkit/core/streams.py",
     "src/meshkit/core/workers.py",
+    "src/meshkit/frontends/asgi.py",
     "src/meshkit/frontends/routed.py",
+    "src/meshkit/frontends/wsgi.py",
     "src/meshkit/http1.py",
     "src/meshkit/mesh.py",
     "src/meshkit/metrics.py",
     "src/meshkit/prepare/pipeline.py",
     "src/meshkit/router.py",
     "src/meshkit/server/h1/conn.py",
+    "src/meshkit/upstream/blocking.py",
     "src/meshkit/upstream/drive.py",
     "src/meshkit/upstream/fast.py",
 )

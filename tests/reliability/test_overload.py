@@ -371,12 +371,13 @@ def test_a_burst_on_a_fresh_transport_builds_one_pool(
     mock = mock_factory(name="b")
     built: list[object] = []
 
-    class Counting(BlockingUpstream):
-        def __init__(self, *args: Any, **kw: Any) -> None:
-            built.append(self)
-            super().__init__(*args, **kw)
+    def counting(*args: Any, **kw: Any) -> BlockingUpstream:
+        # a factory, not a subclass: a compiled BlockingUpstream has no interpreted ones
+        up = BlockingUpstream(*args, **kw)
+        built.append(up)
+        return up
 
-    monkeypatch.setattr(meshkit.upstream.select, "BlockingUpstream", Counting)
+    monkeypatch.setattr(meshkit.upstream.select, "BlockingUpstream", counting)
     mesh = Mesh(workers=[Worker(mock.url)], lifecycle={"probe": False})
     try:
         client = httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh")
