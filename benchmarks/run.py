@@ -288,7 +288,12 @@ def versions(router_versions: dict[str, str]) -> dict[str, str]:
             text=True,
             check=False,
         ).stdout.strip()
-        out["meshkit"] += f" (git {rev}{' + uncommitted changes in src/' if dirty else ''})"
+        import meshkit
+
+        build = "compiled" if meshkit.compiled() else "interpreted"
+        out["meshkit"] += (
+            f" ({build}, git {rev}{' + uncommitted changes in src/' if dirty else ''})"
+        )
         base = os.environ.get("MESHBENCH_BASE")
         if base:
             base_rev = subprocess.run(
@@ -613,6 +618,14 @@ def main(argv: list[str] | None = None) -> int:
         "when writing benchmarks/RESULTS.md)",
     )
     ns = ap.parse_args(argv)
+    from meshkit.testing.build import stale_files
+
+    stale = stale_files(REPO / "src" / "meshkit")
+    if stale:
+        raise SystemExit(
+            f"the installed meshkit is older than src/ ({len(stale)} files differ, e.g. "
+            f"{stale[0]}): reinstall it (scripts/install-test-deps) before measuring it"
+        )
     # stop cleanly (the finally blocks stop every child) on SIGTERM, and on SIGINT
     # even when started in the background (where SIGINT is ignored)
     signal.signal(signal.SIGTERM, _interrupted)

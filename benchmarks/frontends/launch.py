@@ -52,6 +52,16 @@ FRONTENDS: dict[str, Frontend] = {
             module="meshkit_builtin",
             meshkit=True,
         ),
+        # The same gateway from the tree's sources (PYTHONPATH=src): interpreted,
+        # beside an installed compiled build (hatch_build.py) in the same rounds.
+        Frontend(
+            "meshkit-interpreted",
+            "meshkit standalone, interpreted (the tree's src/, not compiled)",
+            "python",
+            ("proxy", "tokenize"),
+            module="meshkit_builtin",
+            meshkit=True,
+        ),
         # The same gateway as two processes on the frontend's CPUs (issue 21).
         Frontend(
             "meshkit-p2",
@@ -102,6 +112,14 @@ FRONTENDS: dict[str, Frontend] = {
             dist="vllm-router",
         ),
         Frontend("direct", "direct to the backends (the limit)", "direct", ("proxy", "tokenize")),
+        # Not a router: the least a uvloop + httptools proxy spends (issue 21's floor).
+        Frontend(
+            "python-floor",
+            "bare uvloop + httptools proxy, round robin (no routing: the CPython floor)",
+            "python",
+            ("proxy",),
+            module="floor_proxy",
+        ),
         # --base DIR: the same gateway from another checkout (its own .venv), measured
         # beside this one in the same rounds: a before/after A/B of a change.
         Frontend(
@@ -154,7 +172,12 @@ def command(
         argv = [*_pin(cpus), sys.executable, script, "--port", str(port)]
         if fe.key == "meshkit-p2":
             argv += ["--processes", "2"]
+        if fe.key == "meshkit-interpreted":
+            env["PYTHONPATH"] = str(HERE.parents[1] / "src")
         return Launch(argv, env)
+    if fe.module == "floor_proxy":
+        script = str(HERE / "floor_proxy.py")
+        return Launch([*_pin(cpus), sys.executable, script, "--port", str(port)], env)
     if fe.kind == "python":
         argv = [
             *_pin(cpus),
