@@ -250,9 +250,8 @@ class RetryPolicy:
 class Attempt:
     """One try: where to send which bytes.
 
-    A plain class, not a dataclass: one is made per request, and a compiled build
-    (``hatch_build.py``) compiles an explicit ``__init__`` but leaves a dataclass's
-    generated one interpreted (5-10x the cost).
+    A plain class made per request (``docs/architecture.md``, "Compiled and
+    interpreted": a dataclass's generated ``__init__`` is never compiled).
     """
 
     __slots__ = (

@@ -84,9 +84,8 @@ class LocalResponse:
 class RequestView:
     """What placement knows about one request.
 
-    A plain class, not a dataclass: one is made per request, and a compiled build
-    (``hatch_build.py``) compiles an explicit ``__init__`` but leaves a dataclass's
-    generated one interpreted (5-10x the cost).
+    A plain class made per request (``docs/architecture.md``, "Compiled and
+    interpreted": a dataclass's generated ``__init__`` is never compiled).
     """
 
     __slots__ = (
