@@ -298,8 +298,11 @@ def response_head(
     CR/LF in them) or from meshkit; a line holding CR or LF is dropped anyway, so
     nothing can split a response.
     """
-    lines = []
     declared = -1 if length is None else length
+    alive = keep_alive
+    # One flat list joined once: name, ": ", value, CRLF per header line.
+    parts: list[bytes] = [status_line(status)]
+    ends = 2  # line ends: the status line's and the blank line's
     for item in headers:
         name = item[0]
         if name == b"content-length":
@@ -309,17 +312,14 @@ def response_head(
             declared = int(value)
         elif name == b"transfer-encoding" or name == b"connection":
             continue  # ours to decide
-        lines.append(b": ".join(item))
-    block = b"\r\n".join(lines)
-    seps = len(lines) - 1
-    if block.count(b"\n") != max(seps, 0) or block.count(b"\r") != max(seps, 0):
-        # Rare: a name or value held CR or LF. Drop those lines (checked once on
-        # the joined block, not per header): nothing may split the response.
-        lines = [line for line in lines if b"\r" not in line and b"\n" not in line]
-        block = b"\r\n".join(lines)
-    tail = []
+        parts.append(name)
+        parts.append(b": ")
+        parts.append(item[1])
+        parts.append(b"\r\n")
+        ends += 1
     if length is not None:
-        tail.append(b"content-length: %d" % length)
+        parts.append(b"content-length: %d\r\n" % length)
+        ends += 1
     if bodyless or status < 200 or status == 204 or status == 304:
         framing = Framing.LENGTH
         declared = 0
@@ -327,18 +327,32 @@ def response_head(
         framing = Framing.LENGTH
     elif http11:
         framing = Framing.CHUNKED
-        tail.append(b"transfer-encoding: chunked")
+        parts.append(b"transfer-encoding: chunked\r\n")
+        ends += 1
     else:
         framing = Framing.CLOSE
-        keep_alive = False
-    if not keep_alive:
-        tail.append(b"connection: close")
+        alive = False
+    if not alive:
+        parts.append(b"connection: close\r\n")
+        ends += 1
     elif not http11:
-        tail.append(b"connection: keep-alive")  # an HTTP/1.0 client closes without it
-    if tail:
-        block = b"\r\n".join((block, *tail)) if lines else b"\r\n".join(tail)
-    head = status_line(status) + block + b"\r\n\r\n" if block else status_line(status) + b"\r\n"
-    return head, framing, keep_alive, declared
+        parts.append(b"connection: keep-alive\r\n")  # an HTTP/1.0 client closes without it
+        ends += 1
+    parts.append(b"\r\n")
+    head = b"".join(parts)
+    # Each line holds just the CRLF that ends it: one more CR or LF means a name or
+    # value held one (checked once on the whole head, not per header). Rare: the
+    # head is built again without those lines, as nothing may split a response.
+    if head.count(b"\n") != ends or head.count(b"\r") != ends:
+        clean = [item for item in headers if not _splits(item[0]) and not _splits(item[1])]
+        return response_head(
+            status, clean, keep_alive=keep_alive, http11=http11, length=length, bodyless=bodyless
+        )
+    return head, framing, alive, declared
+
+
+def _splits(field: bytes) -> bool:
+    return b"\r" in field or b"\n" in field
 
 
 def chunk(data: bytes) -> bytes:

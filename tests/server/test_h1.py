@@ -344,6 +344,17 @@ def test_response_heads(status: int, headers: Any, kw: Any, want: Any) -> None:
         assert connection == []
 
 
+def test_a_response_head_is_its_lines_in_order() -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"2"), (b"x-a", b"b")]
+    head, *_ = response_head(200, headers, keep_alive=False, http11=True)
+    assert head == (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n"
+        b"x-a: b\r\nconnection: close\r\n\r\n"
+    )
+    no_content = response_head(204, [], keep_alive=True, http11=True)[0]
+    assert no_content == b"HTTP/1.1 204 No Content\r\n\r\n"
+
+
 def test_response_heads_never_split() -> None:
     headers = [(b"x-a", b"1\r\nset-cookie: evil"), (b"x-b\n", b"2"), (b"x-c", b"ok")]
     head, *_ = response_head(200, headers, keep_alive=True, http11=True, length=0)

@@ -83,16 +83,18 @@ _PLAIN_CONNECTION = frozenset({b"keep-alive", b"close"})
 def _kept(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> Headers:
     """``headers`` with lower-cased names, minus ``drop`` and the names a
     ``Connection`` header lists (rare: a second pass then)."""
-    if not isinstance(headers, list | tuple):
-        headers = list(headers)
-    out = []
-    for k, v in headers:
+    # A list typed as such: a compiled build walks it and its pairs natively.
+    given: list[tuple[bytes, bytes]] = headers if isinstance(headers, list) else list(headers)
+    out: Headers = []
+    for item in given:
+        k = item[0]
         if not k.islower():  # servers and ASGI give them lower-cased: no copy then
-            k = k.lower()
+            item = (k.lower(), item[1])
+            k = item[0]
         if k not in drop:
-            out.append((k, v))
-        elif k == b"connection" and v.lower() not in _PLAIN_CONNECTION:
-            items = [(k.lower(), v) for k, v in headers]
+            out.append(item)  # the same pair, not a copy
+        elif k == b"connection" and item[1].lower() not in _PLAIN_CONNECTION:
+            items = [(k.lower(), v) for k, v in given]
             drop = _dropped(drop, items)
             return [(k, v) for k, v in items if k not in drop]
     return out
