@@ -19,8 +19,10 @@ import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
+    "API_PATHS",
     "CLK_TCK",
     "DISTINCT_HEAD_CHARS",
     "DISTINCT_POOL",
@@ -153,15 +155,27 @@ def words(rng: random.Random, chars: int) -> str:
     return " ".join(out)[:chars]
 
 
-def bodies(size: int, variants: int = 8) -> list[bytes]:
-    """``variants`` distinct ``/v1/completions`` bodies of exactly ``size`` bytes."""
+#: The request path of each API a workload can send (``"api"`` in a load command).
+API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def _base(api: str, prompt: str) -> dict[str, Any]:
+    """A request of ``api`` whose prompt (a chat's one user message) is ``prompt``."""
+    if api == "chat":
+        messages = [{"role": "user", "content": prompt}]
+        return {"model": "mock-model", "messages": messages, "max_tokens": 8, "temperature": 0.0}
+    if api != "completions":
+        raise ValueError(f"unknown api {api!r}; known: {', '.join(API_PATHS)}")
+    return {"model": "mock-model", "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+
+
+def bodies(size: int, variants: int = 8, api: str = "completions") -> list[bytes]:
+    """``variants`` distinct bodies of ``api`` (:data:`API_PATHS`) of exactly ``size`` bytes."""
     out = []
     for v in range(variants):
-        base = {"model": "mock-model", "prompt": "", "max_tokens": 8, "temperature": 0.0}
-        overhead = len(json.dumps(base, separators=(",", ":")).encode())
-        base["prompt"] = _prompt(max(size - overhead, 1), v)
-        raw = json.dumps(base, separators=(",", ":")).encode()
-        out.append(raw)
+        overhead = len(json.dumps(_base(api, ""), separators=(",", ":")).encode())
+        raw = json.dumps(_base(api, _prompt(max(size - overhead, 1), v)), separators=(",", ":"))
+        out.append(raw.encode())
     return out
 
 
@@ -190,16 +204,17 @@ class DistinctBodies:
         return self.prefix + self.heads[i % len(self.heads)] + self.tail
 
 
-def distinct_bodies(size: int, pool: int = DISTINCT_POOL) -> DistinctBodies:
-    """``pool`` ``/v1/completions`` bodies of exactly ``size`` bytes, unique heads.
+def distinct_bodies(
+    size: int, pool: int = DISTINCT_POOL, api: str = "completions"
+) -> DistinctBodies:
+    """``pool`` bodies of ``api`` of exactly ``size`` bytes, unique heads.
 
     The head is ``"Request <i>: "`` and words drawn at random from the vocabulary
     of :func:`bodies` (same mix, so the same cost per token); the tail is the rest
     of variant 0's prompt. ASCII without quotes or backslashes: the JSON bytes are
     the characters, so every body has the same length.
     """
-    base = {"model": "mock-model", "prompt": "\x00", "max_tokens": 8, "temperature": 0.0}
-    raw = json.dumps(base, separators=(",", ":"))
+    raw = json.dumps(_base(api, "\x00"), separators=(",", ":"))
     prefix, suffix = raw.split("\\u0000")
     chars = max(size - len(prefix) - len(suffix), 1)
     head_len = min(DISTINCT_HEAD_CHARS, chars)

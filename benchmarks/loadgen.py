@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 import httptools
 from _common import (
+    API_PATHS,
     PROMPT_VARIANTS,
     DistinctBodies,
     bodies,
@@ -105,14 +106,19 @@ class _Target:
     __slots__ = ("distinct", "head", "host", "port", "reqs")
 
     def __init__(
-        self, url: str, repeated: list[bytes] | None, distinct: DistinctBodies | None
+        self,
+        url: str,
+        repeated: list[bytes] | None,
+        distinct: DistinctBodies | None,
+        path: str | None = None,
     ) -> None:
-        self.host, self.port, _ = _request_bytes(url, b"")
-        self.reqs = [_request_bytes(url, b)[2] for b in repeated or ()]
+        self.host, self.port, _ = _request_bytes(url, b"", path)
+        self.reqs = [_request_bytes(url, b, path)[2] for b in repeated or ()]
         self.distinct = distinct
         self.head = b""
         if distinct is not None:
-            self.head = _request_bytes(url, distinct.body(0))[2][: -len(distinct.body(0))]
+            body = distinct.body(0)
+            self.head = _request_bytes(url, body, path)[2][: -len(body)]
 
 
 class _Conn(asyncio.Protocol):
@@ -189,10 +195,12 @@ class _Conn(asyncio.Protocol):
         )
 
 
-def _request_bytes(url: str, body: bytes) -> tuple[str, int, bytes]:
+def _request_bytes(url: str, body: bytes, path: str | None = None) -> tuple[str, int, bytes]:
+    """Host, port and the request's bytes: to ``path``, else the URL's own path, else
+    ``/v1/completions``."""
     u = urlsplit(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
-    path = u.path if u.path and u.path != "/" else "/v1/completions"
+    path = path or (u.path if u.path and u.path != "/" else "/v1/completions")
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -238,7 +246,8 @@ async def measure(cmd: dict[str, Any]) -> dict[str, Any]:
     backends: list[int] = list(cmd.get("backends", []))
     raw_bodies: list[bytes] | None = cmd.get("_bodies")
     distinct: DistinctBodies | None = cmd.get("_distinct")
-    targets = [_Target(u, raw_bodies, distinct) for u in urls]
+    path = API_PATHS[cmd["api"]] if "api" in cmd else None
+    targets = [_Target(u, raw_bodies, distinct, path) for u in urls]
 
     gen = _Gen()
     loop = asyncio.get_running_loop()
@@ -307,8 +316,8 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 def serve() -> int:
     loop = _new_loop()
     asyncio.set_event_loop(loop)
-    cache: dict[tuple[int, int], list[bytes]] = {}
-    distinct: dict[int, DistinctBodies] = {}
+    cache: dict[tuple[int, int, str], list[bytes]] = {}
+    distinct: dict[tuple[int, str], DistinctBodies] = {}
     for line in sys.stdin:
         line = line.strip()
         if not line:
@@ -317,12 +326,13 @@ def serve() -> int:
         if cmd.get("op") == "quit":
             break
         size = int(cmd["size"])
+        api = cmd.get("api", "completions")
         if cmd.get("prompts", "repeated") == "distinct":
-            if size not in distinct:
-                distinct[size] = distinct_bodies(size)
-            cmd["_distinct"] = distinct[size]
+            if (size, api) not in distinct:
+                distinct[size, api] = distinct_bodies(size, api=api)
+            cmd["_distinct"] = distinct[size, api]
         else:
-            key = (size, int(cmd.get("variants", 8)))
+            key = (size, int(cmd.get("variants", 8)), api)
             if key not in cache:
                 cache[key] = bodies(*key)
             cmd["_bodies"] = cache[key]
@@ -346,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=0.5)
     p.add_argument("--watch", type=int, action="append", default=[], help="PID tree to time")
     p.add_argument("--prompts", choices=PROMPT_VARIANTS, default="repeated")
+    p.add_argument("--api", choices=list(API_PATHS), default="completions")
     ns = p.parse_args(argv)
     if ns.serve:
         return serve()
@@ -357,11 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         "duration": ns.duration,
         "warmup": ns.warmup,
         "watch": ns.watch,
+        "api": ns.api,
     }
     if ns.prompts == "distinct":
-        cmd["_distinct"] = distinct_bodies(ns.size)
+        cmd["_distinct"] = distinct_bodies(ns.size, api=ns.api)
     else:
-        cmd["_bodies"] = bodies(ns.size)
+        cmd["_bodies"] = bodies(ns.size, api=ns.api)
     loop = _new_loop()
     try:
         out = loop.run_until_complete(measure(cmd))

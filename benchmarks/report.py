@@ -57,19 +57,22 @@ Key = tuple[str, int, int, str]  # series, size, clients, frontend
 #: section titles and target labels per series
 TITLES = {
     "proxy": "Parse + proxy (round robin, `POST /v1/completions`, non-streamed)",
+    "chat": "Parse + proxy, chat (round robin, `POST /v1/chat/completions`, one user "
+    "message, non-streamed)",
     "tokenize-repeated": "Parse + tokenize + proxy (prefix hash over 256 Qwen tokens), "
     "repeated prompts (8 per size, cycled: meshkit's prefix cache hits)",
     "tokenize-distinct": "Parse + tokenize + proxy (prefix hash over 256 Qwen tokens), "
     "distinct prompts (a unique 256-token head per request: no cache hit)",
 }
-_SERIES_ORDER = ["proxy", "tokenize-distinct", "tokenize-repeated"]
+_SERIES_ORDER = ["proxy", "chat", "tokenize-distinct", "tokenize-repeated"]
 
 
 def series(r: dict[str, Any]) -> str:
-    """``proxy``, ``tokenize-repeated`` or ``tokenize-distinct`` (see the module doc)."""
+    """``proxy``, ``chat``, ``tokenize-repeated`` or ``tokenize-distinct`` (see the
+    module doc)."""
     workload: str = r["workload"]
     prompts = r.get("prompts", "repeated")
-    if workload == "proxy" and prompts == "repeated":
+    if workload in ("proxy", "chat") and prompts == "repeated":
         return workload
     return f"{workload}-{prompts}"
 

@@ -14,7 +14,9 @@ What it does (see README.md for the method):
    generator (``loadgen.py --serve``) pinned to the load CPU (``taskset``);
 2. installs the Rust routers into ``benchmarks/.venvs/<name>`` when missing (full
    mode; an install that fails is reported as not available);
-3. for each workload (``proxy``: round robin; ``tokenize``: prefix hash over 256
+3. for each workload (``proxy``: round robin; ``chat``: the same, ``POST
+   /v1/chat/completions`` bodies, only when asked (``--workloads proxy,chat``);
+   ``tokenize``: prefix hash over 256
    Qwen tokens), starts every frontend pinned to the frontend CPU, warms it up,
    then for each prompt variant (tokenize: ``--prompts``, by default both
    ``repeated`` — 8 prompts per size, cycled: a prefix cache hits — and
@@ -463,6 +465,7 @@ def run_workload(
                         reset_peak_rss(p.pid)
                     out = lg.run(
                         urls=[url] if p is not None else backends,
+                        api="chat" if workload == "chat" else "completions",
                         size=size,
                         clients=clients,
                         prompts=prompts,
@@ -598,7 +601,11 @@ def main(argv: list[str] | None = None) -> int:
         "request: it never hits), or both (default)",
     )
     ap.add_argument("--frontends", default=None, help=f"subset of {','.join(FRONTENDS)}")
-    ap.add_argument("--workloads", default=None, help="proxy,tokenize")
+    ap.add_argument(
+        "--workloads",
+        default=None,
+        help="proxy,tokenize (the default), chat (proxy's points with chat bodies)",
+    )
     ap.add_argument("--backends", type=int, default=4, help="mock worker processes")
     ap.add_argument("--frontend-cpus", default="0", help="taskset list for the frontend")
     ap.add_argument("--load-cpus", default="1", help="taskset list: backends + load generator")

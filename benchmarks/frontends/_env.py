@@ -6,8 +6,9 @@ The launchers run under ``uvicorn --app-dir benchmarks/frontends module:app``, s
 their settings come from environment variables set by ``run.py``:
 
 * ``MESHBENCH_WORKERS``: comma-separated worker base URLs;
-* ``MESHBENCH_WORKLOAD``: ``proxy`` (round robin) or ``tokenize`` (prefix hash over
-  the first 256 tokens of the prompt);
+* ``MESHBENCH_WORKLOAD``: ``proxy`` or ``chat`` (round robin; the load differs, the
+  frontend does not) or ``tokenize`` (prefix hash over the first 256 tokens of the
+  prompt);
 * ``MESHBENCH_TOKENIZER``: path to the Qwen ``tokenizer.json`` (tokenize workload).
 """
 
@@ -31,7 +32,7 @@ def worker_urls() -> list[str]:
 
 def workload() -> str:
     w = os.environ.get("MESHBENCH_WORKLOAD", "proxy")
-    if w not in ("proxy", "tokenize"):
+    if w not in ("proxy", "chat", "tokenize"):
         raise SystemExit(f"unknown MESHBENCH_WORKLOAD {w!r}")
     return w
 

@@ -130,3 +130,62 @@ def test_loadgen_sends_each_request_its_own_prompt() -> None:
     assert out["distinct_repeats"] == 0
     assert out["ok"] > 0
     assert len(got) == len(set(got)) > out["ok"]  # warm-up requests are distinct too
+
+
+@pytest.mark.parametrize("size", [1024, 16 * 1024])
+def test_chat_bodies_are_one_user_message_of_the_exact_size(size: int) -> None:
+    contents = set()
+    for raw in bodies(size, api="chat"):
+        assert len(raw) == size
+        body = json.loads(raw)
+        assert [m["role"] for m in body["messages"]] == ["user"]
+        assert "prompt" not in body and body["max_tokens"] == 8
+        contents.add(body["messages"][0]["content"][:64])
+    assert len(contents) == 8  # eight variants with different beginnings, as for proxy
+    d = distinct_bodies(size, pool=4, api="chat")
+    assert all(len(d.body(i)) == size for i in range(4))
+    assert json.loads(d.body(1))["messages"][0]["content"].startswith("Request 1:")
+    with pytest.raises(ValueError, match="unknown api"):
+        bodies(size, api="embeddings")
+
+
+def test_the_chat_series_is_reported_apart_from_proxy() -> None:
+    chat = {**_row("meshkit", "repeated", 1), "workload": "chat"}
+    assert report.series(chat) == "chat"
+    assert "chat/completions" in report.TITLES["chat"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("httptools") is None, reason="needs httptools")
+def test_loadgen_sends_chat_requests_to_the_chat_path() -> None:
+    import asyncio
+
+    import loadgen
+
+    seen: list[tuple[bytes, bytes]] = []
+
+    async def main() -> dict[str, Any]:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                seen.append((head.split(b" ")[1], await reader.readexactly(length)))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        cmd = {
+            "urls": [f"http://127.0.0.1:{port}"],
+            "clients": 2,
+            "duration": 0.2,
+            "warmup": 0.05,
+            "api": "chat",
+            "_bodies": bodies(1024, api="chat"),
+        }
+        out: dict[str, Any] = await loadgen.measure(cmd)
+        server.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out["ok"] > 0
+    assert {path for path, _ in seen} == {b"/v1/chat/completions"}
+    assert all("messages" in json.loads(body) for _, body in seen)
