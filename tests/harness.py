@@ -11,6 +11,7 @@ in FULL_DUPLEX_STREAMED mode, the Gateway API Inference Extension's).
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import threading
 import time
@@ -66,6 +67,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def reusable_port() -> int:
+    """A free port below the kernel's ephemeral range, for a port that several servers
+    listen on in turn. A port from :func:`free_port` is ephemeral: between two of
+    those servers any outgoing connection of the session may take it as its local
+    port, and the next server then fails to bind (CI saw grpc's "Failed to bind")."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 async def _host_app(scope: Any, receive: Any, send: Any) -> None:
@@ -346,7 +369,7 @@ class _SharedEnvoy:
 
             from meshkit.testing.envoy import EnvoyProcess
 
-            cls.port = free_port()
+            cls.port = reusable_port()  # each ExtProcMode's picker binds it in turn
             cls.envoy = EnvoyProcess(cls.port, message_timeout_s=60.0)
             cls.envoy.__enter__()
             atexit.register(cls.envoy.stop)
