@@ -28,7 +28,7 @@ from meshkit.core.lifecycle import State
 from meshkit.server import build_gateway
 from meshkit.server.merged_metrics import merge_metrics
 from meshkit.server.merged_workers import merge_rows
-from meshkit.server.peers import MAX_REPLY_BYTES, Peers, copy_fleet, peer_app
+from meshkit.server.peers import MAX_REPLY_BYTES, Peers, copy_fleet, fleet_spec, peer_app
 from meshkit.server.runner import GatewayThread
 
 ADMIN = "admin-key-xyz"
@@ -426,6 +426,44 @@ def test_copy_fleet_makes_a_fresh_process_match_its_siblings(
     alone = mesh_factory(workers=configured, lifecycle={"probe": False})
     assert asyncio.run(_copy(Peers(run_dir, 1, 2), alone)) is False
     assert [w.url for w in alone.workers] == [w.url for w in configured]
+
+
+def _resolved(mesh: Mesh, name: str, addresses: list[str]) -> None:
+    """``name`` resolves to ``addresses`` in ``mesh``'s discovery, as a lookup would say."""
+    discovery = mesh.lifecycle.discovery
+    assert discovery is not None
+
+    async def looked_up() -> None:
+        discovery.sources.set_addresses(name, addresses)
+        discovery.apply()
+
+    mesh.lifecycle.submit(looked_up).result(10)
+
+
+def test_a_copied_worker_that_dns_found_is_removed_when_dns_drops_it(
+    processes: Any, mesh_factory: Any, run_dir: str
+) -> None:
+    configured = ["dns://svc:80"]
+    one, two = "http://10.0.0.1:80", "http://10.0.0.2:80"
+    p0, p1 = processes(2, configured)
+    _resolved(p0.mesh, "svc", ["10.0.0.1", "10.0.0.2"])
+    assert sorted(w.url for w in p0.mesh.workers) == [one, two]
+    spec = fleet_spec(p0.mesh)
+    assert [w["discovered"] for w in spec["workers"]] == [True, True]
+    # Process 1 restarts and copies them before its own lookup has answered.
+    p1.close()
+    fresh = mesh_factory(workers=configured, lifecycle={"probe": False})
+    assert fresh.workers == ()
+    assert asyncio.run(_copy(Peers(run_dir, 1, 2), fresh)) is True
+    assert sorted(w.url for w in fresh.workers) == [one, two]
+    # The name now has one address: the copy goes as its siblings' do (it is
+    # discovery's, not an admin's worker that discovery must leave alone).
+    _resolved(fresh, "svc", ["10.0.0.1"])
+    assert wait_until(lambda: [w.url for w in fresh.workers] == [one])
+    # One an admin added is never discovery's, copied or not.
+    assert p0.client.post("/workers", json={"url": "http://10.0.0.9:80"}).status_code == 201
+    spec = fleet_spec(p0.mesh)
+    assert {w["url"]: w["discovered"] for w in spec["workers"]}["http://10.0.0.9:80"] is False
 
 
 async def _copy(peers: Peers, mesh: Mesh) -> bool:

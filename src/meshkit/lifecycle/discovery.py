@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from meshkit.config import MeshConfig, load_workers_file
@@ -140,6 +141,14 @@ class Discovery:
         if self._poke is not None:
             self._poke.set()  # the watch interval may have changed from none to some
         return self.apply()
+
+    async def adopt(self, worker_ids: Sequence[str]) -> None:
+        """(the loop) Take ``worker_ids`` as put in the fleet by the sources: a
+        restarted ``serve --processes`` child copied them from a sibling whose
+        discovery did (:func:`~meshkit.server.peers.copy_fleet`). They are removed
+        when the sources stop naming them, as the sibling removes them; no plan
+        runs here, so a name not looked up yet does not retire them."""
+        self.managed.update(wid for wid in worker_ids if self.router.get(wid) is not None)
 
     def _check_file(self) -> bool:
         if not self.file:

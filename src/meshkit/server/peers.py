@@ -18,6 +18,9 @@ their load, their share of an admin verb).
 * :func:`fleet_spec` and :func:`copy_fleet` — a child that restarts builds its
   mesh from the configuration, which admin verbs may have changed since: it copies
   the fleet (workers added or removed, drains) of the first sibling that answers.
+  A worker the sibling's discovery put there (a ``dns://`` address, the workers
+  file) stays discovery's in the copy: its own discovery removes it when the
+  source drops it, as the sibling's does; one an admin added stays the admin's.
 
 Security: the run directory is created by the supervisor with mode 0700, so only
 the gateway's own user reaches the sockets. ``GET /_peer/fleet`` answers with the
@@ -241,6 +244,8 @@ def fleet_spec(mesh: Mesh) -> dict[str, Any]:
     draining = {
         row["url"] for row in mesh.router.describe() if row["state"] == State.DRAINING.value
     }
+    discovery = mesh.lifecycle.discovery
+    managed = discovery.managed if discovery is not None else frozenset()
     workers = []
     for w in mesh.workers:
         tls = w.tls
@@ -260,6 +265,8 @@ def fleet_spec(mesh: Mesh) -> dict[str, Any]:
                 "kv_events": w.kv_events,
                 "kv_replay": w.kv_replay,
                 "draining": w.url in draining,
+                # put there by this process's discovery (not by an admin)
+                "discovered": w.id in managed,
             }
         )
     return {"workers": workers}
@@ -305,10 +312,13 @@ async def copy_fleet(peers: Peers, mesh: Mesh, *, timeout_s: float = 5.0) -> boo
     else:
         return False
     wanted: dict[str, tuple[Worker, bool]] = {}
+    discovered: list[str] = []
     for spec in obj["workers"]:
         found = _worker_of(spec)
         if found is not None:
             wanted[found[0].id] = found
+            if spec.get("discovered") is True:
+                discovered.append(found[0].id)
     for w in mesh.workers:
         if w.id not in wanted:
             await mesh.aremove_worker(w, timeout_s=0)
@@ -317,4 +327,8 @@ async def copy_fleet(peers: Peers, mesh: Mesh, *, timeout_s: float = 5.0) -> boo
             mesh.add_worker(worker)
         if draining:
             await mesh.adrain(wid, timeout_s=0)
+    discovery = mesh.lifecycle.discovery
+    if discovered and discovery is not None:
+        # On the lifecycle loop, where discovery plans: nothing else touches its set.
+        await asyncio.wrap_future(mesh.lifecycle.submit(lambda: discovery.adopt(discovered)))
     return True
