@@ -156,6 +156,26 @@ def test_misses_spread_over_idle_replicas(kit: SimpleNamespace) -> None:
     assert len({p.select(kit.ctx(cs, v, seed=s)) for s in range(10)}) == 1
 
 
+def test_routers_agree_where_the_misses_of_one_head_go(kit: SimpleNamespace) -> None:
+    # Two routers that know nothing of a prompt (a miss everywhere, equal loads)
+    # send prompts of one head (a tenant's first 256 characters) to one worker, so
+    # that worker's cache serves the rest; a head it has not seen goes elsewhere.
+    cs = kit.cands(4)
+    routers = [CacheAware(), CacheAware()]
+    head = SYSTEM_B + SYSTEM_A + "user: "
+    assert len(head) > routers[0].spill_prefix_chars
+    picks = {
+        p.select(kit.ctx(cs, kit.view(head + f"question {i} " * (i + 1)))).key
+        for i in range(20)
+        for p in routers
+    }
+    assert len(picks) == 1
+    others = {
+        routers[0].select(kit.ctx(cs, kit.view(f"tenant {i}: " + SYSTEM_A))).key for i in range(40)
+    }
+    assert len(others) == 4  # different heads still spread over the idle workers
+
+
 def test_the_tree_budget_is_shared_by_all_workers(kit: SimpleNamespace) -> None:
     cs = kit.cands(8)
     p = CacheAware(max_tree_size=5_000)

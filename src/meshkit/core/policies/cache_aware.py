@@ -22,8 +22,11 @@ Selection, for the eligible candidates:
    without it, a request that happens to share two more characters with one
    worker's history (``"user: H"``) pins a whole tenant to that worker.
 3. Otherwise (a cache miss) the least-loaded candidate wins. Ties go to a hash of
-   the whole text, not to the fleet order, so misses spread over all idle
-   replicas instead of all landing on the first one (sglang#32983).
+   the prompt's first ``spill_prefix_chars`` characters, not to the fleet order:
+   misses of different heads spread over all idle replicas instead of all landing
+   on the first one (sglang#32983), and every router sends the misses of one head
+   (a tenant's system prompt, a conversation) to the same worker, whose cache then
+   serves the rest, as the spill does.
 
 :meth:`CacheAware.on_placed` inserts the text for the chosen origin with the
 caller's ``now``. Each model's tree has one character budget, ``max_tree_size``,
@@ -205,7 +208,8 @@ class CacheAware(BasePolicy):
                 return min(
                     (c for c, load in rest if load == low), key=lambda c: _spread_key(spread, c)
                 )
-        return least_loaded(cands, loads, text)
+        # A miss: ties by the head, as the spill, so routers agree where it goes.
+        return least_loaded(cands, loads, text[: self.spill_prefix_chars])
 
     def _over(self, cands: Sequence[Candidate], now: float, starts: bool) -> list[bool] | None:
         """Which candidates took more than ``load_factor`` times their share of the
