@@ -12,7 +12,7 @@ import json
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -440,6 +440,13 @@ def _resolved(mesh: Mesh, name: str, addresses: list[str]) -> None:
     mesh.lifecycle.submit(looked_up).result(10)
 
 
+def _applied(discovery: Any) -> Callable[[], Awaitable[None]]:
+    async def apply() -> None:
+        discovery.apply()
+
+    return apply
+
+
 def test_a_copied_worker_that_dns_found_is_removed_when_dns_drops_it(
     processes: Any, mesh_factory: Any, run_dir: str
 ) -> None:
@@ -455,6 +462,14 @@ def test_a_copied_worker_that_dns_found_is_removed_when_dns_drops_it(
     fresh = mesh_factory(workers=configured, lifecycle={"probe": False})
     assert fresh.workers == ()
     assert asyncio.run(_copy(Peers(run_dir, 1, 2), fresh)) is True
+    assert sorted(w.url for w in fresh.workers) == [one, two]
+    # Its own lookups fail ("svc" is no real name): it keeps the sibling's answer,
+    # as a process keeps its last answer when a lookup fails.
+    failures = fresh.metrics.discovery_failures.labels("dns")
+    assert wait_until(lambda: failures._value.get() >= 1)
+    discovery = fresh.lifecycle.discovery
+    assert discovery is not None
+    fresh.lifecycle.submit(_applied(discovery)).result(10)
     assert sorted(w.url for w in fresh.workers) == [one, two]
     # The name now has one address: the copy goes as its siblings' do (it is
     # discovery's, not an admin's worker that discovery must leave alone).

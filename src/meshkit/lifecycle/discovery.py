@@ -73,6 +73,9 @@ class Discovery:
         self.sources.configure(config.workers, config.dns_workers)
         #: ids the sources put in the fleet (the only ones they remove)
         self.managed: set[str] = {w.id for w in config.workers}
+        #: managed ids copied from a sibling (adopt): kept until every name has
+        #: answered here once, as a sibling keeps its last answer when a lookup fails
+        self.adopted: set[str] = set()
         self.leaving: set[str] = set()
         self.file = config.workers_file
         self._stamp: _Stamp | None = None
@@ -146,9 +149,13 @@ class Discovery:
         """(the loop) Take ``worker_ids`` as put in the fleet by the sources: a
         restarted ``serve --processes`` child copied them from a sibling whose
         discovery did (:func:`~meshkit.server.peers.copy_fleet`). They are removed
-        when the sources stop naming them, as the sibling removes them; no plan
-        runs here, so a name not looked up yet does not retire them."""
-        self.managed.update(wid for wid in worker_ids if self.router.get(wid) is not None)
+        when the sources stop naming them, as the sibling removes them, but not
+        before every ``dns://`` name has answered here once: until then the
+        sibling's answer is the last one known (a failed lookup keeps it)."""
+        ids = [wid for wid in worker_ids if self.router.get(wid) is not None]
+        self.managed.update(ids)
+        if self.sources.unresolved():
+            self.adopted.update(ids)
 
     def _check_file(self) -> bool:
         if not self.file:
@@ -200,7 +207,13 @@ class Discovery:
         """Take the fleet to what the sources say now."""
         router = self.router
         fleet = {w.id: w for w in router.workers}
-        change = plan(fleet, self.managed, self.sources.desired(), leaving=self.leaving)
+        managed = self.managed
+        if self.adopted:
+            if self.sources.unresolved():
+                managed = managed - self.adopted  # no answer of our own to go by yet
+            else:
+                self.adopted.clear()
+        change = plan(fleet, managed, self.sources.desired(), leaving=self.leaving)
         if not change:
             return change
         for w in change.add:
