@@ -6,12 +6,13 @@ A wheel of meshkit (``pip install .``, ``python -m build``) compiles the modules
 the request path (:data:`COMPILED`) with mypyc: the same Python source, type-checked
 by ``mypy --strict`` as it always is, turned into C extension modules. Measured on
 the gateway's proxy benchmark, the compiled gateway spends about half the CPU per
-request of the interpreted one (``benchmarks/RESULTS.md``), which is what puts a
-Python gateway level with the Rust routers per core.
+request of the interpreted one at 16-64 clients (``benchmarks/RESULTS.md``), which
+is what puts the gateway level with vllm-router's CPU per request there.
 
-* An **editable** install (``pip install -e .``, the development set-up and the
-  README's commands) is never compiled: an edited ``.py`` file is what runs, there
-  is no extension module beside it to shadow it.
+* An **editable** install (``pip install -e .``, ``scripts/install-test-deps
+  --editable``: the development set-up) is never compiled: an edited ``.py`` file
+  is what runs, there is no extension module beside it to shadow it. The README's
+  commands install the wheel, compiled.
 * ``MESHKIT_COMPILE=0`` builds a pure-Python wheel; ``MESHKIT_COMPILE=1`` makes a
   failed compilation an error. Unset (the default), a compilation that fails (no C
   compiler, an interpreter mypyc does not support) warns and builds the pure wheel:

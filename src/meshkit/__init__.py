@@ -48,7 +48,8 @@ def compiled() -> bool:
     """Whether this is the compiled build: the request path's modules are C
     extensions mypyc built from their source (a wheel; ``hatch_build.py``), not
     interpreted (an editable install, or ``MESHKIT_COMPILE=0``). Both behave alike;
-    the compiled one spends about half the CPU per proxied request."""
+    the compiled one spends about half the CPU per proxied request under load
+    (``benchmarks/RESULTS.md``)."""
     spec = importlib.util.find_spec("meshkit.router")
     origin = spec.origin if spec is not None else None
     return origin is not None and origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
