@@ -409,7 +409,7 @@ def test_an_overlong_sse_event_neither_breaks_the_relay_nor_grows_memory(
         peak[0] = max(peak[0], len(self._buf))
 
     # A compiled build calls the compiled method directly: the spy cannot see it
-    # there, and the buffer's bound is then only checked by tests/core/test_streams.py.
+    # there (.ci/run runs this file interpreted too, where it can).
     spying = not meshkit.compiled()
     if spying:
         monkeypatch.setattr(StreamAccountant, "feed", spy)
