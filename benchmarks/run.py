@@ -292,9 +292,8 @@ def versions(router_versions: dict[str, str]) -> dict[str, str]:
         ).stdout.strip()
         import meshkit
 
-        build = "compiled" if meshkit.compiled() else "interpreted"
         out["meshkit"] += (
-            f" ({build}, git {rev}{' + uncommitted changes in src/' if dirty else ''})"
+            f" ({meshkit.build()}, git {rev}{' + uncommitted changes in src/' if dirty else ''})"
         )
         base = os.environ.get("MESHBENCH_BASE")
         if base:

@@ -33,6 +33,7 @@ PUBLIC = [
     "Policy",
     "RequestView",
     "Worker",
+    "build",
     "compiled",
 ]
 

@@ -55,6 +55,12 @@ def compiled() -> bool:
     return origin is not None and origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 
+def build() -> str:
+    """``"compiled"`` or ``"interpreted"`` (:func:`compiled`): what ``--version``,
+    ``/health`` and the benchmarks' reports name."""
+    return "compiled" if compiled() else "interpreted"
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
@@ -85,5 +91,6 @@ __all__ = [
     "Policy",
     "RequestView",
     "Worker",
+    "build",
     "compiled",
 ]

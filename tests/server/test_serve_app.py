@@ -61,7 +61,7 @@ def test_all_good(make: Any) -> None:
         "healthy_workers": 1,
         "verified_workers": 1,
         "in_flight": 0,
-        "build": "compiled" if meshkit.compiled() else "interpreted",
+        "build": meshkit.build(),
     }
 
 

@@ -47,7 +47,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
 
-from meshkit import compiled
+from meshkit import build
 from meshkit.core.endpoints import shape_for_path
 from meshkit.errors import MeshError, MethodNotAllowed, UnknownEndpoint
 from meshkit.frontends.asgi import MeshMiddleware
@@ -66,8 +66,8 @@ Reply = tuple[int, bytes, bytes]  # status, content type, body
 #: The classic Prometheus text format (what ``generate_latest`` writes).
 METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _JSON = b"application/json"
-#: which build answers (``meshkit.compiled()``), in /health
-_BUILD = "compiled" if compiled() else "interpreted"
+#: which build answers (``meshkit.build()``), in /health
+_BUILD = build()
 #: ``/health`` asks the siblings' ``/liveness`` for at most this long: a health
 #: check must answer fast, and a sibling this slow is counted down.
 _LIVENESS_ASK_S: Final = 1.0

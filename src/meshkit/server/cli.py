@@ -33,7 +33,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from meshkit import __version__, compiled
+from meshkit import __version__, build
 from meshkit.config import ExtProcConfig, MeshConfig
 from meshkit.errors import ConfigError
 from meshkit.mesh import Mesh
@@ -48,8 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshkit", description="Place LLM inference requests on a fleet of workers."
     )
-    build = "compiled" if compiled() else "interpreted"
-    p.add_argument("--version", action="version", version=f"meshkit {__version__} ({build})")
+    p.add_argument("--version", action="version", version=f"meshkit {__version__} ({build()})")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the gateway", description="Run the gateway.")
