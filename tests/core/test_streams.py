@@ -1013,3 +1013,49 @@ def test_the_id_of_a_stored_state_answer(
     acc.feed(body, 1.0)
     acc.finish(1.0)
     assert acc.response_id == expected
+
+
+def _embeddings(n: int, dims: int) -> bytes:
+    vector = b",".join([b"0.0123"] * dims)
+    data = b",".join(
+        b'{"object":"embedding","index":%d,"embedding":[%s]}' % (i, vector) for i in range(n)
+    )
+    return b'{"object":"list","data":[%s],"usage":{"prompt_tokens":80,"total_tokens":80}}' % data
+
+
+def test_a_pooling_answer_is_accounted_without_decoding_its_vectors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+    real = streams._decode
+
+    def counting(payload: bytes) -> Any:
+        calls.append(len(payload))
+        return real(payload)
+
+    monkeypatch.setattr(streams, "_decode", counting)
+    acc = StreamAccountant(StreamFormat.NONE, streaming=False, started_at=0.0)
+    acc.feed(_embeddings(8, 1024), 1.0)
+    acc.finish(2.0)
+    assert acc.done
+    assert acc.usage == Usage(80, 0)
+    assert acc.first_token_at is None  # no output: no first token
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"choices":[{"index":0,"message":{"content":"hi"}}],"usage":{"prompt_tokens":3}}',
+        b'{"content":[{"type":"text","text":"hi"}],"usage":{"input_tokens":3}}',
+        b'{"text":"hi","meta_info":{"prompt_tokens":3}}',
+    ],
+)
+def test_output_with_no_output_tokens_is_read_from_the_body(body: bytes) -> None:
+    acc = StreamAccountant(StreamFormat.NONE, streaming=False, started_at=0.0)
+    acc.feed(body, 1.0)
+    acc.finish(2.0)
+    assert acc.done
+    assert acc.usage is not None
+    assert acc.usage.output_tokens == 0
+    assert acc.first_token_at == 2.0  # the output counts, though usage says none

@@ -112,15 +112,29 @@ class Lifecycle(msgspec.Struct):
     response: LifecycleResponse | None = None
 
 
+#: a key the answer does not have (a ``Raw`` of no bytes)
+NO_RAW = msgspec.Raw(b"")
+
+
 class Answer(msgspec.Struct):
     """A whole (non-streamed) JSON answer, as far as the books read it: decoding
-    only these skips building the rest (the choices, their messages)."""
+    only these skips building the rest (the choices, their messages, a pooling
+    answer's vectors).
+
+    The keys that carry output (every format's) are kept as raw bytes, never
+    decoded: only whether they are there and empty is read.
+    """
 
     usage: Any = None
     meta_info: Any = None
     error: Any = None
     object: Any = None
     id: Any = None
+    choices: msgspec.Raw = NO_RAW
+    output: msgspec.Raw = NO_RAW
+    content: msgspec.Raw = NO_RAW
+    output_ids: msgspec.Raw = NO_RAW
+    text: msgspec.Raw = NO_RAW
 
 
 class Indexed(msgspec.Struct):

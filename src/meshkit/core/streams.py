@@ -247,6 +247,27 @@ def _body_has_output(item: dict[str, Any]) -> bool:
     return isinstance(text, str) and bool(text)
 
 
+#: an output key's raw value that holds no output (absent, null, empty)
+_EMPTY_RAW = (b"", b"null", b"[]", b'""')
+
+
+def _empty(raw: msgspec.Raw) -> bool:
+    return len(raw) <= 4 and bytes(raw) in _EMPTY_RAW  # never copies a long value
+
+
+def _holds_no_output(ans: Answer) -> bool:
+    """Whether an answer has none of the keys that carry output, or only empty ones
+    (a pooling answer: its vectors are never decoded); anything else is decided
+    by :func:`_body_has_output` on the whole body."""
+    return (
+        _empty(ans.choices)
+        and _empty(ans.output)
+        and _empty(ans.content)
+        and _empty(ans.output_ids)
+        and _empty(ans.text)
+    )
+
+
 class StreamAccountant:
     """Feed it the response body bytes as they arrive; it tells first-token time,
     usage, errors and the end.
@@ -708,11 +729,14 @@ class StreamAccountant:
         if ans.error is not None or ans.object == "error":
             return False
         u = _usage_from(ans.usage) or _usage_from(ans.meta_info)
-        if u is None or u.output_tokens <= 0:
+        if u is None:
+            return False
+        if u.output_tokens <= 0 and not _holds_no_output(ans):
             return False  # whether it holds output is in the choices
         self.done = True
         self._usage = u
-        self.first_token_at = now
+        if u.output_tokens > 0:
+            self.first_token_at = now
         if self.state_ids:
             rid = ans.id
             if isinstance(rid, str) and rid:
