@@ -728,7 +728,9 @@ def test_bytes_after_finish_are_ignored() -> None:
     assert acc.usage is None
 
 
-def test_openai_decodes_only_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the payloads the accountant decodes whole, in order."""
     calls: list[int] = []
     real = streams._decode
 
@@ -737,6 +739,11 @@ def test_openai_decodes_only_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> N
         return real(payload)
 
     monkeypatch.setattr(streams, "_decode", counting)
+    return calls
+
+
+def test_openai_decodes_only_what_it_needs(decodes: list[int]) -> None:
+    calls = decodes
     deltas = b"".join(
         b"data: " + _CC + _CHOICE + b'{"content":"tok%d"}' % i + _TAIL for i in range(1000)
     )
@@ -760,15 +767,8 @@ def test_openai_decodes_only_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(calls) == 2
 
 
-def test_named_formats_never_decode_deltas(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = streams._decode
-
-    def counting(payload: bytes) -> Any:
-        calls.append(len(payload))
-        return real(payload)
-
-    monkeypatch.setattr(streams, "_decode", counting)
+def test_named_formats_never_decode_deltas(decodes: list[int]) -> None:
+    calls = decodes
     acc = StreamAccountant(RESPONSES, streaming=True, started_at=0.0)
     acc.feed(RESPONSES_STREAM, 1.0)
     assert acc.done
@@ -778,15 +778,8 @@ def test_named_formats_never_decode_deltas(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(calls) == 2  # message_start and message_delta
 
 
-def test_generate_decodes_meta_info_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = streams._decode
-
-    def counting(payload: bytes) -> Any:
-        calls.append(len(payload))
-        return real(payload)
-
-    monkeypatch.setattr(streams, "_decode", counting)
+def test_generate_decodes_meta_info_lazily(decodes: list[int]) -> None:
+    calls = decodes
     acc = StreamAccountant(GENERATE, streaming=True, started_at=0.0)
     acc.feed(GENERATE_STREAM, 1.0)
     assert len(calls) == 2  # the empty first chunk and the first with text
@@ -1023,17 +1016,8 @@ def _embeddings(n: int, dims: int) -> bytes:
     return b'{"object":"list","data":[%s],"usage":{"prompt_tokens":80,"total_tokens":80}}' % data
 
 
-def test_a_pooling_answer_is_accounted_without_decoding_its_vectors(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    calls: list[int] = []
-    real = streams._decode
-
-    def counting(payload: bytes) -> Any:
-        calls.append(len(payload))
-        return real(payload)
-
-    monkeypatch.setattr(streams, "_decode", counting)
+def test_a_pooling_answer_is_accounted_without_decoding_its_vectors(decodes: list[int]) -> None:
+    calls = decodes
     acc = StreamAccountant(StreamFormat.NONE, streaming=False, started_at=0.0)
     acc.feed(_embeddings(8, 1024), 1.0)
     acc.finish(2.0)

@@ -1,0 +1,157 @@
+"""The flow driver's own contract: how a generator's end reaches the loops, and
+what is closed when an operation fails (meshkit.upstream.drive)."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from meshkit.core.forward import AttemptResult, Failure
+from meshkit.core.requests import LocalResponse
+from meshkit.upstream.base import UpstreamFailure
+from meshkit.upstream.drive import (
+    CLOSE,
+    SEND,
+    Answered,
+    Ended,
+    Relayed,
+    ended,
+    flow_steps,
+    run_sync,
+)
+
+
+def test_ended_passes_every_step_and_send_then_yields_the_return_value() -> None:
+    seen: list[Any] = []
+
+    def gen() -> Generator[str, int, str]:
+        seen.append((yield "a"))
+        seen.append((yield "b"))
+        return "end"
+
+    steps = ended(gen())
+    assert next(steps) == "a"
+    assert steps.send(1) == "b"
+    last = steps.send(2)
+    assert isinstance(last, Ended)
+    assert last.value == "end"
+    assert seen == [1, 2]
+
+
+def test_ended_throws_into_the_generator_it_wraps() -> None:
+    def gen() -> Generator[str, None, str]:
+        try:
+            yield "a"
+        except KeyError:
+            return "handled"
+        return "not thrown"
+
+    steps = ended(gen())
+    next(steps)
+    last = steps.throw(KeyError("x"))
+    assert isinstance(last, Ended)
+    assert last.value == "handled"
+
+
+def test_run_sync_returns_what_the_steps_return_and_throws_op_errors_into_them() -> None:
+    def steps() -> Generator[tuple[int, Any], Any, str]:
+        try:
+            yield (SEND, "first")
+        except UpstreamFailure as exc:
+            got = yield (SEND, f"second after {exc.failure.name}")
+            return f"done with {got}"
+        return "first answered"
+
+    calls: list[str] = []
+
+    def send(arg: Any) -> Any:
+        calls.append(arg)
+        if len(calls) == 1:
+            raise UpstreamFailure(Failure.CONNECT)
+        return "exchange"
+
+    assert run_sync(steps(), send) == "done with exchange"
+    assert calls == ["first", "second after CONNECT"]
+
+
+class _Lease:
+    def __init__(self) -> None:
+        self.abandoned = 0
+
+    def abandon(self) -> None:
+        self.abandoned += 1
+
+
+def _attempt() -> Any:
+    return SimpleNamespace(delay_s=0.0, read_body="never", lease=_Lease())
+
+
+def test_a_flow_answered_before_any_attempt_is_answered_locally() -> None:
+    local = LocalResponse(200, (), b"{}")
+
+    def flow() -> Generator[Any, AttemptResult, Any]:
+        return local
+        yield  # a generator
+
+    got = run_sync(flow_steps(flow()), lambda a: pytest.fail("nothing is sent"))
+    assert isinstance(got, Answered)
+    assert got.attempt is None
+    assert got.local is local
+
+
+def test_the_last_attempt_is_relayed_open_and_earlier_ones_are_closed() -> None:
+    first, second = _attempt(), _attempt()
+    leases = [first.lease, second.lease]
+    closed: list[Any] = []
+
+    def flow() -> Generator[Any, AttemptResult, Any]:
+        result = yield first
+        assert result.status == 503
+        yield second
+        return second
+
+    exchanges = iter([SimpleNamespace(status=503), SimpleNamespace(status=200)])
+    steps = flow_steps(flow())
+    op, arg = next(steps)
+    outcomes = []
+    while True:
+        try:
+            if op == SEND:
+                op, arg = steps.send(next(exchanges))
+            elif op == CLOSE:
+                closed.append(arg)
+                op, arg = steps.send(None)
+            else:  # pragma: no cover
+                pytest.fail(f"unexpected op {op}")
+        except StopIteration as stop:
+            outcomes.append(stop.value)
+            break
+    (got,) = outcomes
+    assert isinstance(got, Relayed)
+    assert got.attempt is second
+    assert got.exchange.status == 200
+    assert [e.status for e in closed] == [503]  # the relayed one stays open
+    assert [lease.abandoned for lease in leases] == [0, 0]
+
+
+def test_an_op_that_fails_closes_the_flow_and_abandons_the_attempt_in_flight() -> None:
+    attempt = _attempt()
+    finished: list[str] = []
+
+    def flow() -> Generator[Any, AttemptResult, Any]:
+        try:
+            yield attempt
+            return attempt
+        finally:
+            finished.append("flow closed")
+
+    def send(_: Any) -> Any:
+        raise KeyboardInterrupt  # not an UpstreamFailure: the flow cannot handle it
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sync(flow_steps(flow()), send)
+    assert finished == ["flow closed"]
+    assert attempt.lease.abandoned == 1
