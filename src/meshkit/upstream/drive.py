@@ -65,6 +65,8 @@ MAX_CAPTURED_BODY = 1024 * 1024
 
 X = TypeVar("X")
 T = TypeVar("T")
+Y = TypeVar("Y")
+S = TypeVar("S")
 
 # The operations (the first item of what steps yield; the second is the argument):
 SEND = 0  # an attempt -> its exchange (raises UpstreamFailure)
@@ -103,6 +105,28 @@ class Answered:
 
 
 Final = Relayed[X] | Answered
+
+
+class Ended(Generic[X]):
+    """The last step :func:`ended` yields: the generator's return value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: X) -> None:
+        self.value = value
+
+
+def ended(gen: Generator[Y, S, X]) -> Generator[Y | Ended[X], S, None]:
+    """``gen``'s steps, then its return value as one more step, :class:`Ended`.
+
+    A compiled generator that returns to a caller of its ``send`` raises
+    StopIteration, and mypyc builds a traceback for it on the way (~2,000
+    instructions, ~0.7 µs: twice per proxied request); one compiled generator that
+    *yields from* another takes the value without an exception. The caller never
+    resumes it after :class:`Ended` (nor closes it: a close throws GeneratorExit).
+    """
+    value = yield from gen
+    yield Ended(value)
 
 
 def _result(exchange: Any, body: bytes | None) -> tuple[AttemptResult, LocalResponse | None]:
@@ -146,11 +170,15 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
     exchange: Any = None
     companion: Attempt | None = None
     other: Any = None
+    steps = ended(flow)
+    done = False
     try:
-        try:
-            step = next(flow)
-        except StopIteration as stop:  # answered locally, before any attempt
-            return Answered(None, stop.value)
+        step = next(steps)
+        if isinstance(step, Ended):  # answered locally, before any attempt
+            done = True
+            local = step.value
+            assert isinstance(local, LocalResponse)  # a flow returns only attempts it sent
+            return Answered(None, local)
         while True:
             if isinstance(step, Hold):
                 ready = yield (WAIT, step)
@@ -185,10 +213,10 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                         body=result.body,
                         prefill=prefill,
                     )
-            try:
-                step = flow.send(result)
-            except StopIteration as stop:
-                final: Attempt | LocalResponse = stop.value
+            step = steps.send(result)
+            if isinstance(step, Ended):
+                done = True
+                final: Attempt | LocalResponse = step.value
                 if isinstance(final, LocalResponse):
                     answer: Final[Any] = Answered(None, final)
                 elif captured is not None:
@@ -214,7 +242,8 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
             companion.lease.abandon()
         raise
     finally:
-        flow.close()
+        if not done:
+            steps.close()
 
 
 # -- the two loops ----------------------------------------------------------------------
@@ -254,11 +283,12 @@ def run_sync(
     a prefill leg runs on."""
     result: Any = None
     error: BaseException | None = None
+    until = ended(steps)
     while True:
-        try:
-            op, arg = steps.send(result) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+        step = until.send(result) if error is None else until.throw(error)
+        if isinstance(step, Ended):
+            return step.value
+        op, arg = step
         result = error = None
         try:
             if op == SEND:
@@ -291,11 +321,12 @@ async def run_async(steps: Steps[T], send: Callable[[Attempt], Awaitable[AsyncEx
     """Perform ``steps``' operations, awaiting each."""
     result: Any = None
     error: BaseException | None = None
+    until = ended(steps)
     while True:
-        try:
-            op, arg = steps.send(result) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+        step = until.send(result) if error is None else until.throw(error)
+        if isinstance(step, Ended):
+            return step.value
+        op, arg = step
         result = error = None
         try:
             if op == SEND:
