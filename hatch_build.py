@@ -48,6 +48,7 @@ COMPILED = (
     "src/meshkit/core/lifecycle.py",
     "src/meshkit/core/payload.py",
     "src/meshkit/core/placement.py",
+    "src/meshkit/core/policies/context.py",
     "src/meshkit/core/relay.py",
     "src/meshkit/core/requests.py",
     "src/meshkit/core/states.py",

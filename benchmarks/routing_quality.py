@@ -59,7 +59,6 @@ Prints a Markdown table. ``--png`` writes a plot when matplotlib is importable.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import heapq
 import json
@@ -378,7 +377,18 @@ def run_policy(
             now=r.arrive,
         )
         if record is not None:
-            record.append(dataclasses.replace(ctx, load=dict(load)))
+            record.append(
+                PlacementContext(
+                    ctx.candidates,
+                    ctx.view,
+                    dict(load),
+                    ctx.weight,
+                    ctx.rng,
+                    ctx.fleet,
+                    ctx.fleet_version,
+                    ctx.now,
+                )
+            )
         t0 = clock()
         cand = policies[p].select(ctx)
         timing[0] += clock() - t0

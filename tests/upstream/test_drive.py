@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from meshkit.core.forward import AttemptResult, Failure
+from meshkit.core.forward import Attempt, AttemptResult, Failure
 from meshkit.core.requests import LocalResponse
+from meshkit.core.workers import Candidate, Worker
 from meshkit.upstream.base import UpstreamFailure
 from meshkit.upstream.drive import (
     CLOSE,
@@ -78,15 +79,21 @@ def test_run_sync_returns_what_the_steps_return_and_throws_op_errors_into_them()
 
 
 class _Lease:
-    def __init__(self) -> None:
+    def __init__(self, candidate: Candidate) -> None:
+        self.candidate = candidate
+        self.started = 0.0
         self.abandoned = 0
+
+    def release(self, *, ok: bool, status: int | None = None) -> None:
+        pytest.fail("the driver never gives a verdict on a lease")
 
     def abandon(self) -> None:
         self.abandoned += 1
 
 
 def _attempt() -> Any:
-    return SimpleNamespace(delay_s=0.0, read_body="never", lease=_Lease())
+    cand = Candidate(Worker("http://127.0.0.1:9"))
+    return Attempt(0, cand, _Lease(cand), "POST", cand.worker.url + "/v1/completions", [], b"{}")
 
 
 def test_a_flow_answered_before_any_attempt_is_answered_locally() -> None:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -71,15 +70,38 @@ from meshkit.core.shapes import Answer, Indexed, Lifecycle
 __all__ = ["StreamAccountant", "Usage"]
 
 
-@dataclass(slots=True)
 class Usage:
-    """Token usage of one response."""
+    """Token usage of one response.
 
-    #: total prompt/input tokens (Anthropic: input + cache creation + cache read)
-    input_tokens: int = 0
-    output_tokens: int = 0
-    #: input tokens served from the prefix cache
-    cached_tokens: int = 0
+    A plain class, not a dataclass: a compiled build runs a dataclass's generated
+    ``__init__`` interpreted, and one is built per request.
+    """
+
+    __slots__ = ("cached_tokens", "input_tokens", "output_tokens")
+
+    def __init__(
+        self, input_tokens: int = 0, output_tokens: int = 0, cached_tokens: int = 0
+    ) -> None:
+        #: total prompt/input tokens (Anthropic: input + cache creation + cache read)
+        self.input_tokens = input_tokens
+        self.output_tokens = output_tokens
+        #: input tokens served from the prefix cache
+        self.cached_tokens = cached_tokens
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Usage):
+            return NotImplemented
+        return (
+            self.input_tokens == other.input_tokens
+            and self.output_tokens == other.output_tokens
+            and self.cached_tokens == other.cached_tokens
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Usage(input_tokens={self.input_tokens}, output_tokens={self.output_tokens}, "
+            f"cached_tokens={self.cached_tokens})"
+        )
 
 
 # Looked up through the module so tests can count decodes.

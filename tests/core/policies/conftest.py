@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from meshkit.core.endpoints import resolve
+from meshkit.core.kv_index import KvIndex
 from meshkit.core.policies import PlacementContext
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
@@ -60,6 +61,7 @@ def ctx(
     version: int = 1,
     seed: int = 0,
     now: float = 0.0,
+    kv: KvIndex | None = None,
 ) -> PlacementContext:
     return PlacementContext(
         candidates=list(candidates),
@@ -70,6 +72,7 @@ def ctx(
         fleet=list(fleet if fleet is not None else candidates),
         fleet_version=version,
         now=now,
+        kv=kv,
     )
 
 

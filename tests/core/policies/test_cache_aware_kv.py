@@ -3,7 +3,6 @@ for the workers that publish them; the others keep the tree."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 from meshkit.core.kv_events import Batch, BlockStored
@@ -35,10 +34,10 @@ def test_events_name_the_worker_that_holds_the_prompt(kit: SimpleNamespace) -> N
     store(idx, a.worker.id, [9] * 16, h0=1)  # a publishes too, but holds another prompt
     store(idx, c.worker.id, [8] * 16, h0=2)
     v = kit.view(TEXT, prompt_ids=PROMPT)
-    assert p.select(replace(kit.ctx(cands, v), kv=idx)) is b
+    assert p.select(kit.ctx(cands, v, kv=idx)) is b
     # precomputed keys (as prepare computes them) give the same answer
     v.kv_keys = {16: chain(PROMPT, 16)}
-    assert p.select(replace(kit.ctx(cands, v), kv=idx)) is b
+    assert p.select(kit.ctx(cands, v, kv=idx)) is b
     # without events the tree decides
     assert p.select(kit.ctx(cands, kit.view(TEXT))) is a
 
@@ -50,7 +49,7 @@ def test_a_worker_without_events_keeps_the_tree(kit: SimpleNamespace) -> None:
     idx = KvIndex(1000)
     store(idx, b.worker.id, PROMPT[:16])  # b holds a quarter of it
     v = kit.view(TEXT, prompt_ids=PROMPT)
-    assert p.select(replace(kit.ctx([a, b], v), kv=idx)) is a
+    assert p.select(kit.ctx([a, b], v, kv=idx)) is a
 
 
 def test_a_hot_holder_spills_and_a_miss_goes_to_the_least_loaded(kit: SimpleNamespace) -> None:
@@ -62,8 +61,8 @@ def test_a_hot_holder_spills_and_a_miss_goes_to_the_least_loaded(kit: SimpleName
     p = CacheAware()
     v = kit.view(TEXT, prompt_ids=PROMPT)
     hot = {b.key: 20, a.key: 1, c.key: 0}
-    assert p.select(replace(kit.ctx([a, b, c], v, load=hot), kv=idx)) is c
+    assert p.select(kit.ctx([a, b, c], v, load=hot, kv=idx)) is c
     other = [5] * 64
     miss = kit.view("user\nfive", prompt_ids=other)
     load = {a.key: 2, b.key: 1, c.key: 3}
-    assert p.select(replace(kit.ctx([a, b, c], miss, load=load), kv=idx)) is b
+    assert p.select(kit.ctx([a, b, c], miss, load=load, kv=idx)) is b

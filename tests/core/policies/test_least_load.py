@@ -47,7 +47,6 @@ def test_it_balances_a_stream_of_placements(kit: SimpleNamespace) -> None:
 
 
 def test_with_kv_events_the_uncached_work_is_what_counts(kit: SimpleNamespace) -> None:
-    from dataclasses import replace
 
     from meshkit.core.kv_events import Batch, BlockStored
     from meshkit.core.kv_index import KvIndex
@@ -62,9 +61,9 @@ def test_with_kv_events_the_uncached_work_is_what_counts(kit: SimpleNamespace) -
     assert p.needs.kv_events
     load = {a.key: 1, b.key: 1, c.key: 0}
     # c is idle but would compute all 8k characters; b holds the whole prompt.
-    assert p.select(replace(kit.ctx([a, b, c], v, load=load), kv=idx)) == b
+    assert p.select(kit.ctx([a, b, c], v, load=load, kv=idx)) == b
     # Without the index the request's own cost is the same everywhere.
     assert p.select(kit.ctx([a, b, c], v, load=load)) == c
     # A worker that holds the prompt but is busy enough still loses.
     load = {a.key: 1, b.key: 4, c.key: 0}
-    assert p.select(replace(kit.ctx([a, b, c], v, load=load), kv=idx)) == c
+    assert p.select(kit.ctx([a, b, c], v, load=load, kv=idx)) == c

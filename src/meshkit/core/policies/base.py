@@ -31,12 +31,11 @@ instance: ``Mesh(policy=FirstHealthy())``.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from meshkit.core.kv_index import KvIndex
+from meshkit.core.policies.context import PlacementContext
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
 
@@ -55,27 +54,6 @@ class Needs:
     #: match against the workers' KV events: the engine's prompt token ids
     #: (``RequestView.prompt_ids``) while some worker publishes them
     kv_events: bool = False
-
-
-@dataclass(slots=True)
-class PlacementContext:
-    """Everything a policy may read to pick a candidate."""
-
-    candidates: Sequence[Candidate]
-    view: RequestView
-    load: Mapping[str, int]
-    weight: Mapping[str, int]
-    rng: random.Random
-    #: the whole fleet's candidates (healthy or not), for stable rings
-    fleet: Sequence[Candidate] = ()
-    fleet_version: int = 0
-    now: float = 0.0
-    attempt: int = 0
-    #: the blocks workers with KV events hold (None: no worker publishes them)
-    kv: KvIndex | None = None
-
-    def load_of(self, cand: Candidate) -> int:
-        return self.load.get(cand.key, 0)
 
 
 @dataclass(frozen=True, slots=True)
