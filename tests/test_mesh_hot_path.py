@@ -96,6 +96,25 @@ def test_completions_reach_a_policy_that_listens(mesh: Mesh) -> None:
     assert [(d.status, d.ok, d.input_tokens) for d in heard] == [(200, True, 1)]
 
 
+def test_placements_reach_a_policy_that_hears_them_and_only_then(mesh: Mesh) -> None:
+    placed: list[str] = []
+
+    class Hearing(RoundRobin):
+        def on_placed(self, cand: Candidate, view: RequestView, now: float) -> None:
+            placed.append(cand.key)
+
+    mesh.policy = Hearing()
+    assert mesh.router.hears_placed
+    _one(mesh)
+    _one(mesh)
+    assert len(placed) == 2 and set(placed) <= set(URLS)
+    # A policy with BasePolicy's no-op hook is not called into for it at all.
+    mesh.policy = RoundRobin()
+    assert not mesh.router.hears_placed
+    _one(mesh)
+    assert len(placed) == 2
+
+
 def test_response_ids_are_remembered_without_a_listening_policy(mesh: Mesh) -> None:
     _one(mesh, b'{"id":"resp_1","output":[{"type":"message"}]}')
     assert mesh.affinity.owner("resp_1", mesh.clock()) == URLS[0]

@@ -62,9 +62,10 @@ _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 T = TypeVar("T")
 
 
-def _listens(policy: Policy) -> bool:
-    """Whether ``policy.on_complete`` may do something (BasePolicy's is a no-op)."""
-    return getattr(policy.on_complete, "__func__", None) is not BasePolicy.on_complete
+def _overrides(policy: Policy, hook: str) -> bool:
+    """Whether ``policy``'s ``hook`` may do something (BasePolicy's hooks are no-ops):
+    a call into a policy is an interpreted call, even from a compiled build."""
+    return getattr(getattr(policy, hook), "__func__", None) is not getattr(BasePolicy, hook)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -192,7 +193,9 @@ class Router:
     def policy(self, policy: Policy) -> None:
         self._policy = policy
         #: whether completions must be built for it (read once per request)
-        self.listens = _listens(policy)
+        self.listens = _overrides(policy, "on_complete")
+        #: whether it hears of each placement
+        self.hears_placed = _overrides(policy, "on_placed")
 
     # -- the flows' placer ------------------------------------------------------------
 
@@ -238,7 +241,8 @@ class Router:
                 raise WakePending(wake.worker_id, deadline, waiter, wake.retry_after_s) from None
             if states.changed:
                 self._changed()
-            self._policy.on_placed(cand, view, now)
+            if self.hears_placed:
+                self._policy.on_placed(cand, view, now)
             return cand
 
     def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> Lease:
