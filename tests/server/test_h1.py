@@ -29,7 +29,7 @@ import pytest
 
 from harness import wait_until
 from meshkit import Mesh, MeshMiddleware
-from meshkit.http1 import Framing, response_head
+from meshkit.http1 import Framing, Unsendable, build_head, response_head
 from meshkit.server import build_gateway
 from meshkit.server.h1.conn import H1Conn
 from meshkit.server.h1.server import H1Server
@@ -359,6 +359,22 @@ def test_response_heads_never_split() -> None:
     headers = [(b"x-a", b"1\r\nset-cookie: evil"), (b"x-b\n", b"2"), (b"x-c", b"ok")]
     head, *_ = response_head(200, headers, keep_alive=True, http11=True, length=0)
     assert b"evil" not in head and b"x-b" not in head and b"x-c: ok\r\n" in head
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [(b"x-a", b"1\r\nx-b: 2"), (b"x-a", b"1\n"), (b"x-a\r", b"1"), (b"x-a", b"\r")],
+)
+def test_request_heads_with_a_line_break_in_a_header_are_not_sent(
+    bad: tuple[bytes, bytes],
+) -> None:
+    line = b" /v1/completions HTTP/1.1\r\nhost: w:8000\r\n"
+    fine = [(b"content-type", b"application/json"), (b"x-c", b"ok")]
+    head = build_head("POST", line, fine, 2)
+    assert head.endswith(b"x-c: ok\r\ncontent-length: 2\r\n\r\n")
+    for headers in ([bad], [bad, *fine], [*fine, bad]):
+        with pytest.raises(Unsendable):
+            build_head("POST", line, headers, 2)
 
 
 # -- keep-alive and pipelining ----------------------------------------------------------------
