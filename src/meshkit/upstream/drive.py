@@ -18,6 +18,10 @@ disconnect never counts against a worker's breaker). A response stays open until
 the flow moves on (the steps close it) or returns its attempt (the caller relays
 it); a body the attempt asked for (``read_body``) is read, bounded, into the flow.
 A :class:`~meshkit.core.forward.Hold` is waited out holding no lease.
+
+The drivers take a generator's end as one more yielded step, :class:`Ended`
+(:func:`ended`), not as the StopIteration its ``return`` raises: in the compiled
+build that exception costs a traceback each time, twice per request.
 """
 
 from __future__ import annotations
