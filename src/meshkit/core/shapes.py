@@ -121,8 +121,9 @@ class Answer(msgspec.Struct):
     only these skips building the rest (the choices, their messages, a pooling
     answer's vectors).
 
-    The keys that carry output (every format's) are kept as raw bytes, never
-    decoded: only whether they are there and empty is read.
+    The keys that carry output (every format's, as ``streams._body_has_output``
+    reads them) are kept as raw bytes, never decoded: only whether they are there
+    and empty is read.
     """
 
     usage: Any = None

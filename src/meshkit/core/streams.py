@@ -256,7 +256,10 @@ def _choices_have_output(choices: object, key: str) -> bool:
 
 
 def _body_has_output(item: dict[str, Any]) -> bool:
-    """Whether a complete (non-streamed) body of any format carries output."""
+    """Whether a complete (non-streamed) body of any format carries output.
+
+    The keys read here are :class:`~meshkit.core.shapes.Answer`'s raw fields too
+    (:func:`_holds_no_output`): a format that adds one adds it to both."""
     if _choices_have_output(item.get("choices"), "message"):
         return True
     # Responses `output`, Anthropic `content`, SGLang `output_ids`; a Response
