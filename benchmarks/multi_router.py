@@ -68,7 +68,8 @@ table shows the means and the ratio's range (identical runs differ by up to ~0.0
 By default src/meshkit is copied at start and every process imports the copy, so
 one run measures one version even while src/ is edited (``--live-src``: import
 src/ itself); the report names the commit and a digest of the uncommitted diff.
-``--dump FILE`` writes every answer (router, worker, tokens, times) as JSON lines.
+``--dump FILE`` writes every answer (run number, router, worker, tokens, times) as JSON
+lines; ``plan_replay.py`` reads it.
 
 Prints a Markdown table. ``--png`` needs matplotlib (not a meshkit dependency).
 A hand-written ``## Reading`` section already in ``--out`` is kept on rewrite.
@@ -996,9 +997,14 @@ def _main(args: argparse.Namespace, configs: list[str], argv: list[str], t0: flo
     print(f"source: {args.source}")
     if args.dump:
         with open(args.dump, "w") as f:
-            for r in runs:
+            for n, r in enumerate(runs):
                 for rec in r.log:
-                    rec = {"workload": r.workload, "config": r.config, "k": r.routers} | rec
+                    rec = {
+                        "run": n,
+                        "workload": r.workload,
+                        "config": r.config,
+                        "k": r.routers,
+                    } | rec
                     f.write(json.dumps(rec) + "\n")
     print()
     table = cells(runs)
