@@ -281,11 +281,15 @@ def router_main(
         Worker(url, kv_events=ev, kv_replay=rep) if events else Worker(url)
         for url, ev, rep in cfg["fleet"]
     ]
+    extra: dict[str, Any] = {}
+    if cfg["kv_max_blocks"]:
+        extra["kv"] = {"max_blocks_per_model": cfg["kv_max_blocks"]}
     mesh = meshkit.Mesh(
         workers=workers,
         policy=policy,
         tokenizer=cfg["tokenizer"] if policy != "round_robin" else None,
         lifecycle={"health_interval_s": 0.5},  # probes read the engines' load too
+        **extra,
     )
     try:
         mesh.lifecycle.start()
@@ -336,9 +340,12 @@ def router_main(
         for t in threads:
             t.join(cfg["max_life_s"])
         rows = mesh.router.describe()
+        kv = mesh.router.fleet.kv
         info = {
             "events": sum(1 for r in rows if r.get("prefix_match") == "events"),
             "kv_blocks": [r.get("kv_blocks") for r in rows],
+            "kv_evicted": kv.evicted if kv is not None else 0,
+            "kv_unchained": kv.unchained if kv is not None else 0,
         }
         results.put(("bye", idx, info))
     except Exception as exc:
@@ -543,6 +550,7 @@ def run_one(
             "tokenizer": args.tokenizer,
             "threads": max(1, math.ceil(wl.concurrency / k)),
             "max_life_s": max_life,
+            "kv_max_blocks": args.kv_max_blocks,
         }
         for i in range(k):
             p = ctx.Process(
@@ -624,6 +632,11 @@ def run_one(
             seen = info.get("kv_blocks") or []
             if len(seen) == len(true_blocks) and list(seen) != true_blocks:
                 run.notes.append(f"router {r}: index blocks {seen}, engines hold {true_blocks}")
+            if info.get("kv_evicted") or info.get("kv_unchained"):
+                run.notes.append(
+                    f"router {r}: index evicted {info['kv_evicted']} blocks for its bound, "
+                    f"skipped {info['kv_unchained']} whose parent it did not hold"
+                )
     # The bound: every answered request, in the order the routers sent them.
     served.sort(key=lambda x: x[0])
     run.bound = bound.hit_rate([b for _, b, _ in served])
@@ -922,6 +935,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--per-token-ms", type=float, default=0.5)
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.01)
     ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument(
+        "--kv-max-blocks",
+        type=int,
+        default=0,
+        help="each router's kv.max_blocks_per_model (default: meshkit's); under the "
+        "fleet's cache (workers x cache tokens / 16) the index's own bound bites",
+    )
     ap.add_argument(
         "--repeat", type=int, help="runs per cell, same workload (default 2; --quick: 1)"
     )

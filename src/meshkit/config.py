@@ -232,7 +232,8 @@ class KvConfig:
     """KV-cache events from the engines (``[kv]``; workers name their publishers
     with ``kv_events``). Needs ``meshkit[kv]`` (pyzmq)."""
 
-    # (worker, block) entries the index keeps per model; least recently stored go first.
+    # (worker, block) entries the index keeps per model; at the bound, new blocks wait
+    # for the engines' removals (kv_index.py says why).
     max_blocks_per_model: int = 1_000_000
     # Leading prompt tokens a request is matched on (prepare renders and tokenizes
     # at most the prompt's bytes it needs for these).

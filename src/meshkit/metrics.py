@@ -285,7 +285,9 @@ class KvCollector(Collector):
         yield kind
         yield entries
         yield CounterMetricFamily(
-            "mesh_kv_index_evicted", "Index entries dropped to stay within the budget", evicted
+            "mesh_kv_index_evicted",
+            "Stored blocks left out, or index entries dropped, to stay within the budget",
+            evicted,
         )
         yield CounterMetricFamily(
             "mesh_kv_unchained", "Stored blocks skipped: their parent was not known", unchained

@@ -74,18 +74,59 @@ def test_a_new_block_size_clears_what_the_worker_held() -> None:
     assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 4}
 
 
-def test_the_bound_evicts_the_least_recently_stored() -> None:
+def test_a_full_index_keeps_what_it_holds_and_takes_new_blocks_as_removals_free_room() -> None:
     idx = KvIndex(max_blocks=4)
     idx.apply("a", stored([1, 2], None, [1, 2, 3, 4]))
     idx.apply("b", stored([3, 4], None, [5, 6, 7, 8]))
-    assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 4}  # a match does not refresh
-    idx.apply("c", stored([5, 6], None, [9, 9, 9, 9]))
+    idx.apply("c", stored([5, 6], None, [9, 9, 9, 9]))  # full: left out
     assert len(idx) == 4 and idx.evicted == 2
-    assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 0}  # a's went first
-    assert idx.match([5, 6, 7, 8], ["b"]) == {"b": 4}
-    # an evicted engine hash is forgotten too: a removal of it changes nothing
-    idx.apply("a", Batch(0.0, (BlockRemoved((1, 2)),)))
-    assert len(idx) == 4
+    assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 4}
+    assert idx.match([9, 9, 9, 9], ["c"]) == {"c": 0}
+    # c's next block has no parent to chain to
+    idx.apply("c", stored([7], 6, [8, 8]))
+    assert idx.unchained == 1
+    # a removal makes room for one block; an event's later blocks stay out with the first
+    idx.apply("b", Batch(0.0, (BlockRemoved((4,)),)))
+    idx.apply("c", stored([5, 6], None, [9, 9, 9, 9]))
+    assert idx.match([9, 9, 9, 9], ["c"]) == {"c": 2} and idx.evicted == 3
+    # a block stored again (the same engine hash) takes no room
+    idx.apply("a", stored([1, 2], None, [1, 2, 3, 4]))
+    assert len(idx) == 4 and idx.evicted == 3
+
+
+def test_the_hottest_prompt_keeps_chaining_when_the_index_is_full() -> None:
+    # An engine stores a shared prompt once and then only hits it (no events), while
+    # conversations under it come and go. Dropping the least recently stored would
+    # drop the prompt's blocks first, and every later conversation under it would
+    # be skipped as unchained: the index would empty while the engine holds it all.
+    idx = KvIndex(max_blocks=6)
+    idx.apply("a", stored([1, 2], None, [1, 1, 2, 2]))  # the shared prompt
+    for n in range(50):
+        h = 100 + 2 * n
+        idx.apply("a", stored([h, h + 1], 2, [n, n, n, -n]))
+        if n >= 3:  # the engine holds the last three conversations (8 blocks > 6)
+            idx.apply("a", Batch(0.0, (BlockRemoved((h - 6, h - 5)),)))
+    assert idx.unchained == 0 and idx.evicted > 0
+    assert idx.match([1, 1, 2, 2, 5, 5], ["a"]) == {"a": 4}
+    assert idx.match([1, 1, 2, 2, 49, 49, 49, -49], ["a"])["a"] in (4, 8)
+    assert 2 < idx.blocks_of("a") <= 6
+
+
+def test_a_publisher_that_never_reports_removals_still_gets_new_blocks_in() -> None:
+    idx = KvIndex(max_blocks=4)
+    idx.apply("a", stored([1, 2, 3, 4], None, [1, 1, 2, 2, 3, 3, 4, 4]))
+    idx.apply("a", stored([5, 6], None, [5, 5, 6, 6]))  # turned away: 2 of a budget of 4
+    assert idx.match([5, 5, 6, 6], ["a"]) == {"a": 0}
+    idx.apply("a", stored([7, 8], None, [7, 7, 8, 8]))  # 4 turned away, still no removal
+    idx.apply("a", stored([9], None, [9, 9]))  # now the least recently stored goes
+    assert idx.match([9, 9], ["a"]) == {"a": 2}
+    assert len(idx) == 4 and idx.evicted == 5
+    assert idx.match([1, 1, 2, 2], ["a"]) == {"a": 0}  # block 1 went
+    # a removal puts the group back to keeping what it holds
+    idx.apply("a", Batch(0.0, (BlockRemoved((9,)),)))
+    idx.apply("a", stored([10], None, [10, 10]))
+    idx.apply("a", stored([11], None, [11, 11]))
+    assert idx.match([10, 10], ["a"]) == {"a": 2} and idx.match([11, 11], ["a"]) == {"a": 0}
 
 
 def test_forget_drops_a_worker() -> None:
@@ -102,7 +143,9 @@ def test_each_model_group_has_its_own_budget() -> None:
     idx.apply("a", stored([5], 2, [9, 9]), group="big")  # over "big"'s budget only
     assert idx.group_sizes() == {"big": 2, "small": 2} and idx.evicted == 1
     assert idx.match([5, 6, 7, 8], ["b"]) == {"b": 4}
+    assert idx.match([1, 2, 3, 4, 9, 9], ["a"]) == {"a": 4}
     # a worker that serves another model now: what it held under the old one goes
+    idx.apply("a", Batch(0.0, (BlockRemoved((2,)),)), group="big")  # room in "big"
     idx.apply("b", stored([6], None, [1, 2]), group="big")
     assert idx.blocks_of("b") == 1 and idx.group_sizes()["small"] == 0
 

@@ -12,11 +12,24 @@ through the same chain, per block size, and :meth:`KvIndex.match` tells, for eac
 worker, how many leading tokens it holds.
 
 Bounded per *group* (the model a worker serves: a hot model must not push a cold
-one's blocks out): at most ``max_blocks`` (worker, block) entries each, the least
-recently stored going first (a match does not refresh: the engines' own evictions
-arrive as ``BlockRemoved``, so the bound only bites when it is smaller than their
-caches). A ``BlockStored`` whose parent the index does not know (evicted, or
-stored before meshkit subscribed) cannot be chained and is skipped: it is counted
+one's blocks out): at most ``max_blocks`` (worker, block) entries each. The bound
+bites only when it is smaller than the engines' caches (their own evictions arrive
+as ``BlockRemoved``), and then a full group **takes no new blocks** until a removal
+makes room: what it holds stays. Dropping the least recently stored instead would
+drop the roots of the hottest prompts first (stored once, then only hit, and hits
+send no event): every later block under them would have no parent to chain to, and
+the index would drain to nothing while the engines still hold all of it
+(``benchmarks/MULTI_ROUTER_LONG.md``, "The index's bound"). Kept blocks stay a
+prefix of what each engine holds, which :meth:`KvIndex.match` relies on. A block
+left out still leaves a hole (the engine holds it, and its later children cannot
+be chained) until the engine drops and stores it again: a budget under the fleet's
+caches costs hit rate either way, only less this way. Only when a group has turned
+away ``max_blocks`` blocks with no removal since (a publisher that does not report
+what it drops) does it drop its least recently stored to take new ones. Both are
+counted (:attr:`KvIndex.evicted`).
+
+A ``BlockStored`` whose parent the index does not know (left out, or stored before
+meshkit subscribed) cannot be chained and is skipped: it is counted
 (:attr:`KvIndex.unchained`). A worker's block size is learnt from its events; a
 change (a restarted engine with another configuration) clears what it held.
 
@@ -98,9 +111,11 @@ class KvIndex:
         self._holders: dict[int, int] = {}
         #: per candidate set: bit masks by block size (the fleet's sets recur)
         self._masks: dict[tuple[str, ...], dict[int, int]] = {}
+        #: per group: blocks turned away at the bound since its last removal
+        self._turned_away: dict[str, int] = {}
         #: stored blocks skipped: their parent was unknown, or the event was malformed
         self.unchained = 0
-        #: entries dropped to stay within max_blocks
+        #: blocks left out, or entries dropped, to stay within max_blocks
         self.evicted = 0
 
     def __len__(self) -> int:
@@ -145,6 +160,7 @@ class KvIndex:
                         key = entries.pop(w.shift | _h64(h), None)
                         if key is not None:
                             self._unhold(key, w)
+                            self._turned_away[w.group] = 0
             elif isinstance(event, AllBlocksCleared):
                 self._clear(w)
 
@@ -182,6 +198,7 @@ class KvIndex:
             mine = [k for k in entries if lo <= k < hi]
             for packed in mine:
                 self._unhold(entries.pop(packed), w)
+            self._turned_away[w.group] = 0
         w.count = 0
 
     def _stored(self, w: _Worker, event: BlockStored) -> None:
@@ -212,6 +229,12 @@ class KvIndex:
             parent = _key(parent, tokens[i * size : (i + 1) * size])
             packed = w.shift | _h64(h)
             old = entries.pop(packed, None)
+            if old is None and len(entries) >= self.max_blocks and not self._room(w.group, entries):
+                # This block and the rest of the event (its descendants) stay out.
+                left = len(event.block_hashes) - i
+                self._turned_away[w.group] = self._turned_away.get(w.group, 0) + left
+                self.evicted += left
+                return
             if old is None:
                 w.count += 1
             elif old != parent:
@@ -219,13 +242,18 @@ class KvIndex:
                 w.count += 1
             entries[packed] = parent
             holders[parent] = holders.get(parent, 0) | bit
-        over = len(entries) - self.max_blocks
-        while over > 0:
+
+    def _room(self, group: str, entries: OrderedDict[int, int]) -> bool:
+        """Whether a block over the bound gets in: only once the group has turned away
+        a whole budget of blocks with no removal since (a publisher that does not
+        report what it drops), and then in place of the least recently stored."""
+        if self._turned_away.get(group, 0) < self.max_blocks:
+            return False
+        if entries:
             packed, key = entries.popitem(last=False)
-            owner = self._workers[self._by_bit[(packed >> 64) - 1]]
-            self._unhold(key, owner)
+            self._unhold(key, self._workers[self._by_bit[(packed >> 64) - 1]])
             self.evicted += 1
-            over -= 1
+        return True
 
     def _unhold(self, key: int, w: _Worker) -> None:
         w.count -= 1
