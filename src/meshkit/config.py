@@ -232,8 +232,8 @@ class KvConfig:
     """KV-cache events from the engines (``[kv]``; workers name their publishers
     with ``kv_events``). Needs ``meshkit[kv]`` (pyzmq)."""
 
-    # (worker, block) entries the index keeps per model; at the bound, new blocks wait
-    # for the engines' removals (kv_index.py says why).
+    # (worker, block) entries the index keeps per model, each worker at most its share;
+    # at its share a worker's new blocks wait for its engine's removals (kv_index.py).
     max_blocks_per_model: int = 1_000_000
     # Leading prompt tokens a request is matched on (prepare renders and tokenizes
     # at most the prompt's bytes it needs for these).

@@ -94,6 +94,55 @@ def test_a_full_index_keeps_what_it_holds_and_takes_new_blocks_as_removals_free_
     assert len(idx) == 4 and idx.evicted == 3
 
 
+def test_a_worker_takes_at_most_its_share_of_the_budget() -> None:
+    idx = KvIndex(max_blocks=4)
+    idx.attach("a")
+    idx.attach("b")
+    idx.apply("a", stored([1, 2, 3], None, [1, 1, 2, 2, 3, 3]))  # a's share is 2
+    assert idx.blocks_of("a") == 2 and idx.evicted == 1
+    assert idx.match([1, 1, 2, 2, 3, 3], ["a"]) == {"a": 4}
+    idx.apply("b", stored([4, 5], None, [4, 4, 5, 5]))
+    assert idx.blocks_of("b") == 2 and len(idx) == 4
+    # a worker that leaves gives its share back
+    idx.forget("b")
+    idx.apply("a", stored([3], 2, [3, 3]))
+    assert idx.match([1, 1, 2, 2, 3, 3], ["a"]) == {"a": 6}
+
+
+def test_a_joining_worker_waits_for_room_while_the_others_hold_the_old_shares() -> None:
+    idx = KvIndex(max_blocks=4)
+    idx.apply("a", stored([1, 2, 3, 4], None, [1, 1, 2, 2, 3, 3, 4, 4]))  # alone: all 4
+    idx.apply("b", stored([5], None, [5, 5]))  # b's share is 2, but the group is full
+    assert idx.blocks_of("b") == 0 and len(idx) == 4
+    idx.apply("a", Batch(0.0, (BlockRemoved((4, 3)),)))
+    idx.apply("a", stored([3], 2, [3, 3]))  # a is at its new share: turned away
+    idx.apply("b", stored([5], None, [5, 5]))
+    assert idx.blocks_of("a") == 2 and idx.blocks_of("b") == 1
+
+
+def test_every_router_holds_the_same_blocks_whatever_the_order_of_the_workers() -> None:
+    # Two routers get the same events per worker, interleaved differently (each
+    # worker's stream is its own subscription). A budget taken first-come would
+    # leave them holding different blocks; shares leave them the same.
+    streams = {
+        w: [stored([100 * i + n], None, [i, n]) for n in range(6)] for i, w in enumerate("abc")
+    }
+    one, two = KvIndex(max_blocks=9), KvIndex(max_blocks=9)
+    for idx in (one, two):
+        for w in "abc":
+            idx.attach(w)
+    for n in range(6):
+        for w in "abc":
+            one.apply(w, streams[w][n])
+    for w in "cab":
+        for batch in streams[w]:
+            two.apply(w, batch)
+    for i, w in enumerate("abc"):
+        assert one.blocks_of(w) == two.blocks_of(w) == 3
+        for n in range(6):
+            assert one.match([i, n], [w]) == two.match([i, n], [w])
+
+
 def test_the_hottest_prompt_keeps_chaining_when_the_index_is_full() -> None:
     # An engine stores a shared prompt once and then only hits it (no events), while
     # conversations under it come and go. Dropping the least recently stored would

@@ -12,21 +12,25 @@ through the same chain, per block size, and :meth:`KvIndex.match` tells, for eac
 worker, how many leading tokens it holds.
 
 Bounded per *group* (the model a worker serves: a hot model must not push a cold
-one's blocks out): at most ``max_blocks`` (worker, block) entries each. The bound
+one's blocks out): at most ``max_blocks`` (worker, block) entries each, and each
+worker at most its share, ``max_blocks`` over the workers of its group. The bound
 bites only when it is smaller than the engines' caches (their own evictions arrive
-as ``BlockRemoved``), and then a full group **takes no new blocks** until a removal
-makes room: what it holds stays. Dropping the least recently stored instead would
-drop the roots of the hottest prompts first (stored once, then only hit, and hits
-send no event): every later block under them would have no parent to chain to, and
-the index would drain to nothing while the engines still hold all of it
-(``benchmarks/MULTI_ROUTER_LONG.md``, "The index's bound"). Kept blocks stay a
-prefix of what each engine holds, which :meth:`KvIndex.match` relies on. A block
-left out still leaves a hole (the engine holds it, and its later children cannot
-be chained) until the engine drops and stores it again: a budget under the fleet's
-caches costs hit rate either way, only less this way. Only when a group has turned
-away ``max_blocks`` blocks with no removal since (a publisher that does not report
-what it drops) does it drop its least recently stored to take new ones. Both are
-counted (:attr:`KvIndex.evicted`).
+as ``BlockRemoved``), and then a worker at its share **takes no new blocks** until
+its engine's removals make room: what the index holds stays. Dropping the least
+recently stored instead would drop the roots of the hottest prompts first (stored
+once, then only hit, and hits send no event): every later block under them would
+have no parent to chain to, and the index would drain to nothing while the engines
+still hold all of it (``benchmarks/MULTI_ROUTER_LONG.md``, "The index's bound").
+The share makes what the index holds of a worker a function of that worker's own
+events, so every router (every ``serve --processes`` child) holds the same blocks
+whatever order the workers' events reach it in; a budget shared first-come would
+differ from router to router. Kept blocks stay a prefix of what each engine holds,
+which :meth:`KvIndex.match` relies on. A block left out still leaves a hole (the
+engine holds it, and its later children cannot be chained) until the engine drops
+and stores it again: a budget under the fleet's caches costs hit rate either way,
+only less this way. Only when a group has turned away ``max_blocks`` blocks with no
+removal since (a publisher that does not report what it drops) does it drop its
+least recently stored to take new ones. Both are counted (:attr:`KvIndex.evicted`).
 
 A ``BlockStored`` whose parent the index does not know (left out, or stored before
 meshkit subscribed) cannot be chained and is skipped: it is counted
@@ -103,6 +107,8 @@ class KvIndex:
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max(1, max_blocks)
         self._workers: dict[str, _Worker] = {}
+        #: workers per group (a worker's share of the budget is max_blocks / this)
+        self._peers: dict[str, int] = {}
         self._by_bit: dict[int, str] = {}
         self._free_bits: list[int] = []
         #: per group: packed (bit, engine hash) → key, least recently stored first
@@ -175,6 +181,7 @@ class KvIndex:
         w = self._workers.pop(worker_id, None)
         if w is not None:
             self._clear(w)
+            self._leave(w.group)
             del self._by_bit[w.bit]
             self._free_bits.append(w.bit)
             self._masks.clear()
@@ -186,10 +193,20 @@ class KvIndex:
             w = self._workers[worker_id] = _Worker(bit, group)
             self._by_bit[bit] = worker_id
             self._masks.clear()
+            self._peers[group] = self._peers.get(group, 0) + 1
         elif w.group != group:
             self._clear(w)
+            self._leave(w.group)
             w.group = group
+            self._peers[group] = self._peers.get(group, 0) + 1
         return w
+
+    def _leave(self, group: str) -> None:
+        left = self._peers[group] - 1
+        if left:
+            self._peers[group] = left
+        else:
+            del self._peers[group]
 
     def _clear(self, w: _Worker) -> None:
         entries = self._entries.get(w.group)
@@ -225,11 +242,16 @@ class KvIndex:
         holders = self._holders
         bit = 1 << w.bit
         tokens = event.token_ids
+        share = max(1, self.max_blocks // self._peers[w.group])
         for i, h in enumerate(event.block_hashes):
             parent = _key(parent, tokens[i * size : (i + 1) * size])
             packed = w.shift | _h64(h)
             old = entries.pop(packed, None)
-            if old is None and len(entries) >= self.max_blocks and not self._room(w.group, entries):
+            if (
+                old is None
+                and (w.count >= share or len(entries) >= self.max_blocks)
+                and not self._room(w.group, entries)
+            ):
                 # This block and the rest of the event (its descendants) stay out.
                 left = len(event.block_hashes) - i
                 self._turned_away[w.group] = self._turned_away.get(w.group, 0) + left
@@ -244,9 +266,11 @@ class KvIndex:
             holders[parent] = holders.get(parent, 0) | bit
 
     def _room(self, group: str, entries: OrderedDict[int, int]) -> bool:
-        """Whether a block over the bound gets in: only once the group has turned away
-        a whole budget of blocks with no removal since (a publisher that does not
-        report what it drops), and then in place of the least recently stored."""
+        """Whether a block over the bound (its worker's share, or the group's budget
+        while a joining worker shrinks the shares) gets in: only once the group has
+        turned away a whole budget of blocks with no removal since (a publisher that
+        does not report what it drops), and then in place of the least recently
+        stored."""
         if self._turned_away.get(group, 0) < self.max_blocks:
             return False
         if entries:
