@@ -233,7 +233,7 @@ class KvConfig:
     with ``kv_events``). Needs ``meshkit[kv]`` (pyzmq)."""
 
     # (worker, block) entries the index keeps per model, each worker at most its share;
-    # at its share a worker's new blocks wait for its engine's removals (kv_index.py).
+    # past it a worker's new block replaces its newest entry (kv_index.py says why).
     max_blocks_per_model: int = 1_000_000
     # Leading prompt tokens a request is matched on (prepare renders and tokenizes
     # at most the prompt's bytes it needs for these).

@@ -286,7 +286,7 @@ class KvCollector(Collector):
         yield entries
         yield CounterMetricFamily(
             "mesh_kv_index_evicted",
-            "Stored blocks left out, or index entries dropped, to stay within the budget",
+            "Index entries replaced, or stored blocks left out, to stay within the budget",
             evicted,
         )
         yield CounterMetricFamily(

@@ -74,26 +74,6 @@ def test_a_new_block_size_clears_what_the_worker_held() -> None:
     assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 4}
 
 
-def test_a_full_index_keeps_what_it_holds_and_takes_new_blocks_as_removals_free_room() -> None:
-    idx = KvIndex(max_blocks=4)
-    idx.apply("a", stored([1, 2], None, [1, 2, 3, 4]))
-    idx.apply("b", stored([3, 4], None, [5, 6, 7, 8]))
-    idx.apply("c", stored([5, 6], None, [9, 9, 9, 9]))  # full: left out
-    assert len(idx) == 4 and idx.evicted == 2
-    assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 4}
-    assert idx.match([9, 9, 9, 9], ["c"]) == {"c": 0}
-    # c's next block has no parent to chain to
-    idx.apply("c", stored([7], 6, [8, 8]))
-    assert idx.unchained == 1
-    # a removal makes room for one block; an event's later blocks stay out with the first
-    idx.apply("b", Batch(0.0, (BlockRemoved((4,)),)))
-    idx.apply("c", stored([5, 6], None, [9, 9, 9, 9]))
-    assert idx.match([9, 9, 9, 9], ["c"]) == {"c": 2} and idx.evicted == 3
-    # a block stored again (the same engine hash) takes no room
-    idx.apply("a", stored([1, 2], None, [1, 2, 3, 4]))
-    assert len(idx) == 4 and idx.evicted == 3
-
-
 def test_a_worker_takes_at_most_its_share_of_the_budget() -> None:
     idx = KvIndex(max_blocks=4)
     idx.attach("a")
@@ -161,21 +141,53 @@ def test_the_hottest_prompt_keeps_chaining_when_the_index_is_full() -> None:
     assert 2 < idx.blocks_of("a") <= 6
 
 
-def test_a_publisher_that_never_reports_removals_still_gets_new_blocks_in() -> None:
+def test_past_its_share_a_new_block_replaces_the_workers_newest_leaf() -> None:
+    idx = KvIndex(max_blocks=4)
+    idx.attach("a")
+    idx.attach("b")  # a's share is 2
+    idx.apply("a", stored([1, 2], None, [1, 1, 2, 2]))  # a prompt
+    idx.apply("a", stored([3], None, [3, 3]))  # another prompt: replaces block 2
+    assert idx.blocks_of("a") == 2 and idx.evicted == 1
+    assert idx.match([1, 1, 2, 2], ["a"]) == {"a": 2}  # the first prompt's root stays
+    assert idx.match([3, 3], ["a"]) == {"a": 2}
+    # a block hanging from the newest entry cannot replace it: it stays out, and
+    # what the engine stores under it later cannot be chained
+    idx.apply("a", stored([4], 3, [4, 4]))
+    assert idx.match([3, 3, 4, 4], ["a"]) == {"a": 2} and idx.evicted == 2
+    idx.apply("a", stored([5], 4, [5, 5]))
+    assert idx.unchained == 1
+    # a block stored again keeps its place and takes no room
+    idx.apply("a", stored([1], None, [1, 1]))
+    assert idx.blocks_of("a") == 2 and idx.evicted == 2
+    # the other worker's share is its own
+    idx.apply("b", stored([6, 7], None, [6, 6, 7, 7]))
+    assert idx.blocks_of("b") == 2 and len(idx) == 4
+
+
+def test_replacing_newest_first_keeps_the_older_chains_whole() -> None:
+    idx = KvIndex(max_blocks=6)
+    idx.apply("a", stored([1, 2, 3], None, [1, 1, 2, 2, 3, 3]))  # a prompt
+    idx.apply("a", stored([4, 5], 3, [4, 4, 5, 5]))  # a turn under it: 5 of 6
+    idx.apply("a", stored([6, 7, 8], None, [6, 6, 7, 7, 8, 8]))  # a new prompt
+    # one block fits; the turn's two blocks make room for the others, last first
+    assert idx.evicted == 2 and idx.blocks_of("a") == 6
+    assert idx.match([1, 1, 2, 2, 3, 3, 4, 4], ["a"]) == {"a": 6}
+    assert idx.match([6, 6, 7, 7, 8, 8], ["a"]) == {"a": 6}
+
+
+def test_a_publisher_that_never_reports_removals_ages_out_its_oldest_blocks() -> None:
     idx = KvIndex(max_blocks=4)
     idx.apply("a", stored([1, 2, 3, 4], None, [1, 1, 2, 2, 3, 3, 4, 4]))
-    idx.apply("a", stored([5, 6], None, [5, 5, 6, 6]))  # turned away: 2 of a budget of 4
-    assert idx.match([5, 5, 6, 6], ["a"]) == {"a": 0}
-    idx.apply("a", stored([7, 8], None, [7, 7, 8, 8]))  # 4 turned away, still no removal
-    idx.apply("a", stored([9], None, [9, 9]))  # now the least recently stored goes
-    assert idx.match([9, 9], ["a"]) == {"a": 2}
-    assert len(idx) == 4 and idx.evicted == 5
-    assert idx.match([1, 1, 2, 2], ["a"]) == {"a": 0}  # block 1 went
-    # a removal puts the group back to keeping what it holds
-    idx.apply("a", Batch(0.0, (BlockRemoved((9,)),)))
-    idx.apply("a", stored([10], None, [10, 10]))
-    idx.apply("a", stored([11], None, [11, 11]))
-    assert idx.match([10, 10], ["a"]) == {"a": 2} and idx.match([11, 11], ["a"]) == {"a": 0}
+    for n in range(4):  # a whole budget of blocks needed room, and no removal came
+        idx.apply("a", stored([10 + n], None, [10 + n, 10 + n]))
+    assert idx.match([1, 1, 2, 2, 3, 3], ["a"]) == {"a": 6}  # the newest went so far
+    idx.apply("a", stored([20], None, [20, 20]))  # now the oldest goes
+    assert idx.match([1, 1], ["a"]) == {"a": 0} and idx.match([20, 20], ["a"]) == {"a": 2}
+    # a removal: the newest make room again
+    idx.apply("a", Batch(0.0, (BlockRemoved((20,)),)))
+    idx.apply("a", stored([21, 22], None, [21, 21, 22, 22]))
+    assert idx.match([13, 13], ["a"]) == {"a": 0}
+    assert idx.match([21, 21, 22, 22], ["a"]) == {"a": 4} and idx.blocks_of("a") == 4
 
 
 def test_forget_drops_a_worker() -> None:

@@ -15,22 +15,23 @@ Bounded per *group* (the model a worker serves: a hot model must not push a cold
 one's blocks out): at most ``max_blocks`` (worker, block) entries each, and each
 worker at most its share, ``max_blocks`` over the workers of its group. The bound
 bites only when it is smaller than the engines' caches (their own evictions arrive
-as ``BlockRemoved``), and then a worker at its share **takes no new blocks** until
-its engine's removals make room: what the index holds stays. Dropping the least
-recently stored instead would drop the roots of the hottest prompts first (stored
-once, then only hit, and hits send no event): every later block under them would
-have no parent to chain to, and the index would drain to nothing while the engines
-still hold all of it (``benchmarks/MULTI_ROUTER_LONG.md``, "The index's bound").
+as ``BlockRemoved``). Then a worker's new block **replaces its newest entry**: a
+leaf, since a block's ancestors are always stored before it, so every other chain
+stays whole. Its oldest entries are the roots of its hottest prompts (stored once,
+then only hit, and hits send no event); dropping them, as an LRU by store time
+would, leaves every later block under them with no parent to chain to, and the
+index drained to nothing while the engines still held all of it
+(``benchmarks/MULTI_ROUTER_LONG.md``, "The index's bound"). A new block that hangs
+from the newest entry cannot replace it and stays out, as do its descendants: the
+engine holds them, and what it later stores under them cannot be chained.
+
 The share makes what the index holds of a worker a function of that worker's own
-events, so every router (every ``serve --processes`` child) holds the same blocks
-whatever order the workers' events reach it in; a budget shared first-come would
-differ from router to router. Kept blocks stay a prefix of what each engine holds,
-which :meth:`KvIndex.match` relies on. A block left out still leaves a hole (the
-engine holds it, and its later children cannot be chained) until the engine drops
-and stores it again: a budget under the fleet's caches costs hit rate either way,
-only less this way. Only when a group has turned away ``max_blocks`` blocks with no
-removal since (a publisher that does not report what it drops) does it drop its
-least recently stored to take new ones. Both are counted (:attr:`KvIndex.evicted`).
+events, so every router (every ``serve --processes`` child) holds the same blocks,
+whatever order the workers' events reach it in. Kept blocks stay a prefix of what
+each engine holds, which :meth:`KvIndex.match` relies on. Only when a group has
+needed room for ``max_blocks`` new blocks with no removal at all (a publisher that
+does not report what it drops) does a worker drop its oldest entries instead. What
+is dropped or left out is counted (:attr:`KvIndex.evicted`).
 
 A ``BlockStored`` whose parent the index does not know (left out, or stored before
 meshkit subscribed) cannot be chained and is skipped: it is counted
@@ -39,9 +40,9 @@ change (a restarted engine with another configuration) clears what it held.
 
 Layout, for memory and for the match loop: each worker has a bit; a key maps to
 the bit mask of the workers holding it, so following a prompt's chain is one dict
-lookup and one ``&`` per block. A group's entries are one ordered dict from
-``(bit, engine hash)`` packed in one int to the key. Clearing one worker walks its
-group's entries (rare: a gap without replay, ``AllBlocksCleared``, removal).
+lookup and one ``&`` per block. A worker's entries are one ordered dict from its
+engine's hash (64 bits of it) to the key, in the order first stored, so its newest
+and oldest entries are at hand.
 
 Pure: the subscriber feeds it decoded batches, under the router's lock.
 """
@@ -88,14 +89,15 @@ def _h64(h: BlockHash) -> int:
 
 
 class _Worker:
-    __slots__ = ("bit", "block_size", "count", "group", "shift")
+    __slots__ = ("bit", "block_size", "entries", "group")
 
     def __init__(self, bit: int, group: str) -> None:
         self.bit = bit
-        self.shift = (bit + 1) << 64  # the packed entry key's high part
         self.group = group
-        self.count = 0
         self.block_size: int | None = None
+        #: engine hash (64 bits) → key, in the order first stored: a block's
+        #: ancestors are always older than it, so the newest entry is a leaf
+        self.entries: OrderedDict[int, int] = OrderedDict()
 
 
 class KvIndex:
@@ -111,21 +113,21 @@ class KvIndex:
         self._peers: dict[str, int] = {}
         self._by_bit: dict[int, str] = {}
         self._free_bits: list[int] = []
-        #: per group: packed (bit, engine hash) → key, least recently stored first
-        self._entries: dict[str, OrderedDict[int, int]] = {}
+        #: per group: entries held by its workers
+        self._sizes: dict[str, int] = {}
         #: key → bit mask of the workers holding it
         self._holders: dict[int, int] = {}
         #: per candidate set: bit masks by block size (the fleet's sets recur)
         self._masks: dict[tuple[str, ...], dict[int, int]] = {}
-        #: per group: blocks turned away at the bound since its last removal
-        self._turned_away: dict[str, int] = {}
+        #: per group: new blocks that found no room since its last removal
+        self._crowded: dict[str, int] = {}
         #: stored blocks skipped: their parent was unknown, or the event was malformed
         self.unchained = 0
-        #: blocks left out, or entries dropped, to stay within max_blocks
+        #: blocks left out, or entries replaced, to stay within max_blocks
         self.evicted = 0
 
     def __len__(self) -> int:
-        return sum(len(e) for e in self._entries.values())
+        return sum(self._sizes.values())
 
     @property
     def block_sizes(self) -> dict[str, int]:
@@ -137,7 +139,7 @@ class KvIndex:
 
     def blocks_of(self, worker_id: str) -> int:
         w = self._workers.get(worker_id)
-        return w.count if w is not None else 0
+        return len(w.entries) if w is not None else 0
 
     def covers(self, worker_id: str) -> bool:
         """Whether ``worker_id``'s events are in the index: it is subscribed (what it
@@ -150,7 +152,7 @@ class KvIndex:
         self._worker(worker_id, group)
 
     def group_sizes(self) -> dict[str, int]:
-        return {g: len(e) for g, e in self._entries.items()}
+        return dict(self._sizes)
 
     # -- events ---------------------------------------------------------------------------
 
@@ -160,13 +162,12 @@ class KvIndex:
             if isinstance(event, BlockStored):
                 self._stored(w, event)
             elif isinstance(event, BlockRemoved):
-                entries = self._entries.get(w.group)
-                if entries is not None:
-                    for h in event.block_hashes:
-                        key = entries.pop(w.shift | _h64(h), None)
-                        if key is not None:
-                            self._unhold(key, w)
-                            self._turned_away[w.group] = 0
+                entries = w.entries
+                for h in event.block_hashes:
+                    key = entries.pop(_h64(h), None)
+                    if key is not None:
+                        self._unhold(key, w)
+                        self._crowded[w.group] = 0
             elif isinstance(event, AllBlocksCleared):
                 self._clear(w)
 
@@ -194,11 +195,13 @@ class KvIndex:
             self._by_bit[bit] = worker_id
             self._masks.clear()
             self._peers[group] = self._peers.get(group, 0) + 1
+            self._sizes.setdefault(group, 0)
         elif w.group != group:
             self._clear(w)
             self._leave(w.group)
             w.group = group
             self._peers[group] = self._peers.get(group, 0) + 1
+            self._sizes.setdefault(group, 0)
         return w
 
     def _leave(self, group: str) -> None:
@@ -209,14 +212,17 @@ class KvIndex:
             del self._peers[group]
 
     def _clear(self, w: _Worker) -> None:
-        entries = self._entries.get(w.group)
-        if entries and w.count:
-            lo, hi = w.shift, w.shift + (1 << 64)
-            mine = [k for k in entries if lo <= k < hi]
-            for packed in mine:
-                self._unhold(entries.pop(packed), w)
-            self._turned_away[w.group] = 0
-        w.count = 0
+        if w.entries:
+            holders, off = self._holders, ~(1 << w.bit)
+            for key in w.entries.values():
+                mask = holders.get(key, 0) & off
+                if mask:
+                    holders[key] = mask
+                else:
+                    holders.pop(key, None)
+            self._sizes[w.group] -= len(w.entries)
+            w.entries.clear()
+            self._crowded[w.group] = 0
 
     def _stored(self, w: _Worker, event: BlockStored) -> None:
         size = event.block_size
@@ -225,62 +231,76 @@ class KvIndex:
                 self._clear(w)
             w.block_size = size
             self._masks.clear()
-        if len(event.token_ids) != size * len(event.block_hashes):
-            self.unchained += len(event.block_hashes)
+        hashes = [_h64(h) for h in event.block_hashes]
+        if len(event.token_ids) != size * len(hashes):
+            self.unchained += len(hashes)
             return
-        entries = self._entries.get(w.group)
-        if entries is None:
-            entries = self._entries[w.group] = OrderedDict()
-        if event.parent_block_hash is None:
+        entries = w.entries
+        held = None if event.parent_block_hash is None else _h64(event.parent_block_hash)
+        if held is None:
             parent = ROOT
         else:
-            known = entries.get(w.shift | _h64(event.parent_block_hash))
+            known = entries.get(held)
             if known is None:
-                self.unchained += len(event.block_hashes)
+                self.unchained += len(hashes)
                 return
             parent = known
+        fresh = sum(1 for h in hashes if h not in entries)
+        room = fresh and self._room(w, fresh, held)
         holders = self._holders
         bit = 1 << w.bit
         tokens = event.token_ids
-        share = max(1, self.max_blocks // self._peers[w.group])
-        for i, h in enumerate(event.block_hashes):
+        for i, h in enumerate(hashes):
             parent = _key(parent, tokens[i * size : (i + 1) * size])
-            packed = w.shift | _h64(h)
-            old = entries.pop(packed, None)
-            if (
-                old is None
-                and (w.count >= share or len(entries) >= self.max_blocks)
-                and not self._room(w.group, entries)
-            ):
-                # This block and the rest of the event (its descendants) stay out.
-                left = len(event.block_hashes) - i
-                self._turned_away[w.group] = self._turned_away.get(w.group, 0) + left
-                self.evicted += left
-                return
+            old = entries.get(h)
+            if old == parent:
+                continue  # stored again: it keeps its place (its children are newer)
             if old is None:
-                w.count += 1
-            elif old != parent:
-                self._unhold(old, w)
-                w.count += 1
-            entries[packed] = parent
+                if not room:
+                    # This block and the rest of the event (its descendants) stay out.
+                    self.evicted += len(hashes) - i
+                    return
+                room -= 1
+                self._sizes[w.group] += 1
+            else:  # the engine named another block with this hash: a new leaf now
+                self._unhold(entries.pop(h), w)
+                self._sizes[w.group] += 1
+            entries[h] = parent
             holders[parent] = holders.get(parent, 0) | bit
 
-    def _room(self, group: str, entries: OrderedDict[int, int]) -> bool:
-        """Whether a block over the bound (its worker's share, or the group's budget
-        while a joining worker shrinks the shares) gets in: only once the group has
-        turned away a whole budget of blocks with no removal since (a publisher that
-        does not report what it drops), and then in place of the least recently
-        stored."""
-        if self._turned_away.get(group, 0) < self.max_blocks:
-            return False
-        if entries:
-            packed, key = entries.popitem(last=False)
-            self._unhold(key, self._workers[self._by_bit[(packed >> 64) - 1]])
+    def _room(self, w: _Worker, fresh: int, parent: int | None) -> int:
+        """How many of ``fresh`` new blocks ``w`` takes, making room for them.
+
+        Within its share and the group's budget, all. Past them, each new block
+        replaces ``w``'s newest entry, a leaf (the end of the turn stored last),
+        unless that is the block the new ones hang from. A group that has needed
+        room for a whole budget of blocks with no removal at all has a publisher
+        that does not report what it drops: there ``w``'s oldest entries go, as
+        the likeliest gone from the engine.
+        """
+        entries = w.entries
+        share = max(1, self.max_blocks // self._peers[w.group])
+        free = min(share - len(entries), self.max_blocks - self._sizes[w.group])
+        if free >= fresh:
+            return fresh
+        taken = max(0, free)
+        need = fresh - taken
+        crowded = self._crowded.get(w.group, 0) + need
+        self._crowded[w.group] = crowded
+        oldest = crowded > self.max_blocks
+        while need and entries:
+            h = next(iter(entries)) if oldest else next(reversed(entries))
+            if h == parent:
+                break
+            self._unhold(entries.pop(h), w)
             self.evicted += 1
-        return True
+            need -= 1
+            taken += 1
+        return taken
 
     def _unhold(self, key: int, w: _Worker) -> None:
-        w.count -= 1
+        """``w`` no longer holds ``key`` (its entry is already gone)."""
+        self._sizes[w.group] -= 1
         mask = self._holders.get(key, 0) & ~(1 << w.bit)
         if mask:
             self._holders[key] = mask
