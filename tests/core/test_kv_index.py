@@ -175,6 +175,15 @@ def test_replacing_newest_first_keeps_the_older_chains_whole() -> None:
     assert idx.match([6, 6, 7, 7, 8, 8], ["a"]) == {"a": 6}
 
 
+def test_an_event_that_names_held_blocks_again_does_not_make_room_with_them() -> None:
+    idx = KvIndex(max_blocks=3)
+    idx.apply("a", stored([1], None, [1, 1]))
+    idx.apply("a", stored([2, 3], None, [2, 2, 3, 3]))  # full; 3 is the newest
+    # a replay names 2 and 3 again and adds 4 under them: 3 cannot make the room
+    idx.apply("a", stored([2, 3, 4], None, [2, 2, 3, 3, 4, 4]))
+    assert idx.match([2, 2, 3, 3, 4, 4], ["a"]) == {"a": 4} and idx.evicted == 1
+
+
 def test_a_publisher_that_never_reports_removals_ages_out_its_oldest_blocks() -> None:
     idx = KvIndex(max_blocks=4)
     idx.apply("a", stored([1, 2, 3, 4], None, [1, 1, 2, 2, 3, 3, 4, 4]))

@@ -246,7 +246,7 @@ class KvIndex:
                 return
             parent = known
         fresh = sum(1 for h in hashes if h not in entries)
-        room = fresh and self._room(w, fresh, held)
+        room = fresh and self._room(w, fresh, held, hashes)
         holders = self._holders
         bit = 1 << w.bit
         tokens = event.token_ids
@@ -268,12 +268,13 @@ class KvIndex:
             entries[h] = parent
             holders[parent] = holders.get(parent, 0) | bit
 
-    def _room(self, w: _Worker, fresh: int, parent: int | None) -> int:
+    def _room(self, w: _Worker, fresh: int, parent: int | None, own: list[int]) -> int:
         """How many of ``fresh`` new blocks ``w`` takes, making room for them.
 
         Within its share and the group's budget, all. Past them, each new block
         replaces ``w``'s newest entry, a leaf (the end of the turn stored last),
-        unless that is the block the new ones hang from. A group that has needed
+        unless that is the block the new ones hang from (or one this event names
+        again, which its new blocks may hang from). A group that has needed
         room for a whole budget of blocks with no removal at all has a publisher
         that does not report what it drops: there ``w``'s oldest entries go, as
         the likeliest gone from the engine.
@@ -288,9 +289,10 @@ class KvIndex:
         crowded = self._crowded.get(w.group, 0) + need
         self._crowded[w.group] = crowded
         oldest = crowded > self.max_blocks
+        again = set(own)
         while need and entries:
             h = next(iter(entries)) if oldest else next(reversed(entries))
-            if h == parent:
+            if h == parent or h in again:
                 break
             self._unhold(entries.pop(h), w)
             self.evicted += 1
