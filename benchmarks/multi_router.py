@@ -634,8 +634,8 @@ def run_one(
                 run.notes.append(f"router {r}: index blocks {seen}, engines hold {true_blocks}")
             if info.get("kv_evicted") or info.get("kv_unchained"):
                 run.notes.append(
-                    f"router {r}: index evicted {info['kv_evicted']} blocks for its bound, "
-                    f"skipped {info['kv_unchained']} whose parent it did not hold"
+                    f"router {r}: index replaced or left out {info['kv_evicted']} blocks "
+                    f"for its bound, skipped {info['kv_unchained']} whose parent it did not hold"
                 )
     # The bound: every answered request, in the order the routers sent them.
     served.sort(key=lambda x: x[0])
@@ -823,7 +823,12 @@ def write_report(
         f"each (LRU, {BLOCK}-token blocks), the tiny BPE tokenizer with its chat template, "
         f"KV events + replay on every worker; latency {args.first_token_ms} ms first token "
         f"+ {args.prefill_ms_per_token} ms per uncached prompt token + {args.per_token_ms} ms "
-        f"per output token, {args.output_tokens} output tokens. A fresh fleet per run.",
+        f"per output token, {args.output_tokens} output tokens. A fresh fleet per run."
+        + (
+            f" Each router's KV index: kv.max_blocks_per_model = {args.kv_max_blocks}."
+            if args.kv_max_blocks
+            else ""
+        ),
         "",
         "Workloads:",
         "",
