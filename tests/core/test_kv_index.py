@@ -199,6 +199,15 @@ def test_a_publisher_that_never_reports_removals_ages_out_its_oldest_blocks() ->
     assert idx.match([21, 21, 22, 22], ["a"]) == {"a": 4} and idx.blocks_of("a") == 4
 
 
+def test_removals_of_blocks_the_index_never_held_still_count_as_reported() -> None:
+    idx = KvIndex(max_blocks=4)
+    idx.apply("a", stored([1, 2, 3, 4], None, [1, 1, 2, 2, 3, 3, 4, 4]))
+    for n in range(12):  # three budgets of blocks needed room...
+        idx.apply("a", stored([10 + n], None, [10 + n, 10 + n]))
+        idx.apply("a", Batch(0.0, (BlockRemoved((900 + n,)),)))  # ...but removals came
+    assert idx.match([1, 1, 2, 2, 3, 3], ["a"]) == {"a": 6}  # no fallback: 1-3 stay
+
+
 def test_forget_drops_a_worker() -> None:
     idx = KvIndex(max_blocks=10)
     idx.apply("a", stored([1], None, [1, 2]))

@@ -260,3 +260,41 @@ def test_a_subscriber_that_fails_is_started_again(pub: Publisher) -> None:
             assert time.monotonic() < deadline, "the subscriber never came back"
             pub.store([pub.seq + 500], None, [9, 9, 9, 9])
             time.sleep(0.1)
+
+
+def test_kv_max_blocks_bounds_the_index_and_keeps_the_hot_prompt(pub: Publisher) -> None:
+    # kv.max_blocks_per_model under what the engine holds: conversations under one
+    # hot prompt come and go (the engine drops the older ones), and new prompts
+    # arrive. The prompt, stored once, stays matched and its turns keep chaining.
+    from meshkit.mock.kv_publisher import BlockRemoved
+
+    def removed(hashes: list[int]) -> None:
+        event = BlockRemoved(hashes, "GPU")
+        pub.send(msgspec.msgpack.encode(KVEventBatch(time.time(), [event], 0)))
+
+    w = Worker(URL, kv_events=pub.endpoint, kv_replay=pub.replay_endpoint)
+    budget = 8
+    with Mesh(
+        workers=[w],
+        policy="cache_aware",
+        lifecycle={"probe": False},
+        kv={"max_blocks_per_model": budget},
+    ) as mesh:
+        mesh.lifecycle.start()
+        connected(mesh, pub)
+        prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+        pub.store([1, 2], None, prompt)
+        for n in range(12):
+            h = 100 + 2 * n
+            pub.store([h, h + 1], 2, [n, n, n, n, n, -n, -n, -n])
+            pub.store([500 + n], None, [50, n, n, n])  # a new one-block prompt
+            if n >= 2:
+                removed([h - 4, h - 3, 500 + n - 2])  # the engine drops old ones
+        # the newest prompt replaced the last turn's blocks (the newest entries)
+        until(lambda: holds(mesh, [50, 11, 11, 11]) == 4, "the last prompt")
+        kv = mesh.router.fleet.kv
+        assert kv.unchained == 0 and len(kv) <= budget
+        assert holds(mesh, prompt) == 8
+        sample = mesh.metrics.registry.get_sample_value
+        assert (sample("mesh_kv_index_evicted_total") or 0) > 0
+        assert (sample("mesh_kv_index_entries", {"model": ""}) or 0) <= budget

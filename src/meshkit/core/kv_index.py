@@ -119,7 +119,7 @@ class KvIndex:
         self._holders: dict[int, int] = {}
         #: per candidate set: bit masks by block size (the fleet's sets recur)
         self._masks: dict[tuple[str, ...], dict[int, int]] = {}
-        #: per group: new blocks that found no room since its last removal
+        #: per group: new blocks that found no room since its last removal event
         self._crowded: dict[str, int] = {}
         #: stored blocks skipped: their parent was unknown, or the event was malformed
         self.unchained = 0
@@ -162,12 +162,13 @@ class KvIndex:
             if isinstance(event, BlockStored):
                 self._stored(w, event)
             elif isinstance(event, BlockRemoved):
+                # The publisher reports what it drops (held here or not): no fallback.
+                self._crowded[w.group] = 0
                 entries = w.entries
                 for h in event.block_hashes:
                     key = entries.pop(_h64(h), None)
                     if key is not None:
                         self._unhold(key, w)
-                        self._crowded[w.group] = 0
             elif isinstance(event, AllBlocksCleared):
                 self._clear(w)
 
