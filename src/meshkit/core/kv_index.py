@@ -276,9 +276,9 @@ class KvIndex:
         replaces ``w``'s newest entry, a leaf (the end of the turn stored last),
         unless that is the block the new ones hang from (or one this event names
         again, which its new blocks may hang from). A group that has needed
-        room for a whole budget of blocks with no removal at all has a publisher
-        that does not report what it drops: there ``w``'s oldest entries go, as
-        the likeliest gone from the engine.
+        room for a whole budget of blocks with no removal event at all has a
+        publisher that does not report what it drops: there ``w``'s oldest entries
+        go, as the likeliest gone from the engine.
         """
         entries = w.entries
         share = max(1, self.max_blocks // self._peers[w.group])
