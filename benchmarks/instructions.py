@@ -3,6 +3,7 @@ Instructions per request, before and after a change
 ===================================================
 
 ``python benchmarks/instructions.py --base DIR [--requests 2000] [--size 1024]``
+``python benchmarks/instructions.py --rust vllm-router --paths gateway --api chat --clients 1``
 
 Wall-clock CPU figures on a shared machine move by tens of percent from one window
 to the next; instruction counts do not. This counts, under ``valgrind
@@ -18,6 +19,11 @@ checkout at ``DIR`` (each with its own ``.venv``), on three paths:
   under callgrind, driven by a closed loop of ``--clients`` connections in this
   process: a process that served ``2N`` requests less one that served ``N``, over
   ``N`` (each also served 300 warm-up requests; its periodic timers add a little).
+  ``--api chat`` sends chat bodies (``_common.bodies``) instead of completions.
+
+``--rust NAME`` counts a Rust router from ``benchmarks/.venvs/NAME`` (installed by
+``run.py``) on the gateway path too, same loop, same workers, round robin: what it
+executes per request beside meshkit's. ``--base`` is then optional.
 
 Instruction counts say nothing of cache misses or wake-ups, and valgrind serialises
 threads: use them for a before/after ratio of the same path, not as CPU time.
@@ -38,6 +44,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from _common import API_PATHS, bodies
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -64,13 +72,20 @@ mesh.close()
 """
 
 
+def _events(outfile: Path) -> dict[str, int]:
+    """The totals of a callgrind or cachegrind output file, by event (``Ir``, and with
+    cachegrind's simulation ``I1mr``, ``D1mr``, ``Bcm``, ``Bim``...)."""
+    text = outfile.read_text()
+    names = re.search(r"^events:\s+(.+)$", text, re.M)
+    m = re.search(r"^(?:summary|totals):\s+([\d ]+)$", text, re.M)
+    if names is None or m is None:
+        raise RuntimeError(f"no totals in {outfile}")
+    return dict(zip(names.group(1).split(), (int(x) for x in m.group(1).split()), strict=False))
+
+
 def _ir(outfile: Path) -> int:
     """Total instructions in a callgrind output file (its ``summary:`` or ``totals:``)."""
-    text = outfile.read_text()
-    m = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
-    if m is None:
-        raise RuntimeError(f"no instruction total in {outfile}")
-    return int(m.group(1))
+    return _events(outfile)["Ir"]
 
 
 def _valgrind(python: str, code: str, env: dict[str, str], tmp: Path, tag: str) -> int:
@@ -110,11 +125,11 @@ def _wait_http(port: int, timeout: float = 300.0) -> None:
     raise RuntimeError(f"nothing answers on port {port}")
 
 
-def _closed_loop(port: int, body: bytes, clients: int, total: int) -> None:
+def _closed_loop(port: int, body: bytes, clients: int, total: int, path: str) -> None:
     """``total`` requests over ``clients`` keep-alive connections, each in turn."""
     head = (
-        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n" % len(body)
+        b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % (path.encode(), len(body))
     )
     left = [total]
     lock = threading.Lock()
@@ -131,7 +146,15 @@ def _closed_loop(port: int, body: bytes, clients: int, total: int) -> None:
                 while b"\r\n\r\n" not in buf:
                     buf += s.recv(65536)
                 h, _, buf = buf.partition(b"\r\n\r\n")
-                n = int(re.search(rb"content-length: (\d+)", h, re.I).group(1))  # type: ignore[union-attr]
+                if not h.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(f"the gateway answered {h[:40]!r}")
+                length = re.search(rb"content-length: (\d+)", h, re.I)
+                if length is None:  # chunked: the mock's answers are small, read to the end
+                    while b"\r\n0\r\n\r\n" not in buf:
+                        buf += s.recv(65536)
+                    buf = buf.partition(b"\r\n0\r\n\r\n")[2]
+                    continue
+                n = int(length.group(1))
                 while len(buf) < n:
                     buf += s.recv(65536)
                 buf = buf[n:]
@@ -143,53 +166,114 @@ def _closed_loop(port: int, body: bytes, clients: int, total: int) -> None:
         t.join()
 
 
-def _gateway_run(repo: Path, workers: list[str], n: int, clients: int, size: int, out: Path) -> int:
+def _body(api: str, size: int) -> tuple[bytes, str]:
+    if api == "chat":
+        return bodies(size, 1, api="chat")[0], API_PATHS["chat"]
+    # The completions body every recorded figure was counted with.
+    return b'{"model":"m","prompt":"' + b"x" * size + b'","max_tokens":2}', API_PATHS["completions"]
+
+
+def _meshkit_argv(repo: Path, port: int) -> list[str]:
+    script = repo / "benchmarks" / "frontends" / "meshkit_builtin.py"
+    return [str(repo / ".venv" / "bin" / "python"), str(script), "--port", str(port)]
+
+
+def _rust_argv(name: str, workers: list[str], port: int) -> list[str]:
+    """The Rust router as ``run.py`` starts it (``frontends/launch.py``): round robin,
+    no retries, no circuit breaker, health checks out of the way."""
+    exe = HERE / ".venvs" / name / "bin" / name
+    if not exe.exists():
+        raise SystemExit(f"{exe} is missing: run benchmarks/run.py once to install it")
+    return [
+        str(exe),
+        *("--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers),
+        *("--policy", "round_robin", "--prometheus-host", "127.0.0.1"),
+        *("--prometheus-port", str(_free_port()), "--disable-retries"),
+        *("--disable-circuit-breaker", "--health-check-interval-secs", "3600"),
+    ]
+
+
+def _gateway_run(
+    gateway: str,
+    workers: list[str],
+    n: int,
+    clients: int,
+    api: str,
+    size: int,
+    out: Path,
+    simulate: bool = False,
+) -> dict[str, int]:
     """Instructions of one gateway process: start-up, 300 warm-up requests, ``n``
-    more, a graceful exit."""
+    more, a graceful exit. ``gateway``: a checkout (meshkit) or a Rust router's name."""
     port = _free_port()
     env = {**os.environ, "MESHBENCH_WORKERS": ",".join(workers), "MESHBENCH_WORKLOAD": "proxy"}
     env["PYTHONHASHSEED"] = "0"
+    rust = os.sep not in gateway
+    argv = _rust_argv(gateway, workers, port) if rust else _meshkit_argv(Path(gateway), port)
+    tool = ["--tool=callgrind", f"--callgrind-out-file={out}"]
+    if simulate:
+        tool = ["--tool=cachegrind", "--cache-sim=yes", "--branch-sim=yes"]
+        tool.append(f"--cachegrind-out-file={out}")
     proc = subprocess.Popen(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            f"--callgrind-out-file={out}",
-            str(repo / ".venv" / "bin" / "python"),
-            str(repo / "benchmarks" / "frontends" / "meshkit_builtin.py"),
-            "--port",
-            str(port),
-        ],
+        ["valgrind", *tool, *argv],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    body = b'{"model":"m","prompt":"' + b"x" * size + b'","max_tokens":2}'
+    body, path = _body(api, size)
     try:
         _wait_http(port)
-        _closed_loop(port, body, clients, 300 + n)
+        _closed_loop(port, body, clients, 300 + n, path)
     finally:
-        proc.send_signal(signal.SIGTERM)
+        # SIGINT: the Rust routers' graceful stop (callgrind writes its file on exit)
+        proc.send_signal(signal.SIGINT if rust else signal.SIGTERM)
         proc.wait(300)
-    return _ir(out)
+    return _events(out)
 
 
-def _gateway(repo: Path, workers: list[str], n: int, clients: int, size: int, tmp: Path) -> float:
-    tag = f"gw.{repo.name}.{clients}"
-    small = _gateway_run(repo, workers, n, clients, size, tmp / f"cg.{tag}.1")
-    large = _gateway_run(repo, workers, 2 * n, clients, size, tmp / f"cg.{tag}.2")
-    return (large - small) / n
+def _gateway(
+    gateway: str,
+    workers: list[str],
+    n: int,
+    clients: int,
+    api: str,
+    size: int,
+    tmp: Path,
+    simulate: bool = False,
+) -> dict[str, float]:
+    """Events per request (``Ir`` alone unless ``simulate``)."""
+    tag = f"gw.{Path(gateway).name}.{clients}"
+    run = (gateway, workers)
+    small = _gateway_run(*run, n, clients, api, size, tmp / f"cg.{tag}.1", simulate)
+    large = _gateway_run(*run, 2 * n, clients, api, size, tmp / f"cg.{tag}.2", simulate)
+    return {k: (large[k] - small[k]) / n for k in large}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/instructions.py")
-    ap.add_argument("--base", required=True, help="the other checkout (with its own .venv)")
+    ap.add_argument("--base", help="the other checkout (with its own .venv)")
+    ap.add_argument(
+        "--this", default=str(REPO), help="the checkout counted as this one (default: here)"
+    )
+    ap.add_argument("--rust", help="also count this Rust router (benchmarks/.venvs/NAME)")
+    ap.add_argument("--api", choices=sorted(API_PATHS), default="completions")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--clients", default="1,16", help="gateway client counts")
     ap.add_argument("--paths", default="core,transport,gateway")
+    ap.add_argument(
+        "--simulate",
+        action="store_true",
+        help="gateway runs under cachegrind: simulated cache misses and branch mispredictions",
+    )
     ns = ap.parse_args(argv)
-    repos = {"this": REPO, "base": Path(ns.base).resolve()}
+    if ns.base is None and ns.rust is None:
+        ap.error("give --base, --rust or both")
+    repos = {"this": Path(ns.this).resolve()}
+    if ns.base is not None:
+        repos["base"] = Path(ns.base).resolve()
     paths = ns.paths.split(",")
+    clients = [int(x) for x in ns.clients.split(",")]
     mocks = []
     urls = []
     for i in range(4):
@@ -203,6 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         urls.append(f"http://127.0.0.1:{port}")
     results: dict[str, dict[str, float]] = {}
+    simulated: dict[str, dict[str, dict[str, float]]] = {}
+
+    def gateway(name: str, where: str) -> None:
+        for c in clients:
+            per = _gateway(where, urls, ns.requests, c, ns.api, ns.size, tmp, ns.simulate)
+            results.setdefault(name, {})[f"gateway c={c}"] = per["Ir"]
+            simulated.setdefault(name, {})[f"gateway c={c}"] = per
+
     try:
         for u in urls:
             _wait_http(int(u.rsplit(":", 1)[1]), 30)
@@ -221,16 +313,34 @@ def main(argv: list[str] | None = None) -> int:
                         python, TRANSPORT, ns.requests, tmp, f"tr.{name}", url=urls[0], size=ns.size
                     )
                 if "gateway" in paths:
-                    for c in (int(x) for x in ns.clients.split(",")):
-                        got[f"gateway c={c}"] = _gateway(repo, urls, ns.requests, c, ns.size, tmp)
+                    gateway(name, str(repo))
                 print(json.dumps({name: got}), flush=True)
+            if ns.rust is not None:
+                gateway(ns.rust, ns.rust)
+                print(json.dumps({ns.rust: results[ns.rust]}), flush=True)
     finally:
         for m in mocks:
             m.terminate()
-    print("\npath                 this (Ir/req)   base (Ir/req)   this/base")
-    for key in results["this"]:
-        a, b = results["this"][key], results["base"][key]
-        print(f"{key:20} {a:15,.0f} {b:15,.0f} {a / b:11.3f}")
+    others = [name for name in results if name != "this"]
+    print(
+        f"\n{'path':20} {'this (Ir/req)':>15}"
+        + "".join(f" {o + ' (Ir/req)':>22} {'this/' + o:>18}" for o in others)
+    )
+    for key, a in results["this"].items():
+        row = f"{key:20} {a:15,.0f}"
+        for o in others:
+            b = results[o].get(key)
+            row += f" {b:22,.0f} {a / b:18.3f}" if b else f" {'-':>22} {'-':>18}"
+        print(row)
+    if ns.simulate:
+        events = ("Ir", "I1mr", "D1mr", "D1mw", "Bc", "Bcm", "Bi", "Bim")
+        print(
+            f"\nper request, simulated (cachegrind)\n{'':12} {'path':14}"
+            + "".join(f" {e:>9}" for e in events)
+        )
+        for name, table in simulated.items():
+            for key, per in table.items():
+                print(f"{name:12} {key:14}" + "".join(f" {per.get(e, 0):9,.0f}" for e in events))
     return 0
 
 

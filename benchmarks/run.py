@@ -42,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -253,10 +254,25 @@ def wait_ready(p: Proc, url: str, timeout: float) -> str:
 # -- environment ---------------------------------------------------------------
 
 
+def interpreter_build() -> str:
+    """Which CPython build runs the Python frontends: it moves their CPU per request
+    (a shared, non-PGO libpython costs ~10 % at one client; RESULTS.md, "The
+    interpreter build")."""
+    exe = os.path.realpath(sys.executable)
+    try:
+        with open("/proc/self/maps") as maps:
+            shared = "libpython" in maps.read()
+    except OSError:
+        shared = bool(sysconfig.get_config_var("Py_ENABLE_SHARED"))
+    args = str(sysconfig.get_config_var("CONFIG_ARGS") or "")
+    flags = [f for f in ("--enable-optimizations", "--with-lto") if f in args]
+    return ", ".join([exe, "shared libpython" if shared else "static libpython", *flags])
+
+
 def versions(router_versions: dict[str, str]) -> dict[str, str]:
     import importlib.metadata as md
 
-    out: dict[str, str] = {"python": platform.python_version()}
+    out: dict[str, str] = {"python": f"{platform.python_version()} ({interpreter_build()})"}
     for dist in (
         "meshkit",
         "fastapi",
