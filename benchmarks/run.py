@@ -255,9 +255,10 @@ def wait_ready(p: Proc, url: str, timeout: float) -> str:
 
 
 def interpreter_build() -> str:
-    """Which CPython build runs the Python frontends: it moves their CPU per request
-    (a shared, non-PGO libpython costs ~10 % at one client; RESULTS.md, "The
-    interpreter build")."""
+    """Which CPython build runs this harness and the frontends it starts with
+    ``sys.executable`` (``meshkit``, the FastAPI baseline; not ``meshkit-base``, which
+    runs on its checkout's venv). The build moves their CPU per request: a shared,
+    non-PGO libpython cost ~10 % at one client (RESULTS.md, "The interpreter build")."""
     exe = os.path.realpath(sys.executable)
     try:
         with open("/proc/self/maps") as maps:
