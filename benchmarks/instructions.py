@@ -23,7 +23,10 @@ checkout at ``DIR`` (each with its own ``.venv``), on three paths:
 
 ``--rust NAME`` counts a Rust router from ``benchmarks/.venvs/NAME`` (installed by
 ``run.py``) on the gateway path too, same loop, same workers, round robin: what it
-executes per request beside meshkit's. ``--base`` is then optional.
+executes per request beside meshkit's. ``--base`` is then optional. ``--this DIR``
+counts another checkout (say, one whose ``.venv`` runs another interpreter) as this
+one. ``--simulate`` runs the gateways under cachegrind instead, with its simulated
+caches and branch predictor: misses and mispredictions per request, beside ``Ir``.
 
 Instruction counts say nothing of cache misses or wake-ups, and valgrind serialises
 threads: use them for a before/after ratio of the same path, not as CPU time.
@@ -194,7 +197,7 @@ def _rust_argv(name: str, workers: list[str], port: int) -> list[str]:
 
 
 def _gateway_run(
-    gateway: str,
+    gateway: Path | str,
     workers: list[str],
     n: int,
     clients: int,
@@ -204,12 +207,15 @@ def _gateway_run(
     simulate: bool = False,
 ) -> dict[str, int]:
     """Instructions of one gateway process: start-up, 300 warm-up requests, ``n``
-    more, a graceful exit. ``gateway``: a checkout (meshkit) or a Rust router's name."""
+    more, a graceful exit. ``gateway``: a checkout (meshkit), or a Rust router's name."""
     port = _free_port()
     env = {**os.environ, "MESHBENCH_WORKERS": ",".join(workers), "MESHBENCH_WORKLOAD": "proxy"}
     env["PYTHONHASHSEED"] = "0"
-    rust = os.sep not in gateway
-    argv = _rust_argv(gateway, workers, port) if rust else _meshkit_argv(Path(gateway), port)
+    rust = isinstance(gateway, str)
+    if isinstance(gateway, str):
+        argv = _rust_argv(gateway, workers, port)
+    else:
+        argv = _meshkit_argv(gateway, port)
     tool = ["--tool=callgrind", f"--callgrind-out-file={out}"]
     if simulate:
         tool = ["--tool=cachegrind", "--cache-sim=yes", "--branch-sim=yes"]
@@ -232,7 +238,7 @@ def _gateway_run(
 
 
 def _gateway(
-    gateway: str,
+    gateway: Path | str,
     workers: list[str],
     n: int,
     clients: int,
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, float]] = {}
     simulated: dict[str, dict[str, dict[str, float]]] = {}
 
-    def gateway(name: str, where: str) -> None:
+    def gateway(name: str, where: Path | str) -> None:
         for c in clients:
             per = _gateway(where, urls, ns.requests, c, ns.api, ns.size, tmp, ns.simulate)
             results.setdefault(name, {})[f"gateway c={c}"] = per["Ir"]
@@ -313,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                         python, TRANSPORT, ns.requests, tmp, f"tr.{name}", url=urls[0], size=ns.size
                     )
                 if "gateway" in paths:
-                    gateway(name, str(repo))
+                    gateway(name, repo)
                 print(json.dumps({name: got}), flush=True)
             if ns.rust is not None:
                 gateway(ns.rust, ns.rust)
