@@ -23,10 +23,14 @@ checkout at ``DIR`` (each with its own ``.venv``), on three paths:
 
 ``--rust NAME`` counts a Rust router from ``benchmarks/.venvs/NAME`` (installed by
 ``run.py``) on the gateway path too, same loop, same workers, round robin: what it
-executes per request beside meshkit's. ``--base`` is then optional. ``--this DIR``
+executes per request beside meshkit's. ``--base`` is optional. ``--this DIR``
 counts another checkout (say, one whose ``.venv`` runs another interpreter) as this
 one. ``--simulate`` runs the gateways under cachegrind instead, with its simulated
 caches and branch predictor: misses and mispredictions per request, beside ``Ir``.
+``--processes N`` runs meshkit's gateways as ``meshkit serve --processes N`` and
+counts every process (the supervisor and its children); ``--no-probes`` turns the
+health and engine-load probes off, whose share of a run grows with valgrind's slowed
+wall-clock time rather than with its requests (and with N: each child probes).
 
 Instruction counts say nothing of cache misses or wake-ups, and valgrind serialises
 threads: use them for a before/after ratio of the same path, not as CPU time.
@@ -176,9 +180,10 @@ def _body(api: str, size: int) -> tuple[bytes, str]:
     return b'{"model":"m","prompt":"' + b"x" * size + b'","max_tokens":2}', API_PATHS["completions"]
 
 
-def _meshkit_argv(repo: Path, port: int) -> list[str]:
+def _meshkit_argv(repo: Path, port: int, processes: int) -> list[str]:
     script = repo / "benchmarks" / "frontends" / "meshkit_builtin.py"
-    return [str(repo / ".venv" / "bin" / "python"), str(script), "--port", str(port)]
+    argv = [str(repo / ".venv" / "bin" / "python"), str(script), "--port", str(port)]
+    return [*argv, "--processes", str(processes)] if processes > 1 else argv
 
 
 def _rust_argv(name: str, workers: list[str], port: int) -> list[str]:
@@ -205,21 +210,31 @@ def _gateway_run(
     size: int,
     out: Path,
     simulate: bool = False,
+    processes: int = 1,
+    probes: bool = True,
 ) -> dict[str, int]:
     """Instructions of one gateway process: start-up, 300 warm-up requests, ``n``
-    more, a graceful exit. ``gateway``: a checkout (meshkit), or a Rust router's name."""
+    more, a graceful exit. ``gateway``: a checkout (meshkit), or a Rust router's name.
+    With ``processes`` > 1 every process of the gateway is counted (``meshkit serve
+    --processes N``: the supervisor and its children), summed."""
     port = _free_port()
     env = {**os.environ, "MESHBENCH_WORKERS": ",".join(workers), "MESHBENCH_WORKLOAD": "proxy"}
     env["PYTHONHASHSEED"] = "0"
+    if not probes:
+        env["MESHBENCH_PROBES"] = "0"
     rust = isinstance(gateway, str)
     if isinstance(gateway, str):
         argv = _rust_argv(gateway, workers, port)
     else:
-        argv = _meshkit_argv(gateway, port)
-    tool = ["--tool=callgrind", f"--callgrind-out-file={out}"]
+        argv = _meshkit_argv(gateway, port, processes)
+    many = processes > 1 and not rust
+    name = f"{out}.%p" if many else str(out)  # valgrind puts each process's pid in
+    tool = ["--tool=callgrind", f"--callgrind-out-file={name}"]
     if simulate:
         tool = ["--tool=cachegrind", "--cache-sim=yes", "--branch-sim=yes"]
-        tool.append(f"--cachegrind-out-file={out}")
+        tool.append(f"--cachegrind-out-file={name}")
+    if many:
+        tool.append("--trace-children=yes")
     proc = subprocess.Popen(
         ["valgrind", *tool, *argv],
         env=env,
@@ -234,7 +249,16 @@ def _gateway_run(
         # SIGINT: the Rust routers' graceful stop (callgrind writes its file on exit)
         proc.send_signal(signal.SIGINT if rust else signal.SIGTERM)
         proc.wait(300)
-    return _events(out)
+    if not many:
+        return _events(out)
+    total: dict[str, int] = {}
+    files = sorted(out.parent.glob(f"{out.name}.*"))
+    if len(files) < processes + 1:
+        raise RuntimeError(f"{len(files)} output files for {processes} children and a parent")
+    for f in files:
+        for k, v in _events(f).items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def _gateway(
@@ -246,18 +270,25 @@ def _gateway(
     size: int,
     tmp: Path,
     simulate: bool = False,
+    processes: int = 1,
+    probes: bool = True,
 ) -> dict[str, float]:
     """Events per request (``Ir`` alone unless ``simulate``)."""
     tag = f"gw.{Path(gateway).name}.{clients}"
-    run = (gateway, workers)
-    small = _gateway_run(*run, n, clients, api, size, tmp / f"cg.{tag}.1", simulate)
-    large = _gateway_run(*run, 2 * n, clients, api, size, tmp / f"cg.{tag}.2", simulate)
+
+    def once(requests: int, out: Path) -> dict[str, int]:
+        return _gateway_run(
+            gateway, workers, requests, clients, api, size, out, simulate, processes, probes
+        )
+
+    small = once(n, tmp / f"cg.{tag}.1")
+    large = once(2 * n, tmp / f"cg.{tag}.2")
     return {k: (large[k] - small[k]) / n for k in large}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/instructions.py")
-    ap.add_argument("--base", help="the other checkout (with its own .venv)")
+    ap.add_argument("--base", help="another checkout to count (with its own .venv)")
     ap.add_argument(
         "--this", default=str(REPO), help="the checkout counted as this one (default: here)"
     )
@@ -272,9 +303,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="gateway runs under cachegrind: simulated cache misses and branch mispredictions",
     )
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="meshkit gateways as `meshkit serve --processes N` (all processes counted)",
+    )
+    ap.add_argument(
+        "--no-probes",
+        action="store_true",
+        help="meshkit gateways without health/engine-load probes (their share grows "
+        "with valgrind's slowed wall-clock time, not with requests)",
+    )
     ns = ap.parse_args(argv)
-    if ns.base is None and ns.rust is None:
-        ap.error("give --base, --rust or both")
     repos = {"this": Path(ns.this).resolve()}
     if ns.base is not None:
         repos["base"] = Path(ns.base).resolve()
@@ -297,7 +338,18 @@ def main(argv: list[str] | None = None) -> int:
 
     def gateway(name: str, where: Path | str) -> None:
         for c in clients:
-            per = _gateway(where, urls, ns.requests, c, ns.api, ns.size, tmp, ns.simulate)
+            per = _gateway(
+                where,
+                urls,
+                ns.requests,
+                c,
+                ns.api,
+                ns.size,
+                tmp,
+                ns.simulate,
+                ns.processes,
+                not ns.no_probes,
+            )
             results.setdefault(name, {})[f"gateway c={c}"] = per["Ir"]
             simulated.setdefault(name, {})[f"gateway c={c}"] = per
 

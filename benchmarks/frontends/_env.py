@@ -9,7 +9,10 @@ their settings come from environment variables set by ``run.py``:
 * ``MESHBENCH_WORKLOAD``: ``proxy`` or ``chat`` (round robin; the load differs, the
   frontend does not) or ``tokenize`` (prefix hash over the first 256 tokens of the
   prompt);
-* ``MESHBENCH_TOKENIZER``: path to the Qwen ``tokenizer.json`` (tokenize workload).
+* ``MESHBENCH_TOKENIZER``: path to the Qwen ``tokenizer.json`` (tokenize workload);
+* ``MESHBENCH_PROBES=0``: no health or engine-load probes (``instructions.py
+  --no-probes``: under valgrind the probes' share of a run grows with its slowed
+  wall-clock time, not with its requests).
 """
 
 from __future__ import annotations
@@ -55,4 +58,6 @@ def mesh_kwargs() -> dict[str, Any]:
         kw["policies"] = {"prefix_hash": {"prefix_token_count": PREFIX_TOKENS}}
     else:
         kw["policy"] = "round_robin"
+    if os.environ.get("MESHBENCH_PROBES", "1") == "0":
+        kw["lifecycle"] = {"probe": False}
     return kw

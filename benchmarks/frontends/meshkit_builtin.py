@@ -15,6 +15,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,19 +40,26 @@ def main() -> None:
     serve(Mesh(**mesh_kwargs()), settings)
 
 
-def _supervised(host: str, port: int, processes: int) -> int:
-    from meshkit.server.cli import main as meshkit
-
-    kw = mesh_kwargs()
+def config_toml(kw: dict[str, Any]) -> str:
+    """``mesh_kwargs()`` as the TOML file ``meshkit serve --config`` reads."""
     lines = [f"policy = {json.dumps(kw['policy'])}"]
     if kw.get("tokenizer"):
         lines.append(f"tokenizer = {json.dumps(kw['tokenizer'])}")
     for name, opts in kw.get("policies", {}).items():
         lines.append(f"[policies.{name}]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in opts.items()]
+    if kw.get("lifecycle"):
+        lines.append("[lifecycle]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in kw["lifecycle"].items()]
     lines += [f"[[workers]]\nurl = {json.dumps(u)}" for u in kw["workers"]]
+    return "\n".join(lines) + "\n"
+
+
+def _supervised(host: str, port: int, processes: int) -> int:
+    from meshkit.server.cli import main as meshkit
+
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(config_toml(mesh_kwargs()))
     args = ["serve", "--config", f.name, "--host", host, "--port", str(port)]
     return meshkit([*args, "--grace", "1", "--log-level", "warning", "--processes", str(processes)])
 

@@ -77,3 +77,26 @@ def test_the_interpreter_build_is_named() -> None:
     got = run.interpreter_build()
     assert got.startswith(str(Path(sys.executable).resolve()))
     assert ("shared libpython" in got) != ("static libpython" in got)
+
+
+def test_no_probes_reaches_one_process_and_the_supervised_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sys.path.insert(0, str(BENCH / "frontends"))
+    import _env
+    import meshkit_builtin
+
+    from meshkit.config import MeshConfig
+
+    monkeypatch.setenv("MESHBENCH_WORKERS", "http://127.0.0.1:9,http://127.0.0.1:10")
+    monkeypatch.setenv("MESHBENCH_WORKLOAD", "proxy")
+    assert "lifecycle" not in _env.mesh_kwargs()
+    monkeypatch.setenv("MESHBENCH_PROBES", "0")
+    kw = _env.mesh_kwargs()
+    assert kw["lifecycle"] == {"probe": False}
+    assert MeshConfig.build(**kw).lifecycle.probe is False
+    path = tmp_path / "serve.toml"
+    path.write_text(meshkit_builtin.config_toml(kw))
+    cfg = MeshConfig.from_file(path)
+    assert cfg.lifecycle.probe is False
+    assert [w.url for w in cfg.workers] == ["http://127.0.0.1:9", "http://127.0.0.1:10"]
