@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from _common import API_PATHS, bodies
@@ -201,17 +202,19 @@ def _rust_argv(name: str, workers: list[str], port: int) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class Setup:
+    """How the gateways are driven and counted (the command line's options)."""
+
+    api: str = "completions"
+    size: int = 1024
+    simulate: bool = False
+    processes: int = 1
+    probes: bool = True
+
+
 def _gateway_run(
-    gateway: Path | str,
-    workers: list[str],
-    n: int,
-    clients: int,
-    api: str,
-    size: int,
-    out: Path,
-    simulate: bool = False,
-    processes: int = 1,
-    probes: bool = True,
+    gateway: Path | str, workers: list[str], setup: Setup, clients: int, n: int, out: Path
 ) -> dict[str, int]:
     """Instructions of one gateway process: start-up, 300 warm-up requests, ``n``
     more, a graceful exit. ``gateway``: a checkout (meshkit), or a Rust router's name.
@@ -220,17 +223,17 @@ def _gateway_run(
     port = _free_port()
     env = {**os.environ, "MESHBENCH_WORKERS": ",".join(workers), "MESHBENCH_WORKLOAD": "proxy"}
     env["PYTHONHASHSEED"] = "0"
-    if not probes:
+    if not setup.probes:
         env["MESHBENCH_PROBES"] = "0"
     rust = isinstance(gateway, str)
     if isinstance(gateway, str):
         argv = _rust_argv(gateway, workers, port)
     else:
-        argv = _meshkit_argv(gateway, port, processes)
-    many = processes > 1 and not rust
+        argv = _meshkit_argv(gateway, port, setup.processes)
+    many = setup.processes > 1 and not rust
     name = f"{out}.%p" if many else str(out)  # valgrind puts each process's pid in
     tool = ["--tool=callgrind", f"--callgrind-out-file={name}"]
-    if simulate:
+    if setup.simulate:
         tool = ["--tool=cachegrind", "--cache-sim=yes", "--branch-sim=yes"]
         tool.append(f"--cachegrind-out-file={name}")
     if many:
@@ -241,7 +244,7 @@ def _gateway_run(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    body, path = _body(api, size)
+    body, path = _body(setup.api, setup.size)
     try:
         _wait_http(port)
         _closed_loop(port, body, clients, 300 + n, path)
@@ -253,8 +256,8 @@ def _gateway_run(
         return _events(out)
     total: dict[str, int] = {}
     files = sorted(out.parent.glob(f"{out.name}.*"))
-    if len(files) < processes + 1:
-        raise RuntimeError(f"{len(files)} output files for {processes} children and a parent")
+    if len(files) < setup.processes + 1:
+        raise RuntimeError(f"{len(files)} output files for {setup.processes} children, a parent")
     for f in files:
         for k, v in _events(f).items():
             total[k] = total.get(k, 0) + v
@@ -262,27 +265,12 @@ def _gateway_run(
 
 
 def _gateway(
-    gateway: Path | str,
-    workers: list[str],
-    n: int,
-    clients: int,
-    api: str,
-    size: int,
-    tmp: Path,
-    simulate: bool = False,
-    processes: int = 1,
-    probes: bool = True,
+    gateway: Path | str, workers: list[str], setup: Setup, clients: int, n: int, tmp: Path
 ) -> dict[str, float]:
-    """Events per request (``Ir`` alone unless ``simulate``)."""
+    """Events per request (``Ir`` alone unless ``setup.simulate``)."""
     tag = f"gw.{Path(gateway).name}.{clients}"
-
-    def once(requests: int, out: Path) -> dict[str, int]:
-        return _gateway_run(
-            gateway, workers, requests, clients, api, size, out, simulate, processes, probes
-        )
-
-    small = once(n, tmp / f"cg.{tag}.1")
-    large = once(2 * n, tmp / f"cg.{tag}.2")
+    small = _gateway_run(gateway, workers, setup, clients, n, tmp / f"cg.{tag}.1")
+    large = _gateway_run(gateway, workers, setup, clients, 2 * n, tmp / f"cg.{tag}.2")
     return {k: (large[k] - small[k]) / n for k in large}
 
 
@@ -321,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         repos["base"] = Path(ns.base).resolve()
     paths = ns.paths.split(",")
     clients = [int(x) for x in ns.clients.split(",")]
+    setup = Setup(ns.api, ns.size, ns.simulate, ns.processes, not ns.no_probes)
     mocks = []
     urls = []
     for i in range(4):
@@ -338,18 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def gateway(name: str, where: Path | str) -> None:
         for c in clients:
-            per = _gateway(
-                where,
-                urls,
-                ns.requests,
-                c,
-                ns.api,
-                ns.size,
-                tmp,
-                ns.simulate,
-                ns.processes,
-                not ns.no_probes,
-            )
+            per = _gateway(where, urls, setup, c, ns.requests, tmp)
             results.setdefault(name, {})[f"gateway c={c}"] = per["Ir"]
             simulated.setdefault(name, {})[f"gateway c={c}"] = per
 
