@@ -95,6 +95,9 @@ def test_results_without_a_variant_were_repeated_prompts() -> None:
     assert report.series({**_row("meshkit", None, 1), "workload": "proxy"}) == "proxy"
 
 
+POOL = 20_000
+
+
 @pytest.mark.skipif(importlib.util.find_spec("httptools") is None, reason="needs httptools")
 def test_loadgen_sends_each_request_its_own_prompt() -> None:
     import asyncio
@@ -113,7 +116,7 @@ def test_loadgen_sends_each_request_its_own_prompt() -> None:
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        d = distinct_bodies(2048, pool=20_000)
+        d = distinct_bodies(2048, pool=POOL)
         cmd = {
             "urls": [f"http://127.0.0.1:{port}"],
             "clients": 4,
@@ -127,9 +130,14 @@ def test_loadgen_sends_each_request_its_own_prompt() -> None:
 
     out = asyncio.run(main())
     assert out["prompts"] == "distinct"
-    assert out["distinct_repeats"] == 0
-    assert out["ok"] > 0
-    assert len(got) == len(set(got)) > out["ok"]  # warm-up requests are distinct too
+    assert out["ok"] > 0 and out["drained"]
+    # How many requests fit in the window depends on the machine (60,000 a second on
+    # uvloop here): within the pool each one is new, past it the heads come round
+    # again and the loadgen says how many did.
+    assert out["distinct_repeats"] == max(0, len(got) - POOL)
+    first = got[:POOL]
+    assert len(first) == len(set(first))
+    assert len(got) > out["ok"]  # warm-up requests are sent (and distinct) too
 
 
 @pytest.mark.parametrize("size", [1024, 16 * 1024])
