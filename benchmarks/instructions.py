@@ -53,7 +53,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import API_PATHS, bodies
+from _common import API_PATHS, bodies, free_port
+from frontends.launch import FRONTENDS, command
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -112,12 +113,6 @@ def _per_request(python: str, template: str, n: int, tmp: Path, tag: str, **kw: 
     small = _valgrind(python, template.format(n=n, **kw), env, tmp, f"{tag}.1")
     large = _valgrind(python, template.format(n=2 * n, **kw), env, tmp, f"{tag}.2")
     return (large - small) / n
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_http(port: int, timeout: float = 300.0) -> None:
@@ -188,18 +183,25 @@ def _meshkit_argv(repo: Path, port: int, processes: int) -> list[str]:
 
 
 def _rust_argv(name: str, workers: list[str], port: int) -> list[str]:
-    """The Rust router as ``run.py`` starts it (``frontends/launch.py``): round robin,
-    no retries, no circuit breaker, health checks out of the way."""
-    exe = HERE / ".venvs" / name / "bin" / name
-    if not exe.exists():
-        raise SystemExit(f"{exe} is missing: run benchmarks/run.py once to install it")
-    return [
-        str(exe),
-        *("--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers),
-        *("--policy", "round_robin", "--prometheus-host", "127.0.0.1"),
-        *("--prometheus-port", str(_free_port()), "--disable-retries"),
-        *("--disable-circuit-breaker", "--health-check-interval-secs", "3600"),
-    ]
+    """The Rust router's command line, as ``run.py`` starts it (``frontends/launch.py``)."""
+    fe = FRONTENDS.get(name)
+    if fe is None or fe.kind != "rust":
+        raise SystemExit(f"{name} is not one of run.py's Rust routers")
+    venvs = HERE / ".venvs"
+    if not (venvs / name).exists():
+        raise SystemExit(f"{venvs / name} is missing: run benchmarks/run.py once to install it")
+    launch = command(
+        fe,
+        port=port,
+        workers=workers,
+        workload="proxy",
+        cpus=None,
+        processes=1,
+        tokenizer=None,
+        venvs=venvs,
+        prometheus_port=free_port(),
+    )
+    return launch.argv
 
 
 @dataclass(frozen=True)
@@ -220,7 +222,7 @@ def _gateway_run(
     more, a graceful exit. ``gateway``: a checkout (meshkit), or a Rust router's name.
     With ``processes`` > 1 every process of the gateway is counted (``meshkit serve
     --processes N``: the supervisor and its children), summed."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MESHBENCH_WORKERS": ",".join(workers), "MESHBENCH_WORKLOAD": "proxy"}
     env["PYTHONHASHSEED"] = "0"
     if not setup.probes:
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     mocks = []
     urls = []
     for i in range(4):
-        port = _free_port()
+        port = free_port()
         mocks.append(
             subprocess.Popen(
                 [sys.executable, "-m", "meshkit.mock", "--port", str(port), "--name", f"i{i}"],
