@@ -221,7 +221,7 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
             MockConfig(
                 name=f"w{i}",
                 model=MODEL,
-                cache_tokens=cfg["cache_tokens"],
+                cache_tokens=cfg["cache_tokens"][i % len(cfg["cache_tokens"])],
                 block_size=BLOCK,
                 tokenizer=cfg["tokenizer"],
                 kv_events="tcp://127.0.0.1:0",
@@ -819,8 +819,10 @@ def write_report(
         "",
         f"meshkit measured: {args.source}.",
         "",
-        f"Fleet: {args.workers} mock workers in one process, {args.cache_tokens} cached tokens "
-        f"each (LRU, {BLOCK}-token blocks), the tiny BPE tokenizer with its chat template, "
+        f"Fleet: {args.workers} mock workers in one process, "
+        f"{'/'.join(map(str, args.cache_tokens))} cached tokens "
+        f"{'each' if len(args.cache_tokens) == 1 else '(cycled over the workers)'} "
+        f"(LRU, {BLOCK}-token blocks), the tiny BPE tokenizer with its chat template, "
         f"KV events + replay on every worker; latency {args.first_token_ms} ms first token "
         f"+ {args.prefill_ms_per_token} ms per uncached prompt token + {args.per_token_ms} ms "
         f"per output token, {args.output_tokens} output tokens. A fresh fleet per run."
@@ -935,7 +937,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workloads", default="", help="zipf,conversations,one-off (default all)")
     ap.add_argument("--tenants", type=int, default=12)
     ap.add_argument("--zipf", type=float, default=1.1)
-    ap.add_argument("--cache-tokens", type=int, default=16_000, help="per worker")
+    ap.add_argument(
+        "--cache-tokens",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[16_000],
+        help="per worker; a list (24000,8000) is cycled over the workers",
+    )
     ap.add_argument("--first-token-ms", type=float, default=5.0)
     ap.add_argument("--per-token-ms", type=float, default=0.5)
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.01)
