@@ -566,14 +566,12 @@ class Router:
                     row["prefix_match"] = "events" if kv.covers(w.id) else "approximate"
                     if w.kv_events:
                         row["kv_blocks"] = kv.blocks_of(w.id)
-                        row["kv_share"] = kv.share_of(w.id)
                     report = self.fleet.engine.get(w.id)
                     if report is not None:
                         row["engine_load"] = {
                             "running": report.running,
                             "waiting": report.waiting,
                             "kv_cache_usage": report.kv_usage,
-                            "kv_cache_tokens": report.kv_capacity,
                             "other_routers": sum(
                                 self.fleet.others.get(c.key, 0) for c in self.fleet.candidates_of(w)
                             ),

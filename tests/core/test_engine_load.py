@@ -76,38 +76,6 @@ def test_no_load_gauges_is_no_report() -> None:
     assert parse_metrics(b"vllm:num_requests_waiting 2\n") == EngineLoad(0, 2, None)
 
 
-def test_the_kv_cache_size_in_tokens() -> None:
-    # vLLM: the cache-config info gauge's labels, one sample per engine (DP: summed);
-    # labels that end in the same words are not these.
-    info = (
-        b'vllm:cache_config_info{_block_size_resolved="True",block_size="16",engine="0",'
-        b'mamba_block_size="None",num_gpu_blocks="1000",num_gpu_blocks_override="7"} 1.0\n'
-    )
-    report = parse_metrics(VLLM + info + info.replace(b'engine="0"', b'engine="1"'))
-    assert report == EngineLoad(5, 4, 0.25, kv_capacity=32_000)
-    # before the engine has profiled its memory there are no blocks yet
-    early = info.replace(b'num_gpu_blocks="1000"', b'num_gpu_blocks="None"')
-    assert parse_metrics(VLLM + early) == EngineLoad(5, 4, 0.25)
-    assert parse_metrics(VLLM + b'vllm:cache_config_info{engine="0"} 1.0\n') == EngineLoad(
-        5, 4, 0.25
-    )
-    # SGLang's constant gauge
-    sizes = b'sglang:max_total_num_tokens{model_name="m",tp_rank="0"} 471258.0\n'
-    assert parse_metrics(SGLANG + sizes) == EngineLoad(7, 1, 0.5, kv_capacity=471_258)
-
-
-def test_the_engines_cache_size_weighs_its_index_share() -> None:
-    a, b = Worker("http://a:1", kv_events="tcp://a:5557"), Worker("http://b:1")
-    fleet = Fleet([a, b], kv_max_blocks=300)
-    fleet.kv.attach(a.id)
-    fleet.kv.attach(b.id)
-    fleet.report_load(a.id, EngineLoad(0, 0, kv_capacity=3200))
-    fleet.report_load(b.id, EngineLoad(0, 0, kv_capacity=1600))
-    assert (fleet.kv.share_of(a.id), fleet.kv.share_of(b.id)) == (200, 100)
-    fleet.report_load(a.id, None)  # no answer: the size is a constant, it stays
-    assert fleet.kv.share_of(a.id) == 200
-
-
 def test_others_are_the_engines_load_minus_ours() -> None:
     assert others(EngineLoad(5, 4), 3) == 6
     assert others(EngineLoad(1, 0), 3) == 0  # our requests not yet there: never negative

@@ -100,31 +100,6 @@ def test_a_joining_worker_waits_for_room_while_the_others_hold_the_old_shares() 
     assert idx.blocks_of("a") == 2 and idx.blocks_of("b") == 1
 
 
-def test_shares_follow_the_engines_cache_sizes_in_blocks() -> None:
-    idx = KvIndex(max_blocks=12)
-    for w in "abc":
-        idx.attach(w)
-    assert [idx.share_of(w) for w in "abc"] == [4, 4, 4]  # equal until they report
-    idx.set_capacity("a", 600)  # tokens
-    idx.set_capacity("b", 200)
-    # c has not reported: it counts as the mean of those that have (400)
-    assert [idx.share_of(w) for w in "abc"] == [6, 2, 4]
-    idx.set_capacity("c", 400)
-    idx.apply("a", stored([1, 2, 3, 4, 5, 6, 7], None, list(range(14))))
-    idx.apply("b", stored([11, 12, 13], None, list(range(20, 26))))
-    assert idx.blocks_of("a") == 6 and idx.blocks_of("b") == 2
-    # A cache is counted in the worker's own blocks: twice the block size, half the
-    # blocks for the same tokens (300, 50 and 200 blocks of 12; rounded down).
-    idx.apply("b", stored([21], None, [7, 7, 7, 7], size=4))
-    assert [idx.share_of(w) for w in "abc"] == [6, 1, 4]
-    # None (a report without the size) keeps what is known; a departure reshares.
-    idx.set_capacity("a", None)
-    assert idx.share_of("a") == 6
-    idx.forget("b")
-    assert [idx.share_of(w) for w in "ac"] == [7, 4]
-    assert idx.share_of("b") is None and len(idx) <= idx.max_blocks
-
-
 def test_every_router_holds_the_same_blocks_whatever_the_order_of_the_workers() -> None:
     # Two routers get the same events per worker, interleaved differently (each
     # worker's stream is its own subscription). A budget taken first-come would

@@ -115,7 +115,4 @@ def test_meshkit_tokenizes_the_chat_as_vllm_did() -> None:
 
 
 def test_vllm_metrics() -> None:
-    # its cache: num_gpu_blocks="32768" of block_size="32" (kv_cache_size_tokens="1048576")
-    assert parse_metrics((HERE / "metrics.txt").read_bytes()) == EngineLoad(
-        0, 0, 0.0, kv_capacity=1_048_576
-    )
+    assert parse_metrics((HERE / "metrics.txt").read_bytes()) == EngineLoad(0, 0, 0.0)

@@ -1,20 +1,16 @@
 """Load every router sees: the probes read each engine's own gauges (the mock serves
 vLLM's ``vllm:num_requests_running``), so a router places around requests that
-another router put on a worker; and each engine's cache size, which weighs its
-share of the KV index."""
+another router put on a worker."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import httpx2
-import pytest
 
 from meshkit import Mesh, MeshTransport
-from meshkit.core.workers import Worker
 from meshkit.mock.thread import MockWorkerThread
 
 STREAM = {"model": "m", "prompt": "a b c", "stream": True, "max_tokens": 400}
@@ -69,36 +65,3 @@ def test_a_router_sees_the_requests_another_router_holds(
     while others_on_a():  # the streams ended: the next report says so
         assert time.monotonic() < deadline, "a's load never came down"
         time.sleep(0.02)
-
-
-def test_a_bigger_engine_keeps_more_of_its_cache_indexed(
-    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
-) -> None:
-    # The mock publishes vLLM's cache-config info gauge (num_gpu_blocks times block_size);
-    # the probes read it, and the index splits its budget by it.
-    pytest.importorskip("zmq")
-    kv = {"kv_events": "tcp://127.0.0.1:0", "kv_replay": "tcp://127.0.0.1:0"}
-    big = mock_factory(name="big", cache_tokens=4800, **kv)
-    small = mock_factory(name="small", cache_tokens=1600, **kv)
-    workers = [
-        Worker(m.url, kv_events=m.kv_events_endpoint, kv_replay=m.kv_replay_endpoint)
-        for m in (big, small)
-    ]
-    mesh = mesh_factory(
-        workers=workers,
-        policy="cache_aware",
-        lifecycle={"health_interval_s": 0.05},
-        kv={"max_blocks_per_model": 100},
-    )
-    mesh.lifecycle.start()
-
-    def rows() -> dict[str, dict[str, Any]]:
-        return {r["url"]: r for r in mesh.router.describe()}
-
-    deadline = time.monotonic() + 20
-    while [rows()[w.url].get("kv_share") for w in workers] != [75, 25]:
-        assert time.monotonic() < deadline, f"shares stayed {rows()}"
-        time.sleep(0.02)
-    got = rows()
-    assert got[workers[0].url]["engine_load"]["kv_cache_tokens"] == 4800
-    assert got[workers[1].url]["engine_load"]["kv_cache_tokens"] == 1600

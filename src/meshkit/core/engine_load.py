@@ -23,17 +23,6 @@ Samples are summed over their label sets (a DP engine reports one per rank). A
 text with none of them is no answer (llama.cpp without ``--metrics``, a proxy):
 the worker then counts only this router's requests.
 
-The report also carries the engine's **KV cache size in tokens**, a constant the
-KV index weighs its per-worker shares by (a bigger engine keeps more of its
-blocks indexed):
-
-* vLLM: the ``num_gpu_blocks`` and ``block_size`` labels of the info gauge
-  ``vllm:cache_config_info`` (``vllm/v1/metrics/loggers.py``,
-  ``log_metrics_info("cache_config", ...)``: one sample per engine, its labels
-  the ``CacheConfig`` fields); ``num_gpu_blocks`` is ``None`` until the engine
-  has profiled its memory;
-* SGLang: the gauge ``sglang:max_total_num_tokens``.
-
 :func:`others` turns a report into the load *other* routers put there: what the
 engine holds minus what this router had in flight when it read the report. The
 router adds it to its own live count until the next report, so its own new
@@ -65,20 +54,15 @@ _KV_USAGE = (
     b"llamacpp:kv_cache_usage_ratio",
 )
 _WANTED = {n: i for i, names in enumerate((_RUNNING, _WAITING, _KV_USAGE)) for n in names}
-_CAPACITY = b"sglang:max_total_num_tokens"
-_CACHE_INFO = b"vllm:cache_config_info"
-_WANTED[_CAPACITY] = _WANTED[_CACHE_INFO] = 3
 
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """One engine's report: requests running and waiting, KV cache in use (0-1),
-    and the KV cache's size in tokens (None: not published)."""
+    """One engine's report: requests running and waiting, KV cache in use (0-1)."""
 
     running: int
     waiting: int
     kv_usage: float | None = None
-    kv_capacity: int | None = None
 
     @property
     def requests(self) -> int:
@@ -87,54 +71,33 @@ class EngineLoad:
 
 def parse_metrics(text: bytes) -> EngineLoad | None:
     """The engine load in a Prometheus text exposition, or None when it has none."""
-    sums = [0.0, 0.0, 0.0, 0.0]
-    seen = [False, False, False, False]
+    sums = [0.0, 0.0, 0.0]
+    seen = [False, False, False]
     for line in text.splitlines():
         if not line or line[0] == 35:  # "#": HELP, TYPE
             continue
         end = line.find(b"{")
         if end < 0:
             end = line.find(b" ")
-        name = line[:end] if end > 0 else line
-        which = _WANTED.get(name)
+        which = _WANTED.get(line[:end] if end > 0 else line)
         if which is None:
             continue
         close = line.rfind(b"}")
-        if name == _CACHE_INFO:
-            value = _cache_tokens(line[end + 1 : close]) if 0 < end < close else None
-        else:
-            fields = line[close + 1 :].split() if close > 0 else line[end:].split()
-            try:
-                value = float(fields[0]) if fields else None
-            except ValueError:
-                continue
-        if value is None or value != value or value < 0:  # NaN or nonsense: not a load
+        fields = line[close + 1 :].split() if close > 0 else line[end:].split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        if value != value or value < 0:  # NaN or nonsense: not a load
             continue
         sums[which] += value
         seen[which] = True
     if not (seen[0] or seen[1]):
         return None
     kv = min(1.0, sums[2]) if seen[2] else None
-    capacity = int(sums[3]) if seen[3] and sums[3] >= 1 else None
-    return EngineLoad(int(sums[0]), int(sums[1]), kv, capacity)
-
-
-def _cache_tokens(labels: bytes) -> float | None:
-    """``num_gpu_blocks`` times ``block_size`` from vLLM's cache-config labels."""
-    found: dict[bytes, float] = {}
-    for name in (b"num_gpu_blocks", b"block_size"):
-        at = labels.find(b"," + name + b'="')
-        if at < 0:
-            if not labels.startswith(name + b'="'):
-                return None
-            at = -1
-        start = at + len(name) + 3
-        stop = labels.find(b'"', start)
-        try:
-            found[name] = float(labels[start:stop])
-        except ValueError:  # "None": not profiled yet
-            return None
-    return found[b"num_gpu_blocks"] * found[b"block_size"]
+    return EngineLoad(int(sums[0]), int(sums[1]), kv)
 
 
 def others(report: EngineLoad, mine_at_report: int) -> int:

@@ -13,11 +13,7 @@ worker, how many leading tokens it holds.
 
 Bounded per *group* (the model a worker serves: a hot model must not push a cold
 one's blocks out): at most ``max_blocks`` (worker, block) entries each, and each
-worker at most its share of ``max_blocks``. Shares are equal until the engines
-report their KV cache sizes (:meth:`KvIndex.set_capacity`, from their metrics),
-then in proportion to each engine's cache in blocks, so a big engine beside small
-ones keeps as much of its cache indexed as they do (a worker that has not
-reported counts as the mean of those that have). The bound
+worker at most its share, ``max_blocks`` over the workers of its group. The bound
 bites only when it is smaller than the engines' caches (their own evictions arrive
 as ``BlockRemoved``). Then a worker's new block **replaces its newest entry**: a
 leaf, since a block's ancestors are always stored before it, so every other chain
@@ -30,9 +26,8 @@ from the newest entry cannot replace it and stays out, as do its descendants: th
 engine holds them, and what it later stores under them cannot be chained.
 
 The share makes what the index holds of a worker a function of that worker's own
-events and of the fleet's constants (its members, their cache sizes), so every
-router (every ``serve --processes`` child) holds the same blocks, whatever order
-the workers' events reach it in. Kept blocks stay a prefix of what
+events, so every router (every ``serve --processes`` child) holds the same blocks,
+whatever order the workers' events reach it in. Kept blocks stay a prefix of what
 each engine holds, which :meth:`KvIndex.match` relies on. Only when a group has
 needed room for ``max_blocks`` new blocks with no removal at all (a publisher that
 does not report what it drops) does a worker drop its oldest entries instead. What
@@ -94,14 +89,12 @@ def _h64(h: BlockHash) -> int:
 
 
 class _Worker:
-    __slots__ = ("bit", "block_size", "entries", "group", "share")
+    __slots__ = ("bit", "block_size", "entries", "group")
 
     def __init__(self, bit: int, group: str) -> None:
         self.bit = bit
         self.group = group
         self.block_size: int | None = None
-        #: the most entries it keeps (see :meth:`KvIndex._reshare`)
-        self.share = 1
         #: engine hash (64 bits) → key, in the order first stored: a block's
         #: ancestors are always older than it, so the newest entry is a leaf
         self.entries: OrderedDict[int, int] = OrderedDict()
@@ -116,11 +109,8 @@ class KvIndex:
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max(1, max_blocks)
         self._workers: dict[str, _Worker] = {}
-        #: workers per group
+        #: workers per group (a worker's share of the budget is max_blocks / this)
         self._peers: dict[str, int] = {}
-        #: per worker id: its engine's KV cache in tokens, as reported (one per
-        #: worker of the fleet at most: :meth:`forget` drops it)
-        self._capacity: dict[str, int] = {}
         self._by_bit: dict[int, str] = {}
         self._free_bits: list[int] = []
         #: per group: entries held by its workers
@@ -164,21 +154,6 @@ class KvIndex:
     def group_sizes(self) -> dict[str, int]:
         return dict(self._sizes)
 
-    def share_of(self, worker_id: str) -> int | None:
-        """The most entries the index keeps for ``worker_id`` (None: no events)."""
-        w = self._workers.get(worker_id)
-        return w.share if w is not None else None
-
-    def set_capacity(self, worker_id: str, tokens: int | None) -> None:
-        """``worker_id``'s engine reported a KV cache of ``tokens`` (None: it did
-        not say; a known size is kept, it is a constant of the engine)."""
-        if tokens is None or tokens <= 0 or self._capacity.get(worker_id) == tokens:
-            return
-        self._capacity[worker_id] = tokens
-        w = self._workers.get(worker_id)
-        if w is not None:
-            self._reshare(w.group)
-
     # -- events ---------------------------------------------------------------------------
 
     def apply(self, worker_id: str, batch: Batch, group: str = "") -> None:
@@ -205,7 +180,6 @@ class KvIndex:
 
     def forget(self, worker_id: str) -> None:
         """The worker left the fleet (its bit is free again)."""
-        self._capacity.pop(worker_id, None)
         w = self._workers.pop(worker_id, None)
         if w is not None:
             self._clear(w)
@@ -213,7 +187,6 @@ class KvIndex:
             del self._by_bit[w.bit]
             self._free_bits.append(w.bit)
             self._masks.clear()
-            self._reshare(w.group)
 
     def _worker(self, worker_id: str, group: str) -> _Worker:
         w = self._workers.get(worker_id)
@@ -224,35 +197,13 @@ class KvIndex:
             self._masks.clear()
             self._peers[group] = self._peers.get(group, 0) + 1
             self._sizes.setdefault(group, 0)
-            self._reshare(group)
         elif w.group != group:
             self._clear(w)
             self._leave(w.group)
-            self._reshare(w.group)
             w.group = group
             self._peers[group] = self._peers.get(group, 0) + 1
             self._sizes.setdefault(group, 0)
-            self._reshare(group)
         return w
-
-    def _reshare(self, group: str) -> None:
-        """Split ``group``'s budget over its workers by their caches in blocks
-        (equal while none has reported one)."""
-        members = [w for w in self._workers.values() if w.group == group]
-        if not members:
-            return
-        sizes = [w.block_size for w in members if w.block_size]
-        usual = max(set(sizes), key=sizes.count) if sizes else 1
-        weights: list[float | None] = []
-        for w in members:
-            tokens = self._capacity.get(self._by_bit[w.bit])
-            weights.append(tokens / (w.block_size or usual) if tokens else None)
-        known = [x for x in weights if x is not None]
-        mean = sum(known) / len(known) if known else 1.0
-        filled = [mean if x is None else x for x in weights]
-        total = sum(filled)
-        for w, x in zip(members, filled, strict=True):
-            w.share = max(1, int(self.max_blocks * x / total))
 
     def _leave(self, group: str) -> None:
         left = self._peers[group] - 1
@@ -281,8 +232,6 @@ class KvIndex:
                 self._clear(w)
             w.block_size = size
             self._masks.clear()
-            if self._capacity:
-                self._reshare(w.group)
         hashes = [_h64(h) for h in event.block_hashes]
         if len(event.token_ids) != size * len(hashes):
             self.unchained += len(hashes)
@@ -332,7 +281,8 @@ class KvIndex:
         go, as the likeliest gone from the engine.
         """
         entries = w.entries
-        free = min(w.share - len(entries), self.max_blocks - self._sizes[w.group])
+        share = max(1, self.max_blocks // self._peers[w.group])
+        free = min(share - len(entries), self.max_blocks - self._sizes[w.group])
         if free >= fresh:
             return fresh
         taken = max(0, free)

@@ -373,7 +373,6 @@ class Fleet:
                 self.others.pop(c.key, None)
             return
         self.engine[worker_id] = report
-        self.kv.set_capacity(worker_id, report.kv_capacity)
         extra = others(report, self.worker_load.get(worker_id, 0))
         share, rest = divmod(extra, len(cands))
         for i, c in enumerate(cands):

@@ -80,13 +80,6 @@ class AdminHandlers:
             ("meshkit_mock_active_streams", "gauge", "", stats.active_streams),
             ("meshkit_mock_sleeping", "gauge", "", 1 if app.sleeping_tags else 0),
         ]
-        if cache is not None:
-            # vLLM's info gauge: the cache's size is in its labels (a few of them).
-            info = (
-                f'{{block_size="{cache.block_size}",engine="0",'
-                f'num_gpu_blocks="{cache.capacity_blocks}",num_gpu_blocks_override="None"}}'
-            )
-            rows.append(("vllm:cache_config_info", "gauge", info, 1.0))
         lines: list[str] = []
         for name, kind, labels, value in rows:
             lines.append(f"# TYPE {name} {kind}")

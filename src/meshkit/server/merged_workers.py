@@ -18,7 +18,6 @@ everything else                        this process's: identity (``id``, ``url``
                                        ``tracked``), and what it decides on alone
                                        (``state``, ``healthy``, ``breaker``,
                                        ``prefix_match``, ``kv_blocks``,
-                                       ``kv_share``,
                                        ``engine_load``: the engine's own count)
 ``processes``                          added: ``{"<index>": {load, leases,
                                        breaker_trips, activity, state, breaker,
