@@ -212,6 +212,20 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
 # -- fleet process -------------------------------------------------------------------
 
 
+def kv_breaks(mesh: Any) -> dict[str, int]:
+    """The router's KV-event sequence breaks by outcome (replayed, cleared,
+    restart) and undecodable messages, summed over the workers (from its metrics)."""
+    out: dict[str, int] = {}
+    for family in mesh.metrics.registry.collect():
+        if family.name not in ("mesh_kv_gaps", "mesh_kv_errors"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.value:
+                what = sample.labels.get("outcome", "undecodable")
+                out[what] = out.get(what, 0) + int(sample.value)
+    return out
+
+
 def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
     """Run the mock workers until told to stop (or the coordinator goes away)."""
     from meshkit.mock import MockConfig, MockWorkerThread
@@ -346,6 +360,7 @@ def router_main(
             "kv_blocks": [r.get("kv_blocks") for r in rows],
             "kv_evicted": kv.evicted if kv is not None else 0,
             "kv_unchained": kv.unchained if kv is not None else 0,
+            "kv_gaps": kv_breaks(mesh),
         }
         results.put(("bye", idx, info))
     except Exception as exc:
@@ -637,6 +652,8 @@ def run_one(
                     f"router {r}: index replaced or left out {info['kv_evicted']} blocks "
                     f"for its bound, skipped {info['kv_unchained']} whose parent it did not hold"
                 )
+            if info.get("kv_gaps"):
+                run.notes.append(f"router {r}: KV-event sequence breaks {info['kv_gaps']}")
     # The bound: every answered request, in the order the routers sent them.
     served.sort(key=lambda x: x[0])
     run.bound = bound.hit_rate([b for _, b, _ in served])

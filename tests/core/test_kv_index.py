@@ -199,6 +199,22 @@ def test_a_publisher_that_never_reports_removals_ages_out_its_oldest_blocks() ->
     assert idx.match([21, 21, 22, 22], ["a"]) == {"a": 4} and idx.blocks_of("a") == 4
 
 
+def test_engines_filling_up_together_do_not_look_like_a_publisher_without_removals() -> None:
+    # Four engines warm up: each stores more than its share, none has evicted yet.
+    # Together they needed room for more than the budget, each one alone for less:
+    # no publisher is missing its removals, so the hot roots (the oldest) stay.
+    idx = KvIndex(max_blocks=8)
+    for w in "abcd":
+        idx.attach(w)
+    for i, w in enumerate("abcd"):
+        idx.apply(w, stored([100 * i], None, [i, i]))  # each engine's hot root
+        for n in range(1, 5):  # then four new prompts, no removal: 3 find no room
+            idx.apply(w, stored([100 * i + n], None, [i, -n]))
+    for i, w in enumerate("abcd"):
+        assert idx.match([i, i], [w]) == {w: 2}
+        assert idx.blocks_of(w) == 2
+
+
 def test_removals_of_blocks_the_index_never_held_still_count_as_reported() -> None:
     idx = KvIndex(max_blocks=4)
     idx.apply("a", stored([1, 2, 3, 4], None, [1, 1, 2, 2, 3, 3, 4, 4]))

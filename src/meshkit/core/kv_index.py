@@ -89,12 +89,14 @@ def _h64(h: BlockHash) -> int:
 
 
 class _Worker:
-    __slots__ = ("bit", "block_size", "entries", "group")
+    __slots__ = ("bit", "block_size", "crowded", "entries", "group")
 
     def __init__(self, bit: int, group: str) -> None:
         self.bit = bit
         self.group = group
         self.block_size: int | None = None
+        #: new blocks that found no room since its engine last reported a removal
+        self.crowded = 0
         #: engine hash (64 bits) → key, in the order first stored: a block's
         #: ancestors are always older than it, so the newest entry is a leaf
         self.entries: OrderedDict[int, int] = OrderedDict()
@@ -119,8 +121,6 @@ class KvIndex:
         self._holders: dict[int, int] = {}
         #: per candidate set: bit masks by block size (the fleet's sets recur)
         self._masks: dict[tuple[str, ...], dict[int, int]] = {}
-        #: per group: new blocks that found no room since its last removal event
-        self._crowded: dict[str, int] = {}
         #: stored blocks skipped: their parent was unknown, or the event was malformed
         self.unchained = 0
         #: blocks left out, or entries replaced, to stay within max_blocks
@@ -163,7 +163,7 @@ class KvIndex:
                 self._stored(w, event)
             elif isinstance(event, BlockRemoved):
                 # The publisher reports what it drops (held here or not): no fallback.
-                self._crowded[w.group] = 0
+                w.crowded = 0
                 entries = w.entries
                 for h in event.block_hashes:
                     key = entries.pop(_h64(h), None)
@@ -223,7 +223,7 @@ class KvIndex:
                     holders.pop(key, None)
             self._sizes[w.group] -= len(w.entries)
             w.entries.clear()
-            self._crowded[w.group] = 0
+            w.crowded = 0
 
     def _stored(self, w: _Worker, event: BlockStored) -> None:
         size = event.block_size
@@ -287,9 +287,8 @@ class KvIndex:
             return fresh
         taken = max(0, free)
         need = fresh - taken
-        crowded = self._crowded.get(w.group, 0) + need
-        self._crowded[w.group] = crowded
-        oldest = crowded > self.max_blocks
+        w.crowded += need
+        oldest = w.crowded > self.max_blocks
         again = set(own)
         while need and entries:
             h = next(iter(entries)) if oldest else next(reversed(entries))
