@@ -28,10 +28,13 @@ engine holds them, and what it later stores under them cannot be chained.
 The share makes what the index holds of a worker a function of that worker's own
 events, so every router (every ``serve --processes`` child) holds the same blocks,
 whatever order the workers' events reach it in. Kept blocks stay a prefix of what
-each engine holds, which :meth:`KvIndex.match` relies on. Only when a group has
-needed room for ``max_blocks`` new blocks with no removal at all (a publisher that
-does not report what it drops) does a worker drop its oldest entries instead. What
-is dropped or left out is counted (:attr:`KvIndex.evicted`).
+each engine holds, which :meth:`KvIndex.match` relies on. Only when a worker has
+needed room for ``max_blocks`` new blocks with no removal from its engine (a
+publisher that does not report what it drops) does it drop its oldest entries
+instead. Counted per worker: engines that start empty together store past their
+shares for a while before any is full enough to evict, and counted over the group
+that looked like a silent publisher, and dropped the hot roots. What is dropped or
+left out is counted (:attr:`KvIndex.evicted`).
 
 A ``BlockStored`` whose parent the index does not know (left out, or stored before
 meshkit subscribed) cannot be chained and is skipped: it is counted
@@ -275,9 +278,9 @@ class KvIndex:
         Within its share and the group's budget, all. Past them, each new block
         replaces ``w``'s newest entry, a leaf (the end of the turn stored last),
         unless that is the block the new ones hang from (or one this event names
-        again, which its new blocks may hang from). A group that has needed
-        room for a whole budget of blocks with no removal event at all has a
-        publisher that does not report what it drops: there ``w``'s oldest entries
+        again, which its new blocks may hang from). A worker that has needed
+        room for a whole budget of blocks with no removal from its engine has a
+        publisher that does not report what it drops: there its oldest entries
         go, as the likeliest gone from the engine.
         """
         entries = w.entries
