@@ -215,6 +215,20 @@ def test_engines_filling_up_together_do_not_look_like_a_publisher_without_remova
         assert idx.blocks_of(w) == 2
 
 
+def test_a_silent_publisher_beside_reporting_ones_still_ages_out_its_oldest() -> None:
+    idx = KvIndex(max_blocks=4)
+    idx.attach("a")
+    idx.attach("b")  # shares of 2
+    idx.apply("a", stored([1, 2], None, [1, 1, 2, 2]))
+    for n in range(5):  # a needs room again and again and never reports a removal,
+        idx.apply("a", stored([10 + n], None, [10 + n, 10 + n]))
+        # while b's engine reports its own evictions
+        idx.apply("b", stored([50 + n], None, [50 + n, 50 + n]))
+        idx.apply("b", Batch(0.0, (BlockRemoved((50 + n,)),)))
+    assert idx.match([1, 1], ["a"]) == {"a": 0}  # a's oldest went
+    assert idx.match([14, 14], ["a"]) == {"a": 2}
+
+
 def test_removals_of_blocks_the_index_never_held_still_count_as_reported() -> None:
     idx = KvIndex(max_blocks=4)
     idx.apply("a", stored([1, 2, 3, 4], None, [1, 1, 2, 2, 3, 3, 4, 4]))

@@ -31,10 +31,11 @@ whatever order the workers' events reach it in. Kept blocks stay a prefix of wha
 each engine holds, which :meth:`KvIndex.match` relies on. Only when a worker has
 needed room for ``max_blocks`` new blocks with no removal from its engine (a
 publisher that does not report what it drops) does it drop its oldest entries
-instead. Counted per worker: engines that start empty together store past their
-shares for a while before any is full enough to evict, and counted over the group
-that looked like a silent publisher, and dropped the hot roots. What is dropped or
-left out is counted (:attr:`KvIndex.evicted`).
+instead. It is counted per worker because engines that start empty together all
+store past their shares before any is full enough to evict: counted over the
+group, that looked like a silent publisher and dropped the hot roots (and one
+silent publisher among reporting ones was never found). What is dropped or left
+out is counted (:attr:`KvIndex.evicted`).
 
 A ``BlockStored`` whose parent the index does not know (left out, or stored before
 meshkit subscribed) cannot be chained and is skipped: it is counted
