@@ -6,8 +6,8 @@ How many follow-ups the traffic-share plan alone moves, from a multi_router dump
 ``multi_router.py --dump DUMP`` wrote and, for every run of ``--config`` with more
 than one router, replays ``prefix_hash``'s traffic-share plan
 (:class:`~meshkit.core.policies.shares.TrafficShares`): each request is observed by
-the router that took it, in the order sent, and placed on its tenant's slots as
-that router's plan has them. Nothing else of the policy runs (no in-flight bound,
+the router that took it, in the order sent, and placed where that router's plan puts
+its conversation. Nothing else of the policy runs (no in-flight bound,
 no spill memory), and the ring is over ``w0..wN`` rather than the run's addresses,
 so the replay says how much of a run's moves the plan's disagreement explains, not
 which request moved.
@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshkit.core.policies.ring import HashRing, hash_bytes
-from meshkit.core.policies.shares import TrafficShares, jump_hash
+from meshkit.core.policies.shares import TrafficShares
 
-#: the policy's defaults (``PrefixHash``): share_fit, share_half_life_s, share_memory
-_FIT, _HALF_LIFE_S, _MEMORY = 1.1, 300.0, 4096
+#: the policy's defaults (``PrefixHash``): owner_share, share_half_life_s, share_memory
+_OWNER, _HALF_LIFE_S, _MEMORY = 0.25, 300.0, 4096
 
 
 def replay(rows: Sequence[dict[str, Any]]) -> tuple[Counter[int], Counter[int], Counter[int]]:
@@ -37,7 +37,7 @@ def replay(rows: Sequence[dict[str, Any]]) -> tuple[Counter[int], Counter[int], 
     workers = sorted({r["worker"] for r in rows})
     ring = HashRing(workers, 150)
     routers: dict[int, TrafficShares] = defaultdict(
-        lambda: TrafficShares(fit=_FIT, half_life_s=_HALF_LIFE_S, max_prefixes=_MEMORY)
+        lambda: TrafficShares(owner_share=_OWNER, half_life_s=_HALF_LIFE_S, max_prefixes=_MEMORY)
     )
     t0 = rows[0]["t_send"] if rows else 0.0
     follow, moved_run, moved_plan = Counter[int](), Counter[int](), Counter[int]()
@@ -48,9 +48,8 @@ def replay(rows: Sequence[dict[str, Any]]) -> tuple[Counter[int], Counter[int], 
         point = hash_bytes(b"tenant:%d" % tenant)
         shares = routers[r["router"]]
         shares.observe(point, now)
-        slots = shares.plan(ring, ring.keys, now).workers_for(point, ring)
-        spread = hash_bytes(b"conv:%d" % conv)
-        planned = slots[jump_hash(spread, len(slots))] if len(slots) > 1 else slots[0]
+        plan = shares.plan(ring, ring.keys, now)
+        planned = plan.worker(point, hash_bytes(b"conv:%d" % conv), ring)
         if conv in last_run:
             follow[tenant] += 1
             moved_run[tenant] += last_run[conv] != r["worker"]

@@ -284,11 +284,11 @@ def test_hash_placement_agrees_across_the_processes(
 ) -> None:
     ws = [mock_factory(name=f"w{i}", output_tokens=2) for i in range(4)]
     cfg = tmp_path / "m.toml"
-    # The ring alone: with the share plan (share_fit > 0) placement also follows the
+    # The ring alone: with the share plan (owner_share > 0) placement also follows the
     # traffic each process has seen, so processes agree as far as their samples do
     # (docs/policies.md, "Traffic shares"), which opposite orders are not.
     cfg.write_text(
-        'policy = "prefix_hash"\n[policies.prefix_hash]\nshare_fit = 0\n'
+        'policy = "prefix_hash"\n[policies.prefix_hash]\nowner_share = 0\n'
         + "".join(f'[[workers]]\nurl = "{w.url}"\n' for w in ws)
     )
     gw = spawn("serve", "--config", str(cfg), "--port", "0", "--processes", "2")

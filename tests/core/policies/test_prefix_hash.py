@@ -45,8 +45,8 @@ def test_needs_tokens_and_a_character_fallback() -> None:
         ("first_turn_load_factor", 1.3),  # above the default load_factor 1.25
         ("spill_memory", -1),
         ("conversation_chars", 0),
-        ("share_fit", 0.5),
-        ("share_fit", 1.5),  # above the default load_factor 1.25
+        ("owner_share", -0.1),
+        ("owner_share", 1.5),
         ("share_half_life_s", 0),
         ("share_memory", 0),
         ("burst_factor", 1.0),
@@ -59,7 +59,7 @@ def test_bad_options_name_the_key(option: str, value: float) -> None:
 
 def test_same_token_prefix_same_worker_beyond_the_prefix(kit: SimpleNamespace) -> None:
     cs = kit.cands(6)
-    p = PrefixHash(prefix_token_count=8, share_fit=0)
+    p = PrefixHash(prefix_token_count=8, owner_share=0)
     head = list(range(100, 108))
     first = p.select(kit.ctx(cs, kit.view(token_ids=[*head, 1, 2, 3])))
     # Tokens past the prefix and the text do not matter when tokens are present.
@@ -70,7 +70,7 @@ def test_same_token_prefix_same_worker_beyond_the_prefix(kit: SimpleNamespace) -
 
 def test_character_prefix_when_there_are_no_tokens(kit: SimpleNamespace) -> None:
     cs = kit.cands(6)
-    p = PrefixHash(prefix_chars=32, share_fit=0)
+    p = PrefixHash(prefix_chars=32, owner_share=0)
     system = "You are a helpful assistant. " * 2  # > 32 characters
     picks = {p.select(kit.ctx(cs, kit.view(system + f"question {i}"))) for i in range(50)}
     assert len(picks) == 1
@@ -101,7 +101,7 @@ def test_no_prefix_at_all_balances_by_load(kit: SimpleNamespace) -> None:
 
 def test_hot_prefix_spills_to_the_next_worker_on_the_ring(kit: SimpleNamespace) -> None:
     cs = kit.cands(4)
-    p = PrefixHash(load_factor=1.25, share_fit=0)
+    p = PrefixHash(load_factor=1.25, owner_share=0)
     v = kit.view("the one hot system prompt")
     load: dict[str, int] = {}
     for _ in range(100):
@@ -291,7 +291,7 @@ def _hot(kit: SimpleNamespace, p: PrefixHash, cs: list[Candidate], text: str) ->
 
 def test_a_spilled_conversation_keeps_its_worker(kit: SimpleNamespace) -> None:
     cs = kit.cands(4)
-    p = PrefixHash(share_fit=0)
+    p = PrefixHash(owner_share=0)
     turns = ["my order 123 is late", "where is it now?", "and the refund?", "thanks"]
     first_text = chat(SYSTEM, turns[0])
     hot = _hot(kit, p, cs, first_text)
@@ -309,7 +309,7 @@ def test_a_spilled_conversation_keeps_its_worker(kit: SimpleNamespace) -> None:
 
 def test_without_memory_the_conversation_returns_to_the_owner(kit: SimpleNamespace) -> None:
     cs = kit.cands(4)
-    p = PrefixHash(spill_memory=0, share_fit=0)
+    p = PrefixHash(spill_memory=0, owner_share=0)
     text = chat(SYSTEM, "my order 123 is late")
     hot = _hot(kit, p, cs, text)
     owner = max(hot, key=lambda k: hot[k])
@@ -321,7 +321,7 @@ def test_without_memory_the_conversation_returns_to_the_owner(kit: SimpleNamespa
 def test_a_conversation_spills_to_the_same_worker_in_every_process(kit: SimpleNamespace) -> None:
     cs = kit.cands(6)
     text = chat(SYSTEM, "question", "follow-up")  # a running conversation: no two-choice
-    a, b = PrefixHash(share_fit=0), PrefixHash(share_fit=0)
+    a, b = PrefixHash(owner_share=0), PrefixHash(owner_share=0)
     hot = _hot(kit, a, cs, text)
     assert a.select(kit.ctx(cs, kit.view(text), load=hot)) == b.select(
         kit.ctx(cs, kit.view(text), load=hot)
@@ -338,7 +338,7 @@ def test_a_conversation_spills_to_the_same_worker_in_every_process(kit: SimpleNa
 
 def test_a_new_conversation_leaves_the_owner_headroom(kit: SimpleNamespace) -> None:
     cs = kit.cands(4)
-    p = PrefixHash(first_turn_load_factor=1.0, spill_memory=0, share_fit=0)
+    p = PrefixHash(first_turn_load_factor=1.0, spill_memory=0, owner_share=0)
     new = chat(SYSTEM, "first question")
     running = chat(SYSTEM, "first question", "second question")
     point = p.key_point(kit.ctx(cs, kit.view(new)))
@@ -350,13 +350,13 @@ def test_a_new_conversation_leaves_the_owner_headroom(kit: SimpleNamespace) -> N
     assert p.select(kit.ctx(cs, kit.view(new), load=load)).key != owner
     assert p.select(kit.ctx(cs, kit.view(running), load=load)).key == owner
     # With the factor at load_factor, the new conversation stays too.
-    q = PrefixHash(first_turn_load_factor=1.25, spill_memory=0, share_fit=0)
+    q = PrefixHash(first_turn_load_factor=1.25, spill_memory=0, owner_share=0)
     assert q.select(kit.ctx(cs, kit.view(new), load=load)).key == owner
 
 
 def test_spill_memory_is_bounded_and_least_recently_used(kit: SimpleNamespace) -> None:
     cs = kit.cands(4)
-    p = PrefixHash(spill_memory=2, share_fit=0)
+    p = PrefixHash(spill_memory=2, owner_share=0)
     texts = [chat(SYSTEM, f"question {i}", "more") for i in range(3)]
     hot = _hot(kit, p, cs, texts[0])
     for t in texts:
@@ -369,7 +369,7 @@ def test_spill_memory_is_bounded_and_least_recently_used(kit: SimpleNamespace) -
 
 def test_a_removed_worker_is_forgotten(kit: SimpleNamespace) -> None:
     cs = kit.cands(3, dp=2)
-    p = PrefixHash(share_fit=0)
+    p = PrefixHash(owner_share=0)
     hot = _hot(kit, p, cs, chat(SYSTEM, "q"))
     for i in range(40):
         p.select(kit.ctx(cs, kit.view(chat(SYSTEM, f"q{i}", "more")), load=hot))
@@ -392,7 +392,7 @@ def test_the_load_bound_always_holds(
     kit: SimpleNamespace, loads: list[int], conv: int, turns: int, chatty: bool
 ) -> None:
     cs = kit.cands(len(loads))
-    p = PrefixHash(spill_memory=4, share_fit=0)
+    p = PrefixHash(spill_memory=4, owner_share=0)
     load = {c.key: n for c, n in zip(cs, loads, strict=True)}
     bound = math.ceil(1.25 * (sum(loads) + 1) / len(loads))
     for k in range(turns):
@@ -408,7 +408,7 @@ def test_the_load_bound_always_holds(
 
 def test_requests_that_are_not_chats_are_placed_as_before(kit: SimpleNamespace) -> None:
     cs = kit.cands(5)
-    p = PrefixHash(share_fit=0)
+    p = PrefixHash(owner_share=0)
     ring = p._rings.get(kit.ctx(cs))
     r = random.Random(3)
     for i in range(300):

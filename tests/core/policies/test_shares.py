@@ -1,4 +1,4 @@
-"""Traffic shares: decayed counts, jump hash, the plan, and prefix_hash on it."""
+"""Traffic shares: decayed counts, the plan, and prefix_hash on it."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshkit.core.policies import PrefixHash
-from meshkit.core.policies.ring import HashRing
-from meshkit.core.policies.shares import SLOT_FRACTION, Decayed, TrafficShares, jump_hash
+from meshkit.core.policies.ring import HashRing, hash_bytes
+from meshkit.core.policies.shares import Decayed, Plan, TrafficShares, mix64, unit_interval
 
 
 def _system(tenant: int) -> str:
@@ -55,17 +55,17 @@ def _zipf_stream(seed: int, tenants: int, n_convs: int) -> list[tuple[int, int, 
 # -- the parts ------------------------------------------------------------------------
 
 
-def test_jump_hash_moves_only_to_the_new_bucket() -> None:
-    keys = [random.Random(i).getrandbits(64) for i in range(4000)]
-    for buckets in range(1, 9):
-        before = [jump_hash(k, buckets) for k in keys]
-        after = [jump_hash(k, buckets + 1) for k in keys]
-        assert all(0 <= b < buckets for b in before)
-        moved = [a for b, a in zip(before, after, strict=True) if a != b]
-        assert set(moved) <= {buckets}  # a key only ever moves to the new bucket
-        assert abs(len(moved) / len(keys) - 1 / (buckets + 1)) < 0.03
-        spread = Counter(after)
-        assert min(spread.values()) > 0.7 * len(keys) / (buckets + 1)
+def test_two_draws_from_one_point_are_uniform_and_independent() -> None:
+    points = [random.Random(i).getrandbits(64) for i in range(20000)]
+    us = [unit_interval(p) for p in points]
+    vs = [unit_interval(mix64(p)) for p in points]
+    for xs in (us, vs):
+        assert all(0.0 <= x < 1.0 for x in xs)
+        counts = Counter(int(x * 10) for x in xs)
+        assert min(counts.values()) > 0.9 * len(xs) / 10
+    # A conversation's "kept by the owner" draw says nothing of its pool draw.
+    low = [v for u, v in zip(us, vs, strict=True) if u < 0.2]
+    assert abs(sum(low) / len(low) - 0.5) < 0.02
 
 
 def test_decayed_values_halve_per_half_life_and_keep_the_largest() -> None:
@@ -80,23 +80,10 @@ def test_decayed_values_halve_per_half_life_and_keep_the_largest() -> None:
     assert d.values([3], 1000.0) == [5.0]
 
 
-def test_tracked_prefixes_are_bounded_by_share_memory() -> None:
-    shares = TrafficShares(fit=1.1, half_life_s=300.0, max_prefixes=100)
-    hot = 12345
-    for i in range(5000):
-        shares.observe(hot if i % 2 else i, float(i) / 100)
-        assert len(shares) <= 100
-    ring = HashRing(["a", "b", "c", "d"])
-    # The hot prefix survives the evictions and keeps its slots.
-    assert len(shares.plan(ring, ring.keys, 50.0).workers_for(hot, ring)) > 1
-
-
-def test_a_prefix_gets_slots_in_proportion_to_its_share() -> None:
-    ring = HashRing([f"w{i}" for i in range(4)])
-    shares = TrafficShares(fit=1.1, half_life_s=300.0, max_prefixes=1000)
-    mix = {1: 0.40, 2: 0.10, 3: 0.02}  # and 48 % of one-off prefixes
-    rng = random.Random(3)
-    for i in range(4000):
+def _observe_mix(shares: TrafficShares, mix: dict[int, float], n: int, seed: int) -> None:
+    """``n`` requests: the prefixes of ``mix`` at their shares, the rest one-off."""
+    rng = random.Random(seed)
+    for i in range(n):
         r, acc, point = rng.random(), 0.0, 1_000_000 + i
         for p, s in mix.items():
             acc += s
@@ -104,31 +91,75 @@ def test_a_prefix_gets_slots_in_proportion_to_its_share() -> None:
                 point = p
                 break
         shares.observe(point, 0.0)
-    plan = shares.plan(ring, ring.keys, 0.0)
-    unit = 1.1 / 4 * SLOT_FRACTION
-    assert len(plan.workers_for(1, ring)) == 4  # ceil(0.40 / 0.069) capped at n
-    assert len(plan.workers_for(2, ring)) == math.ceil(0.10 / unit)
-    walk = list(ring.walk(2))
-    assert plan.workers_for(2, ring) == tuple(walk[: math.ceil(0.10 / unit)])
-    # A small prefix is background: one worker, on its walk.
-    (only,) = plan.workers_for(3, ring)
-    assert only == next(k for k in ring.walk(3) if k not in plan.full)
-    assert abs(sum(plan.planned.values()) - 1.0) < 1e-6
 
 
-def test_a_small_prefix_avoids_a_worker_the_plan_filled() -> None:
+def _where(plan: Plan, ring: HashRing, point: int, convs: int = 4000) -> list[str | None]:
+    return [plan.worker(point, hash_bytes(b"c%d" % c), ring) for c in range(convs)]
+
+
+def test_tracked_prefixes_are_bounded_by_share_memory() -> None:
+    shares = TrafficShares(owner_share=0.25, half_life_s=300.0, max_prefixes=100)
+    hot = 12345
+    for i in range(5000):
+        shares.observe(hot if i % 2 else i, float(i) / 100)
+        assert len(shares) <= 100
+    ring = HashRing(["a", "b", "c", "d"])
+    # The hot prefix survives the evictions and is still spread.
+    plan = shares.plan(ring, ring.keys, 50.0)
+    assert len(set(_where(plan, ring, hot))) == 4
+
+
+def test_an_owner_keeps_a_capped_part_and_the_pool_levels_the_rest() -> None:
     ring = HashRing([f"w{i}" for i in range(4)])
-    shares = TrafficShares(fit=1.1, half_life_s=300.0, max_prefixes=1000)
-    points = [random.Random(i).getrandbits(64) for i in range(2000)]
-    hot = [p for p in points if ring.owner(p) == "w0"][:2]
-    for i in range(1000):
-        # two prefixes of 12 % each, both first on w0; the rest one-off
-        shares.observe(hot[i % 2] if i % 25 < 6 else 10**9 + i, 0.0)
+    shares = TrafficShares(owner_share=0.25, half_life_s=300.0, max_prefixes=1000)
+    # three prefixes, each first on its own worker (no owner past its fair share)
+    by_owner = {ring.owner(p): p for p in (random.Random(i).getrandbits(64) for i in range(99))}
+    hot, mid, small = list(by_owner.values())[:3]
+    share = {hot: 0.40, mid: 0.10, small: 0.02}
+    _observe_mix(shares, share, 8000, 3)  # and 48 % one-off
     plan = shares.plan(ring, ring.keys, 0.0)
-    assert plan.full == {"w0"}  # planned past 1 / n by the two
-    cold = next(p for p in points if ring.owner(p) == "w0" and p not in hot)
-    (there,) = plan.workers_for(cold, ring)
-    assert there == next(k for k in ring.walk(cold) if k != "w0")
+    cap = 0.25 / 4
+    for point in (hot, mid):
+        assert plan.kept[point] == pytest.approx(cap / share[point], rel=0.1)
+        where = Counter(_where(plan, ring, point))
+        assert where[plan.owner(point, ring)] / 4000 == pytest.approx(
+            plan.kept[point] + (1 - plan.kept[point]) * 0.25, abs=0.08
+        )
+    # A small prefix stays whole on its owner, the first worker of its walk.
+    assert small not in plan.kept
+    assert set(_where(plan, ring, small)) == {ring.owner(small)}
+    assert sum(plan.planned.values()) == pytest.approx(1.0)
+    assert max(plan.planned.values()) - min(plan.planned.values()) < 1e-9
+
+
+def test_a_worker_that_owns_too_much_keeps_only_its_fair_share() -> None:
+    ring = HashRing([f"w{i}" for i in range(4)])
+    shares = TrafficShares(owner_share=1.0, half_life_s=300.0, max_prefixes=1000)
+    points = [random.Random(i).getrandbits(64) for i in range(4000)]
+    mine = [p for p in points if ring.owner(p) == "w0"][:3]
+    # three prefixes of 16 % each, all first on w0; the rest one-off
+    _observe_mix(shares, dict.fromkeys(mine, 0.16), 10000, 4)
+    plan = shares.plan(ring, ring.keys, 0.0)
+    assert plan.planned["w0"] == pytest.approx(0.25, abs=1e-9)
+    assert "w0" not in plan.pool
+    for p in mine:
+        assert plan.owner(p, ring) == "w0"
+        assert plan.kept[p] < 1.0
+
+
+def test_a_small_change_in_the_shares_moves_few_conversations() -> None:
+    ring = HashRing([f"w{i}" for i in range(4)])
+    mix = {1: 0.30, 2: 0.12, 3: 0.08, 4: 0.05, 5: 0.03}
+    plans = []
+    for seed in (1, 2):  # two routers, two samples of the same traffic
+        shares = TrafficShares(owner_share=0.25, half_life_s=300.0, max_prefixes=1000)
+        _observe_mix(shares, mix, 20000, seed)
+        plans.append(shares.plan(ring, ring.keys, 0.0))
+    for point in mix:
+        a, b = (_where(plan, ring, point) for plan in plans)
+        moved = sum(x != y for x, y in zip(a, b, strict=True)) / len(a)
+        # A step function of the estimates would move a whole prefix at once.
+        assert moved < 0.1, (point, moved)
 
 
 # -- prefix_hash on the plan ----------------------------------------------------------
@@ -167,7 +198,7 @@ def test_the_plan_balances_at_low_concurrency_where_the_ring_cannot(
             per[policy.select(kit.ctx(cs, kit.view(_turn(t, c, k)), now=step * 0.01)).key] += 1
         return max(per.values()) / (len(stream) / len(cs))
 
-    planned, ring_only = imbalance(PrefixHash()), imbalance(PrefixHash(share_fit=0))
+    planned, ring_only = imbalance(PrefixHash()), imbalance(PrefixHash(owner_share=0))
     assert planned <= 1.25 < ring_only
 
 
@@ -228,7 +259,7 @@ def test_the_plan_is_made_after_8_16_32_64_128_then_every_128_requests(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ring = HashRing(["a", "b"])
-    shares = TrafficShares(fit=1.1, half_life_s=300.0, max_prefixes=10)
+    shares = TrafficShares(owner_share=0.25, half_life_s=300.0, max_prefixes=10)
     made: list[int] = []
     make = shares._make
 

@@ -63,11 +63,12 @@ owner when the owner has room, else to the same spill target.
 Traffic shares
 --------------
 
-With ``share_fit`` set (the default), a prefix's workers come from a plan made of
-each prefix's share of recent traffic (:mod:`meshkit.core.policies.shares`): the
-one thing K independent routers see alike. A hot prefix gets several slots and a
-conversation picks one by jump hash; the in-flight bound becomes a guard against
-bursts (``burst_factor``).
+With ``owner_share`` set (the default), a prefix's worker comes from a plan made
+of each prefix's share of recent traffic (:mod:`meshkit.core.policies.shares`):
+the one thing K independent routers see alike. A prefix's ring owner keeps up to
+``owner_share`` of a worker's fair share of it; the rest of a hot prefix fills the
+workers the owners left under theirs, a conversation picking its worker by hash.
+The in-flight bound becomes a guard against bursts (``burst_factor``).
 
 Choose ``prefix_token_count`` deeper than prompts' shared part (a common system
 prompt plus tools) when requests are single-turn: a key that covers only the
@@ -82,7 +83,7 @@ do all the balancing.
     load_factor = 1.25
     first_turn_load_factor = 1.0
     spill_memory = 16384
-    share_fit = 1.1
+    owner_share = 0.25
 
 .. autoclass:: PrefixHash
 .. autofunction:: conversation_head
@@ -92,11 +93,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.policies.ring import HashRing, bounded_load_pick, hash_bytes, hash_token_ids
-from meshkit.core.policies.shares import TrafficShares, jump_hash
+from meshkit.core.policies.shares import TrafficShares
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
 from meshkit.errors import ConfigError
@@ -132,17 +133,6 @@ def conversation_head(text: str, limit: int) -> tuple[int, bool] | None:
     # The head runs past the window: every turn has the same first ``limit``
     # characters, and whether this one is the first is not known.
     return limit, False
-
-
-def _slot(slots: tuple[str, ...], spread: int, eligible: Mapping[str, object]) -> str:
-    """The slot ``spread`` falls in; when its worker cannot take requests, the next
-    slot that can (the other slots keep their conversations)."""
-    at = jump_hash(spread, len(slots))
-    for step in range(len(slots)):
-        key = slots[(at + step) % len(slots)]
-        if key in eligible:
-            return key
-    return slots[at]
 
 
 class RingCache:
@@ -188,8 +178,9 @@ class PrefixHash(BasePolicy):
         are remembered (least recently used forgotten first); ``0`` remembers none.
     :param conversation_chars: how far into the routing text the end of the first
         user message is looked for.
-    :param share_fit: the traffic-share plan keeps a worker's planned share near
-        ``share_fit / n``; ``0`` turns the plan off.
+    :param owner_share: with the traffic-share plan, the part of a worker's fair
+        share (``1 / n``) each prefix keeps on its ring owner; ``0`` turns the
+        plan off.
     :param share_half_life_s: the decay of the shares.
     :param share_memory: prefixes whose share is tracked.
     :param burst_factor: with the plan, a request moves only when its worker's
@@ -207,7 +198,7 @@ class PrefixHash(BasePolicy):
         first_turn_load_factor: float = 1.0,
         spill_memory: int = 16384,
         conversation_chars: int = 32768,
-        share_fit: float = 1.1,
+        owner_share: float = 0.25,
         share_half_life_s: float = 300.0,
         share_memory: int = 4096,
         burst_factor: float = 2.0,
@@ -228,10 +219,8 @@ class PrefixHash(BasePolicy):
             raise ConfigError("policies.prefix_hash.spill_memory", "must be >= 0")
         if conversation_chars < 1:
             raise ConfigError("policies.prefix_hash.conversation_chars", "must be >= 1")
-        if share_fit != 0 and not 1.0 <= share_fit <= load_factor:
-            raise ConfigError(
-                "policies.prefix_hash.share_fit", "must be 0 (off) or >= 1 and <= load_factor"
-            )
+        if not 0.0 <= owner_share <= 1.0:
+            raise ConfigError("policies.prefix_hash.owner_share", "must be 0 (off) to 1")
         if not share_half_life_s > 0:
             raise ConfigError("policies.prefix_hash.share_half_life_s", "must be > 0")
         if share_memory < 1:
@@ -251,13 +240,15 @@ class PrefixHash(BasePolicy):
             prefix_tokens=prefix_token_count,
             prefix_chars=max(prefix_chars, conversation_chars),
         )
-        self.share_fit = float(share_fit)
+        self.owner_share = float(owner_share)
         self.share_half_life_s = float(share_half_life_s)
         self.share_memory = share_memory
         self.burst_factor = float(burst_factor)
         self._shares = (
-            TrafficShares(fit=share_fit, half_life_s=share_half_life_s, max_prefixes=share_memory)
-            if share_fit
+            TrafficShares(
+                owner_share=owner_share, half_life_s=share_half_life_s, max_prefixes=share_memory
+            )
+            if owner_share
             else None
         )
         self._rings = RingCache(virtual_nodes)
@@ -319,12 +310,13 @@ class PrefixHash(BasePolicy):
             share = (total + n) / n
             if ctx.attempt == 0:
                 shares.observe(point, ctx.now)
-            slots = shares.plan(ring, ring.keys, ctx.now).workers_for(point, ring)
-            owner = slots[0] if slots else None
-            if len(slots) > 1:
+            plan = shares.plan(ring, ring.keys, ctx.now)
+            if point in plan.kept:
                 conv_first = self.conversation_point(ctx.view, point)
                 conv_known = True
-                owner = _slot(slots, self._spread_point(ctx.view, point, conv_first), by_key)
+                owner = plan.worker(point, self._spread_point(ctx.view, point, conv_first), ring)
+            else:
+                owner = plan.owner(point, ring)
             # The plan balances the expected load; in flight, only a burst past
             # ``burst_factor`` times the mean moves a request.
             bound = first_limit = math.ceil(self.burst_factor * share)
@@ -393,7 +385,7 @@ class PrefixHash(BasePolicy):
     def _spread_point(
         self, view: RequestView, point: int, conv_first: tuple[int, bool] | None
     ) -> int:
-        """What picks a hot prefix's slot: the conversation, else the longer text."""
+        """What splits a hot prefix: the conversation, else the longer text."""
         if conv_first is not None:
             return conv_first[0]
         text = view.routing_text[: self.conversation_chars]

@@ -10,49 +10,52 @@ random sample of the same traffic, so each one's estimate of **what fraction of
 the traffic each prefix is** converges to the same numbers.
 
 :class:`TrafficShares` keeps those fractions (decayed counts per prefix point,
-bounded) and turns them into a :class:`Plan`, the way consistent hashing with
-bounded loads places keys, but on expected shares instead of instantaneous load:
+bounded) and turns them into a :class:`Plan`:
 
-* a prefix whose share is above ``fit / n`` (``n`` workers) is cut into
-  ``ceil(share / (fit / n))`` equal *slots*, so one tenant hotter than a worker's
-  fair share spreads over a second (third…) worker;
-* prefixes are placed hottest first; their slots are the first workers
-  clockwise from the prefix's ring point that the hotter prefixes did not fill
-  (planned share below ``fit / n``), then the filled ones;
-* traffic outside the tracked hot prefixes is spread evenly as background;
-* a prefix not in the plan goes to the first worker on its walk that the plan
-  did not fill.
+* each prefix's *owner*, the first worker of its ring walk, keeps up to
+  ``cap = owner_share / n`` of the traffic: all of a small prefix, and of a
+  hotter one the conversations whose hash (:func:`unit_interval`) falls under
+  ``cap / share``;
+* a worker that owns more than its fair share ``1 / n`` keeps the same fraction of
+  each of its prefixes, so the ring's draw never overloads it;
+* the rest of every prefix is the *pool*; it fills the workers least planned
+  first (water-filling) until the planned shares are level, and a pool
+  conversation picks its worker by a second hash (:func:`mix64`) against the
+  pool's cumulative shares, the workers in key order;
+* prefixes under an eighth of the cap are background (they go to their owner and
+  count as spread evenly).
 
-A request of a prefix with several slots picks one by :func:`jump_hash` of its
-conversation's point: every turn of a conversation takes the same slot, and when
-a prefix gains a slot only ``1/slots`` of its conversations move.
+Every threshold moves continuously with the estimates. Two routers whose
+estimates differ a little send only the conversations whose hashes fall between
+their thresholds to different workers, never a whole prefix: a plan of steps
+(whole slots, a worker "filled" or not) moves every conversation of a prefix
+whose estimate straddles a step, and at K routers the mid-sized prefixes do.
 
 Noise: at ``K`` routers each estimate rests on ``1/K`` of the requests, so the
-shares differ a little between routers and a prefix near a worker's limit may be
-planned differently; the plan is recomputed after 8, 16, 32, … observations,
-then every :data:`REPLAN_EVERY`, and when the fleet changes.
+shares differ a little between routers; the plan is recomputed after 8, 16, 32,
+… observations, then every :data:`REPLAN_EVERY`, and when the fleet changes.
 """
 
 from __future__ import annotations
 
-import itertools
+import bisect
 import math
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from meshkit.core.policies.ring import HashRing
 
-__all__ = ["REPLAN_EVERY", "SLOT_FRACTION", "Decayed", "Plan", "TrafficShares", "jump_hash"]
+__all__ = ["REPLAN_EVERY", "Decayed", "Plan", "TrafficShares", "mix64", "unit_interval"]
 
 K = TypeVar("K", bound=Hashable)
 
 #: observations between two plans once the first ones are made
 REPLAN_EVERY = 128
-#: a slot's share of the traffic, as a fraction of one worker's planned share
-SLOT_FRACTION = 0.25
-#: prefixes below this fraction of a worker's share are background, not planned
-_HOT_FRACTION = 0.125
+#: prefixes below this fraction of the owner's cap are background, not planned
+_BACKGROUND = 0.125
 _MASK64 = (1 << 64) - 1
+_MASK53 = (1 << 53) - 1
+_TO_UNIT = 1.0 / (1 << 53)
 
 
 class Decayed(Generic[K]):
@@ -114,49 +117,60 @@ class Decayed(Generic[K]):
         return len(self._scaled)
 
 
-def jump_hash(key: int, buckets: int) -> int:
-    """Lamping and Veach's jump consistent hash: a bucket in ``[0, buckets)``; going
-    from ``b`` to ``b + 1`` buckets moves only ``1/(b + 1)`` of the keys."""
-    key &= _MASK64
-    b, j = -1, 0
-    while j < buckets:
-        b = j
-        key = (key * 2862933555777941757 + 1) & _MASK64
-        j = int((b + 1) * (float(1 << 31) / float((key >> 33) + 1)))
-    return b
+def unit_interval(point: int) -> float:
+    """``point``'s low 53 bits as a float in ``[0, 1)``."""
+    return (point & _MASK53) * _TO_UNIT
+
+
+def mix64(point: int) -> int:
+    """A second, independent-looking 64-bit value from ``point`` (the splitmix64
+    finalizer): one conversation point gives two uncorrelated draws."""
+    z = (point + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class Plan:
-    """The workers each hot prefix is spread over, and the workers the plan filled."""
+    """Where each prefix's traffic goes: its ring owner keeps up to ``owner_share``
+    of a worker's fair share, the rest joins a pool that levels the fleet."""
 
-    __slots__ = ("full", "planned", "slots")
+    __slots__ = ("_owners", "bounds", "kept", "planned", "pool")
 
     def __init__(
-        self, slots: dict[int, tuple[str, ...]], planned: dict[str, float], full: frozenset[str]
+        self,
+        owners: dict[int, str],
+        kept: dict[int, float],
+        pool: tuple[str, ...],
+        bounds: tuple[float, ...],
+        planned: dict[str, float],
     ) -> None:
-        #: prefix point -> its slots' workers, hottest slot first
-        self.slots = slots
-        #: worker -> planned share of the traffic (background included)
+        self._owners = owners
+        #: prefix point -> the fraction of its conversations its owner keeps (< 1)
+        self.kept = kept
+        #: the workers the pool fills, each with its upper bound in ``bounds``
+        self.pool = pool
+        self.bounds = bounds
+        #: worker -> planned share of the traffic (owned, background and pool)
         self.planned = planned
-        #: workers whose planned share reached the limit
-        self.full = full
 
-    def workers_for(self, point: int, ring: HashRing) -> tuple[str, ...]:
-        """The slots of ``point``; for a prefix not in the plan, the first worker on
-        its walk the plan did not fill (the ring's owner when all are full)."""
-        got = self.slots.get(point)
+    def owner(self, point: int, ring: HashRing) -> str | None:
+        """The first worker on ``point``'s walk that the plan was made for."""
+        got = self._owners.get(point)
         if got is not None:
             return got
-        full = self.full
-        first = None
-        for key in ring.walk(point):
-            if key not in self.planned:
-                continue  # on the ring, not a candidate the plan was made for
-            if first is None:
-                first = key
-            if key not in full:
-                return (key,)
-        return (first,) if first is not None else ()
+        planned = self.planned
+        return next((k for k in ring.walk(point) if k in planned), None)
+
+    def worker(self, point: int, spread: int, ring: HashRing) -> str | None:
+        """The worker for a request of prefix ``point`` whose conversation is at
+        ``spread``: the same for every turn while the plan holds, and a small change
+        in the shares moves few conversations (each threshold moves continuously)."""
+        kept = self.kept.get(point)
+        if kept is None or unit_interval(spread) < kept or not self.pool:
+            return self.owner(point, ring)
+        at = bisect.bisect_right(self.bounds, unit_interval(mix64(spread)))
+        return self.pool[min(at, len(self.pool) - 1)]
 
 
 class TrafficShares:
@@ -168,8 +182,8 @@ class TrafficShares:
     :param max_prefixes: prefixes tracked; the least requested are dropped first.
     """
 
-    def __init__(self, *, fit: float, half_life_s: float, max_prefixes: int) -> None:
-        self.fit = fit
+    def __init__(self, *, owner_share: float, half_life_s: float, max_prefixes: int) -> None:
+        self.owner_share = owner_share
         self.max_prefixes = max_prefixes
         self._counts: Decayed[int] = Decayed(half_life_s)
         self._total: Decayed[int] = Decayed(half_life_s)
@@ -211,34 +225,72 @@ class TrafficShares:
     def _make(self, ring: HashRing, members: tuple[str, ...], now: float) -> Plan:
         n = len(members)
         planned = dict.fromkeys(members, 0.0)
-        if not n:
-            return Plan({}, planned, frozenset())
+        owners: dict[int, str] = {}
+        kept: dict[int, float] = {}
         total = self._total.values([0], now)[0]
-        limit = self.fit / n
-        hot: list[tuple[float, int]] = []
-        if total > 0:
-            floor = _HOT_FRACTION * limit * total
-            hot = [(v / total, p) for p, v in self._counts.at_least(floor, now)]
-        # Hottest first; the point breaks ties the same way in every process.
-        hot.sort(key=lambda sp: (-sp[0], sp[1]))
-        background = max(0.0, 1.0 - sum(s for s, _ in hot)) / n
+        if not n or total <= 0:
+            return Plan(owners, kept, (), (), planned)
+        cap = self.owner_share / n
+        # Prefixes below an eighth of the cap are background: each one's owner
+        # changes by less than that when it crosses, and walking the ring for all
+        # of ``max_prefixes`` at every plan would cost more than the placement.
+        tracked = self._counts.at_least(cap * _BACKGROUND * total, now)
+        owned: list[tuple[int, str, float, float]] = []  # point, owner, share, own
+        for point, count in tracked:
+            share = count / total
+            owner = next((k for k in ring.walk(point) if k in planned), None)
+            if owner is None:
+                continue
+            own = min(share, cap)
+            owned.append((point, owner, share, own))
+            planned[owner] += own
+        background = max(0.0, 1.0 - sum(share for _, _, share, _ in owned)) / n
+        # A worker that owns more than its fair share keeps a scaled part of each of
+        # its prefixes (the scale moves with the estimates, no step): the ring
+        # alone gives some worker half of the small prefixes.
+        fair = 1.0 / n
+        scale = {
+            key: min(1.0, max(0.0, fair - background) / v) if v > 0 else 1.0
+            for key, v in planned.items()
+        }
         for key in members:
             planned[key] = background
-        slots: dict[int, tuple[str, ...]] = {}
-        unit = limit * SLOT_FRACTION
-        for share, point in hot:
-            # The first workers of the prefix's own walk that hotter prefixes did
-            # not fill, not a best fit: a small difference in a cooler prefix's
-            # estimate (another router's sample) never moves a hotter one.
-            count = min(n, max(1, math.ceil(share / unit - 1e-9)))
-            walk = [k for k in ring.walk(point) if k in planned]
-            room = [k for k in walk if planned[k] < limit - 1e-12]
-            chosen = tuple(
-                itertools.islice(itertools.chain(room, (k for k in walk if k not in room)), count)
-            )
-            part = share / len(chosen)
-            for key in chosen:
-                planned[key] += part
-            slots[point] = chosen
-        full = frozenset(k for k, v in planned.items() if v >= limit - 1e-12)
-        return Plan(slots, planned, full)
+        pooled = 0.0
+        for point, owner, share, own in owned:
+            own *= scale[owner]
+            planned[owner] += own
+            owners[point] = owner
+            if share - own > 1e-12:
+                kept[point] = own / share
+                pooled += share - own
+        pool, bounds = _level(planned, pooled)
+        return Plan(owners, kept, pool, bounds, planned)
+
+
+def _level(planned: dict[str, float], pooled: float) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """Water-fill ``pooled`` onto the least planned workers (updating ``planned``):
+    the pool's workers in key order (the same in every process) and the cumulative
+    fraction of the pool each one ends at."""
+    if pooled <= 0:
+        return (), ()
+    levels = sorted(planned.values())
+    level, left = levels[0], pooled
+    for i in range(len(levels)):
+        nxt = levels[i + 1] if i + 1 < len(levels) else math.inf
+        need = (nxt - level) * (i + 1)
+        if need >= left:
+            level += left / (i + 1)
+            break
+        left -= need
+        level = nxt
+    pool: list[str] = []
+    bounds: list[float] = []
+    acc = 0.0
+    for key in sorted(planned):
+        part = level - planned[key]
+        if part > 1e-12:
+            planned[key] = level
+            acc += part
+            pool.append(key)
+            bounds.append(acc / pooled)
+    return tuple(pool), tuple(bounds)
