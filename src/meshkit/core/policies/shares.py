@@ -157,10 +157,7 @@ class Plan:
     def owner(self, point: int, ring: HashRing) -> str | None:
         """The first worker on ``point``'s walk that the plan was made for."""
         got = self._owners.get(point)
-        if got is not None:
-            return got
-        planned = self.planned
-        return next((k for k in ring.walk(point) if k in planned), None)
+        return got if got is not None else _first_member(ring, point, self.planned)
 
     def worker(self, point: int, spread: int, ring: HashRing) -> str | None:
         """The worker for a request of prefix ``point`` whose conversation is at
@@ -238,7 +235,7 @@ class TrafficShares:
         owned: list[tuple[int, str, float, float]] = []  # point, owner, share, own
         for point, count in tracked:
             share = count / total
-            owner = next((k for k in ring.walk(point) if k in planned), None)
+            owner = _first_member(ring, point, planned)
             if owner is None:
                 continue
             own = min(share, cap)
@@ -265,6 +262,15 @@ class TrafficShares:
                 pooled += share - own
         pool, bounds = _level(planned, pooled)
         return Plan(owners, kept, pool, bounds, planned)
+
+
+def _first_member(ring: HashRing, point: int, members: dict[str, float]) -> str | None:
+    """The first of ``members`` clockwise from ``point``: the ring's owner (one
+    bisection) unless the plan was made for fewer workers than the ring holds."""
+    owner = ring.owner(point)
+    if owner is None or owner in members:
+        return owner
+    return next((k for k in ring.walk(point) if k in members), None)
 
 
 def _level(planned: dict[str, float], pooled: float) -> tuple[tuple[str, ...], tuple[float, ...]]:
