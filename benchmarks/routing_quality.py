@@ -458,7 +458,7 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     # prefix_hash without each part of its conversation handling:
     ("prefix_hash (spill_memory=0)", "prefix_hash", {"spill_memory": 0}),
     # Without the traffic-share plan: the ring and the in-flight bound (before 2 Dec).
-    ("prefix_hash (share plan off)", "prefix_hash", {"share_fit": 0}),
+    ("prefix_hash (share plan off)", "prefix_hash", {"owner_share": 0}),
     # The spill gate sized for SGLang's defaults never trips at these loads:
     (
         "cache_aware (abs=32, rel=1.5)",

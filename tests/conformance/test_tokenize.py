@@ -59,12 +59,12 @@ def test_prefix_hash_on_tokens_agrees_across_modes_and_meshes(
     mocks = [mock_factory(name=f"w{i}") for i in range(4)]
     workers = [Worker(m.url) for m in mocks]
     # The ring alone: with the traffic-share plan (tests/core/policies/test_shares.py)
-    # a tenant with 1/6 of these 18 requests would own several slots, and its
-    # new conversations (one per request here) would spread over them.
+    # a tenant with 1/6 of these 18 requests is above its owner's cap, and its
+    # new conversations (one per request here) would partly go to the pool.
     mesh = mesh_factory(
         workers=workers,
         policy="prefix_hash",
-        policies={"prefix_hash": {"share_fit": 0}},
+        policies={"prefix_hash": {"owner_share": 0}},
         tokenizer=TINY,
     )
     mode = run_mode(mesh)
