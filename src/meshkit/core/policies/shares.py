@@ -233,6 +233,7 @@ class TrafficShares:
         # of ``max_prefixes`` at every plan would cost more than the placement.
         tracked = self._counts.at_least(cap * _BACKGROUND * total, now)
         owned: list[tuple[int, str, float, float]] = []  # point, owner, share, own
+        by_owner = dict.fromkeys(members, 0.0)
         for point, count in tracked:
             share = count / total
             owner = _first_member(ring, point, planned)
@@ -240,16 +241,13 @@ class TrafficShares:
                 continue
             own = min(share, cap)
             owned.append((point, owner, share, own))
-            planned[owner] += own
+            by_owner[owner] += own
         background = max(0.0, 1.0 - sum(share for _, _, share, _ in owned)) / n
         # A worker that owns more than its fair share keeps a scaled part of each of
         # its prefixes (the scale moves with the estimates, no step): the ring
         # alone gives some worker half of the small prefixes.
-        fair = 1.0 / n
-        scale = {
-            key: min(1.0, max(0.0, fair - background) / v) if v > 0 else 1.0
-            for key, v in planned.items()
-        }
+        room = max(0.0, 1.0 / n - background)
+        scale = {key: min(1.0, room / v) if v > 0 else 1.0 for key, v in by_owner.items()}
         for key in members:
             planned[key] = background
         pooled = 0.0
