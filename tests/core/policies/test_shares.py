@@ -185,6 +185,32 @@ def test_every_turn_of_a_conversation_keeps_its_worker(kit: SimpleNamespace) -> 
     assert len(workers_of_tenant[0]) >= 2
 
 
+def test_a_pool_share_whose_worker_is_out_spreads_over_the_rest(kit: SimpleNamespace) -> None:
+    fleet = kit.cands(6)
+    p = PrefixHash()
+    for step in range(400):  # tenant 0 is every request: most of it is pooled
+        p.select(kit.ctx(fleet, kit.view(_turn(0, step, 0)), now=step * 0.01))
+    where = {c: p.select(kit.ctx(fleet, kit.view(_turn(0, c, 1)), now=5.0)).key for c in range(600)}
+    counts = Counter(where.values())
+    probe = kit.ctx(fleet, kit.view(_turn(0, 0, 1)))
+    owner = p._rings.get(probe).owner(p.key_point(probe) or 0)
+    out = max((k for k in counts if k != owner), key=counts.__getitem__)  # a pool worker
+    rest = [c for c in fleet if c.key != out]
+    moved = Counter(
+        p.select(kit.ctx(rest, kit.view(_turn(0, c, 1)), fleet=fleet, now=5.0)).key
+        for c, key in where.items()
+        if key == out
+    )
+    # Not all onto one neighbour: each displaced conversation walks from its own point.
+    assert sum(moved.values()) == counts[out]
+    assert max(moved.values()) <= 0.6 * counts[out], moved
+    # The others stay where they were.
+    for c, key in where.items():
+        if key != out:
+            got = p.select(kit.ctx(rest, kit.view(_turn(0, c, 1)), fleet=fleet, now=5.0)).key
+            assert got == key
+
+
 def test_the_plan_balances_at_low_concurrency_where_the_ring_cannot(
     kit: SimpleNamespace,
 ) -> None:

@@ -298,6 +298,7 @@ class PrefixHash(BasePolicy):
         shares = self._shares
         conv_first: tuple[int, bool] | None = None
         conv_known = False
+        walk_from = point
         if shares is None:
             share = (total + 1) / n
             owner = ring.owner(point)
@@ -311,17 +312,24 @@ class PrefixHash(BasePolicy):
             if ctx.attempt == 0:
                 shares.observe(point, ctx.now)
             plan = shares.plan(ring, ring.keys, ctx.now)
-            if point in plan.kept:
+            kept = plan.kept.get(point)
+            pooled = None
+            if kept is not None:
                 conv_first = self.conversation_point(ctx.view, point)
                 conv_known = True
-                owner = plan.worker(point, self._spread_point(ctx.view, point, conv_first), ring)
-            else:
-                owner = plan.owner(point, ring)
+                spread = self._spread_point(ctx.view, point, conv_first)
+                pooled = plan.pooled(kept, spread)
+                if pooled is not None:
+                    # If its pool worker is not a candidate, the walk from the
+                    # conversation spreads the pool's share; the prefix's walk would
+                    # pile it onto the owner's neighbour.
+                    walk_from = spread
+            owner = pooled if pooled is not None else plan.owner(point, ring)
             # The plan balances the expected load; in flight, only a burst past
             # ``burst_factor`` times the mean moves a request.
             bound = first_limit = math.ceil(self.burst_factor * share)
         if owner not in by_key:
-            owner = next((k for k in ring.walk(point) if k in by_key), None)
+            owner = next((k for k in ring.walk(walk_from) if k in by_key), None)
             if owner is None:  # no eligible candidate is on the ring (no fleet given)
                 return bounded_load_pick(ring, point, cands, load, self.load_factor)
         owner_load = load.get(owner, 0)

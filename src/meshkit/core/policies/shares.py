@@ -159,15 +159,22 @@ class Plan:
         got = self._owners.get(point)
         return got if got is not None else _first_member(ring, point, self.planned)
 
+    def pooled(self, kept: float, spread: int) -> str | None:
+        """The pool worker of the conversation at ``spread`` of a prefix whose owner
+        keeps ``kept`` of it (``self.kept[point]``), or ``None`` when the owner keeps
+        it."""
+        if unit_interval(spread) < kept or not self.pool:
+            return None
+        at = bisect.bisect_right(self.bounds, unit_interval(mix64(spread)))
+        return self.pool[min(at, len(self.pool) - 1)]
+
     def worker(self, point: int, spread: int, ring: HashRing) -> str | None:
         """The worker for a request of prefix ``point`` whose conversation is at
         ``spread``: the same for every turn while the plan holds, and a small change
         in the shares moves few conversations (each threshold moves continuously)."""
         kept = self.kept.get(point)
-        if kept is None or unit_interval(spread) < kept or not self.pool:
-            return self.owner(point, ring)
-        at = bisect.bisect_right(self.bounds, unit_interval(mix64(spread)))
-        return self.pool[min(at, len(self.pool) - 1)]
+        got = None if kept is None else self.pooled(kept, spread)
+        return got if got is not None else self.owner(point, ring)
 
 
 class TrafficShares:
