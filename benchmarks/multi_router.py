@@ -298,6 +298,8 @@ def router_main(
     extra: dict[str, Any] = {}
     if cfg["kv_max_blocks"]:
         extra["kv"] = {"max_blocks_per_model": cfg["kv_max_blocks"]}
+    if cfg["policy_options"]:
+        extra["policies"] = {policy: cfg["policy_options"]}
     mesh = meshkit.Mesh(
         workers=workers,
         policy=policy,
@@ -566,6 +568,7 @@ def run_one(
             "threads": max(1, math.ceil(wl.concurrency / k)),
             "max_life_s": max_life,
             "kv_max_blocks": args.kv_max_blocks,
+            "policy_options": args.policy_option,
         }
         for i in range(k):
             p = ctx.Process(
@@ -847,6 +850,13 @@ def write_report(
             f" Each router's KV index: kv.max_blocks_per_model = {args.kv_max_blocks}."
             if args.kv_max_blocks
             else ""
+        )
+        + (
+            " Policy options: "
+            + ", ".join(f"{k} = {v!r}" for k, v in sorted(args.policy_option.items()))
+            + "."
+            if args.policy_option
+            else ""
         ),
         "",
         "Workloads:",
@@ -937,6 +947,16 @@ def plot(path: str, runs: Sequence[Cell]) -> None:
     print(f"plot written to {path}")
 
 
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -974,6 +994,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--repeat", type=int, help="runs per cell, same workload (default 2; --quick: 1)"
     )
+    ap.add_argument(
+        "--policy-option",
+        action="append",
+        type=_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the policy under test (its [policies.<name>] table), e.g. "
+        "owner_share=0.5; repeatable; for sweeps",
+    )
     ap.add_argument("--tokenizer", default=TOKENIZER)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", help="Markdown report (default: benchmarks/MULTI_ROUTER.md)")
@@ -985,6 +1014,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="import src/ as it is at each run's start (default: a copy taken at start)",
     )
     args = ap.parse_args(argv)
+    args.policy_option = dict(args.policy_option)
     if not args.quick:
         args.out = args.out or os.path.join(ROOT, "benchmarks", "MULTI_ROUTER.md")
         args.png = args.png or os.path.join(ROOT, "benchmarks", "plots", "multi_router.png")
