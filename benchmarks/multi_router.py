@@ -1039,6 +1039,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             ignore=shutil.ignore_patterns("__pycache__"),
         )
         sys.path.insert(0, snapshot)  # spawned children inherit sys.path
+        main = sys.modules["__main__"]
+        if getattr(main, "__spec__", None) is None and getattr(main, "__file__", None):
+            # The children import the script itself again (spawn runs its path):
+            # an edit of it mid-run would reach them too, so they run a copy.
+            script = os.path.join(snapshot, os.path.basename(main.__file__))
+            shutil.copy2(main.__file__, script)
+            main.__file__ = script
         args.snapshot = snapshot
         args.source += " (a copy taken at start)"
     try:
