@@ -298,8 +298,8 @@ def router_main(
     extra: dict[str, Any] = {}
     if cfg["kv_max_blocks"]:
         extra["kv"] = {"max_blocks_per_model": cfg["kv_max_blocks"]}
-    if cfg["policy_options"]:
-        extra["policies"] = {policy: cfg["policy_options"]}
+    if cfg["policy_options"].get(policy):
+        extra["policies"] = {policy: cfg["policy_options"][policy]}
     mesh = meshkit.Mesh(
         workers=workers,
         policy=policy,
@@ -853,7 +853,11 @@ def write_report(
         )
         + (
             " Policy options: "
-            + ", ".join(f"{k} = {v!r}" for k, v in sorted(args.policy_option.items()))
+            + ", ".join(
+                f"{name}.{k} = {v!r}"
+                for name, opts in sorted(args.policy_option.items())
+                for k, v in sorted(opts.items())
+            )
             + "."
             if args.policy_option
             else ""
@@ -947,14 +951,15 @@ def plot(path: str, runs: Sequence[Cell]) -> None:
     print(f"plot written to {path}")
 
 
-def _option(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+def _option(text: str) -> tuple[str, str, Any]:
+    name_key, sep, value = text.partition("=")
+    name, dot, key = name_key.partition(".")
+    if not sep or not dot or not name or not key:
+        raise argparse.ArgumentTypeError(f"expected POLICY.KEY=VALUE, got {text!r}")
     try:
-        return key, json.loads(value)
+        return name, key, json.loads(value)
     except json.JSONDecodeError:
-        return key, value
+        return name, key, value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -999,9 +1004,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         type=_option,
         default=[],
-        metavar="KEY=VALUE",
-        help="an option of the policy under test (its [policies.<name>] table), e.g. "
-        "owner_share=0.5; repeatable; for sweeps",
+        metavar="POLICY.KEY=VALUE",
+        help="an option of one policy (its [policies.<name>] table), given to every "
+        "config that runs that policy, e.g. prefix_hash.owner_share=0.5; repeatable",
     )
     ap.add_argument("--tokenizer", default=TOKENIZER)
     ap.add_argument("--seed", type=int, default=1)
@@ -1014,7 +1019,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="import src/ as it is at each run's start (default: a copy taken at start)",
     )
     args = ap.parse_args(argv)
-    args.policy_option = dict(args.policy_option)
+    options: dict[str, dict[str, Any]] = {}
+    for name, key, value in args.policy_option:
+        options.setdefault(name, {})[key] = value
+    args.policy_option = options
     if not args.quick:
         args.out = args.out or os.path.join(ROOT, "benchmarks", "MULTI_ROUTER.md")
         args.png = args.png or os.path.join(ROOT, "benchmarks", "plots", "multi_router.png")
