@@ -1011,7 +1011,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=TOKENIZER)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", help="Markdown report (default: benchmarks/MULTI_ROUTER.md)")
-    ap.add_argument("--png", help="plot (default: benchmarks/plots/multi_router.png)")
+    ap.add_argument(
+        "--png",
+        help="plot (default: benchmarks/plots/multi_router.png with the default --out,"
+        " else beside --out)",
+    )
     ap.add_argument("--dump", help="write every answer as JSON lines here (debugging)")
     ap.add_argument(
         "--live-src",
@@ -1024,8 +1028,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         options.setdefault(name, {})[key] = value
     args.policy_option = options
     if not args.quick:
-        args.out = args.out or os.path.join(ROOT, "benchmarks", "MULTI_ROUTER.md")
-        args.png = args.png or os.path.join(ROOT, "benchmarks", "plots", "multi_router.png")
+        if args.out is None:
+            args.out = os.path.join(ROOT, "benchmarks", "MULTI_ROUTER.md")
+            args.png = args.png or os.path.join(ROOT, "benchmarks", "plots", "multi_router.png")
+        else:
+            # A report elsewhere (a sweep in /tmp) must not overwrite the committed plot.
+            args.png = args.png or os.path.splitext(args.out)[0] + ".png"
     args.repeat = args.repeat or (1 if args.quick else 2)
     args.routers = [int(x) for x in str(args.routers).split(",") if x]
     configs = [c for c in args.configs.split(",") if c]
