@@ -58,6 +58,8 @@ def test_a_new_publisher_is_a_change_to_apply() -> None:
         {"apply_batch": 0},
         {"receive_hwm": 0},
         {"replay_timeout_s": 0.0},
+        {"silence_s": -1.0},
+        {"silence_s": float("nan")},
     ],
 )
 def test_kv_bounds_are_checked(values: dict[str, float]) -> None:

@@ -244,6 +244,9 @@ class KvConfig:
     apply_batch: int = 64
     # Messages ZeroMQ queues for a subscriber that falls behind (then it drops: a gap).
     receive_hwm: int = 100_000
+    # A worker placed on whose publisher then sends nothing for this long is matched on
+    # the approximate tree until it publishes again (kv_silence.py says why); 0: never.
+    silence_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_blocks_per_model", "match_tokens", "apply_batch", "receive_hwm"):
@@ -251,6 +254,8 @@ class KvConfig:
                 raise ConfigError(f"kv.{name}", "must be at least 1")
         if not self.replay_timeout_s > 0:
             raise ConfigError("kv.replay_timeout_s", "must be > 0")
+        if not self.silence_s >= 0:
+            raise ConfigError("kv.silence_s", "must be >= 0 (0: never)")
 
 
 @dataclass(frozen=True)

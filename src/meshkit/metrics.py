@@ -243,6 +243,13 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.kv_silent = Gauge(
+            "mesh_kv_silent",
+            "1 while a worker's KV-event publisher is silent (requests placed there, no "
+            "batch for kv.silence_s): it is matched on the approximate tree",
+            ["worker"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -156,6 +156,7 @@ class Router:
             max_in_flight=up.in_flight_limit,
             max_in_flight_per_worker=up.in_flight_limit_per_worker,
             kv_max_blocks=config.kv.max_blocks_per_model,
+            kv_silence_s=config.kv.silence_s,
         )
         opts = config.policies.get(config.policy, {}) if isinstance(config.policy, str) else {}
         self.policy = create_policy(config.policy, opts)
@@ -482,17 +483,40 @@ class Router:
                 self._changed()
             return removed
 
-    def kv_apply(self, worker_id: str, batches: Sequence[Batch]) -> None:
+    def kv_apply(self, worker_id: str, batches: Sequence[Batch]) -> bool:
         """KV-event batches of ``worker_id`` into the index (the subscriber calls
-        this with at most ``kv.apply_batch`` at a time)."""
+        this with at most ``kv.apply_batch`` at a time). True when the worker's
+        publisher had been silent until now (see :meth:`kv_silent`)."""
         with self._lock:
             worker = self.fleet.get(worker_id)
             if worker is None:
-                return
+                return False
             kv, group = self.fleet.kv, self.fleet.kv_group(worker)
             for batch in batches:
                 kv.apply(worker_id, batch, group)
             self.kv_sizes = kv.sizes()
+            return self.fleet.kv_silence.heard(worker_id, self.clock())
+
+    def kv_silent(self) -> list[str]:
+        """The workers whose publishers turned silent just now: requests were
+        placed there and ``kv.silence_s`` later no batch had come. Each is dropped
+        from the index, so the approximate tree matches it until it publishes
+        again (:mod:`meshkit.core.kv_silence` says why)."""
+        with self._lock:
+            now, fleet = self.clock(), self.fleet
+            placed = self.states.placed_at
+            out = []
+            for w in fleet.workers:
+                if (
+                    w.kv_events
+                    and fleet.kv.covers(w.id)
+                    and fleet.kv_silence.check(w.id, placed.get(w.id), now)
+                ):
+                    fleet.kv.forget(w.id)
+                    out.append(w.id)
+            if out:
+                self.kv_sizes = fleet.kv.sizes()
+            return out
 
     def engine_report(self, worker_id: str, report: EngineLoad | None) -> None:
         """An engine's own load (the probes read it), or None when it gave none."""
@@ -505,6 +529,7 @@ class Router:
             worker = self.fleet.get(worker_id)
             if worker is not None:
                 self.fleet.kv.attach(worker_id, self.fleet.kv_group(worker))
+                self.fleet.kv_silence.heard(worker_id, self.clock())
 
     def kv_clear(self, worker_id: str) -> None:
         """Forget what ``worker_id`` held (a gap, a restart, a bad payload)."""
@@ -566,6 +591,7 @@ class Router:
                     row["prefix_match"] = "events" if kv.covers(w.id) else "approximate"
                     if w.kv_events:
                         row["kv_blocks"] = kv.blocks_of(w.id)
+                        row["kv_silent"] = self.fleet.kv_silence.silent(w.id)
                     report = self.fleet.engine.get(w.id)
                     if report is not None:
                         row["engine_load"] = {

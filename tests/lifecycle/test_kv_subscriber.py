@@ -298,3 +298,62 @@ def test_kv_max_blocks_bounds_the_index_and_keeps_the_hot_prompt(pub: Publisher)
         sample = mesh.metrics.registry.get_sample_value
         assert (sample("mesh_kv_index_evicted_total") or 0) > 0
         assert (sample("mesh_kv_index_entries", {"model": ""}) or 0) <= budget
+
+
+def silent_gauge(mesh: Mesh, url: str) -> float | None:
+    return mesh.metrics.registry.get_sample_value("mesh_kv_silent", {"worker": url})
+
+
+def placed_request(mesh: Mesh) -> None:
+    import httpx
+
+    from meshkit import MeshTransport
+
+    with httpx.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
+        body = {"model": "mock-model", "messages": [{"role": "user", "content": "hi " * 40}]}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("answers", [False, True], ids=["silent", "answers"])
+def test_a_publisher_silent_after_a_request_gives_way_to_the_tree(
+    answers: bool, mock_factory: Callable[..., Any]
+) -> None:
+    """vLLM with a named host in its endpoint connects instead of binding, and its
+    replay still answers: the router must not match that worker on an index that
+    never fills. Past ``kv.silence_s`` after a request, the tree speaks for it,
+    until the publisher is heard again."""
+    pub = Publisher(replay=False)
+    worker = mock_factory(name="m")  # it serves; the test's publisher speaks for it
+    url = worker.url
+    w = Worker(url, kv_events=pub.endpoint)
+    silence = 0.3
+    try:
+        with Mesh(
+            workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv={"silence_s": silence}
+        ) as mesh:
+            mesh.lifecycle.start()
+            kv = mesh.router.fleet.kv
+            until(
+                lambda: bool(kv.blocks_of(url)) or pub.store([pub.seq + 10_000], None, [0] * 4),
+                "the first batch",
+            )
+            placed_request(mesh)
+            if answers:
+                pub.store([1], None, [1, 2, 3, 4])  # the request's blocks
+                until(lambda: kv.blocks_of(url) >= 2, "the request's block")
+                time.sleep(4 * silence)  # what a silence would take, and more
+                row = mesh.router.describe(url)[0]
+                assert row["prefix_match"] == "events" and not row["kv_silent"]
+                assert not silent_gauge(mesh, url)
+                return
+            until(lambda: mesh.router.describe(url)[0]["kv_silent"], "the silence")
+            row = mesh.router.describe(url)[0]
+            assert row["prefix_match"] == "approximate" and row["kv_blocks"] == 0
+            assert silent_gauge(mesh, url) == 1
+            pub.store([1], None, [1, 2, 3, 4])  # it publishes again
+            until(lambda: mesh.router.describe(url)[0]["prefix_match"] == "events", "events")
+            assert not mesh.router.describe(url)[0]["kv_silent"]
+            until(lambda: silent_gauge(mesh, url) == 0, "the gauge back at 0")
+            assert kv.blocks_of(url) == 1
+    finally:
+        pub.close()

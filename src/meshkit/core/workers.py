@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 from meshkit.core.endpoints import Api
 from meshkit.core.engine_load import EngineLoad, others
 from meshkit.core.kv_index import KvIndex
+from meshkit.core.kv_silence import KvSilence
 from meshkit.errors import ConfigError
 
 __all__ = ["Candidate", "Fleet", "Tls", "Worker", "candidates_for"]
@@ -267,10 +268,13 @@ class Fleet:
         max_in_flight: int = 0,
         max_in_flight_per_worker: int = 0,
         kv_max_blocks: int = 1_000_000,
+        kv_silence_s: float = 60.0,
     ) -> None:
         self._workers: dict[str, Worker] = {}
         #: the blocks workers with KV events hold (fed by the subscribers)
         self.kv = KvIndex(kv_max_blocks)
+        #: publishers that went quiet while requests were placed on their workers
+        self.kv_silence = KvSilence(kv_silence_s)
         #: per worker id: the engine's last load report, and the requests other
         #: routers held there then (see :mod:`meshkit.core.engine_load`)
         self.engine: dict[str, EngineLoad] = {}
@@ -329,6 +333,7 @@ class Fleet:
             return False
         if (old.kv_events, old.kv_replay) != (worker.kv_events, worker.kv_replay):
             self.kv.forget(worker.id)  # another publisher: its subscriber starts afresh
+            self.kv_silence.forget(worker.id)
         self._workers[worker.id] = worker
         cands = candidates_for(worker)
         keep = {c.key for c in cands}
@@ -361,6 +366,7 @@ class Fleet:
         self.unhealthy.discard(worker_id)
         self.learned.pop(worker_id, None)
         self.kv.forget(worker_id)
+        self.kv_silence.forget(worker_id)
         self._rebuild()
         return worker
 

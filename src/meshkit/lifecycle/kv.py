@@ -102,8 +102,9 @@ class KvSubscribers:
         try:
             while True:
                 self.sync()
+                self.check_silence()
                 with contextlib.suppress(TimeoutError):  # not wait_for: see Lifecycle
-                    async with asyncio.timeout(_SYNC_S):
+                    async with asyncio.timeout(self._tick_s):
                         await self._poke.wait()
                 self._poke.clear()
         finally:
@@ -115,6 +116,24 @@ class KvSubscribers:
             if self._ctx is not None:
                 self._ctx.destroy(linger=0)
                 self._ctx = None
+
+    @property
+    def _tick_s(self) -> float:
+        # often enough to see a silence within a fifth of kv.silence_s
+        silence = self.config.silence_s
+        return min(_SYNC_S, max(0.05, silence / 5)) if silence else _SYNC_S
+
+    def check_silence(self) -> None:
+        for worker_id in self.router.kv_silent():
+            self.router.metrics.kv_silent.labels(worker_id).set(1)
+            log.warning(
+                "kv events: nothing from %s's publisher in %.0f s after a request was "
+                "placed there; it is matched on this router's tree until it publishes "
+                "(vLLM binds only an endpoint with a * host, tcp://*:5557; is prefix "
+                "caching on?)",
+                worker_id,
+                self.config.silence_s,
+            )
 
     def sync(self) -> None:
         want = {(w.id, w.kv_events, w.kv_replay): w for w in self.router.workers if w.kv_events}
@@ -207,7 +226,9 @@ class KvSubscribers:
                     batches.append(frame.batch)
                     expected = seq + 1
                 if batches:
-                    self.router.kv_apply(worker_id, batches)
+                    if self.router.kv_apply(worker_id, batches):
+                        metrics.kv_silent.labels(worker_id).set(0)
+                        log.info("kv events: %s publishes again", worker_id)
                     metrics.kv_batches.labels(worker_id).inc(len(batches))
         finally:
             sub.close(linger=0)
