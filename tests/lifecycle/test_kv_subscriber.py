@@ -333,10 +333,11 @@ def test_a_publisher_silent_after_a_request_gives_way_to_the_tree(
         ) as mesh:
             mesh.lifecycle.start()
             kv = mesh.router.fleet.kv
-            until(
-                lambda: bool(kv.blocks_of(url)) or pub.store([pub.seq + 10_000], None, [0] * 4),
-                "the first batch",
-            )
+            deadline = time.monotonic() + 20
+            while not kv.blocks_of(url):  # publish until the subscriber has joined
+                assert time.monotonic() < deadline, "the subscriber never received a batch"
+                pub.store([pub.seq + 10_000], None, [0, 0, 0, pub.seq])
+                time.sleep(0.05)
             placed_request(mesh)
             if answers:
                 pub.store([1], None, [1, 2, 3, 4])  # the request's blocks

