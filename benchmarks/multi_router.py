@@ -106,6 +106,7 @@ CONFIGS = ("cache_aware+events", "cache_aware", "prefix_hash", "round_robin")
 #: seconds without any answer before a run is abandoned
 STALL_S = 60.0
 START_TIMEOUT_S = 120.0
+VLLM_START_S = 900.0
 REQUEST_TIMEOUT_S = 30.0
 
 #: the vocabulary of the generated text (the tiny BPE makes ~1.8 characters a token)
@@ -262,13 +263,10 @@ def vllm_fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
     for s in servers:
         os.makedirs(s.workdir, exist_ok=True)
     try:
-        starts = [threading.Thread(target=s.start) for s in servers]
-        for t in starts:
-            t.start()
-        for t in starts:
-            t.join()
-        if not all(s.url and s._healthy() for s in servers):
-            raise RuntimeError(f"a vLLM engine did not start (logs in {work})")
+        for s in servers:  # all at once, from this thread (they end with it)
+            s.launch()
+        for s in servers:
+            s.wait_ready()
         conn.send([(s.url, s.events, s.replay) for s in servers])
         deadline = time.monotonic() + cfg["max_life_s"]
         while time.monotonic() < deadline:
@@ -624,7 +622,8 @@ def run_one(
     infos: list[dict[str, Any]] = []
     true_blocks: list[int] = []  # per worker, what its cache holds at the end
     try:
-        if not parent.poll(START_TIMEOUT_S):
+        # vLLM engines take a minute or more each to start on two cores
+        if not parent.poll(VLLM_START_S if args.vllm else START_TIMEOUT_S):
             raise RuntimeError("the fleet did not start")
         endpoints = parent.recv()
         rcfg = {
@@ -687,8 +686,13 @@ def run_one(
                 p.join(5)
         try:
             parent.send("stop")
-            if parent.poll(30):
-                for name, prompt, cached, n, blocks in parent.recv():
+            stats = None
+            while stats is None and parent.poll(30):
+                got = parent.recv()
+                if got and len(got[0]) == 5:  # not the endpoints of a fleet that started late
+                    stats = got
+            if stats is not None:
+                for name, prompt, cached, n, blocks in stats:
                     if blocks is not None:
                         true_blocks.append(blocks)
                     run.prompt_tokens += prompt

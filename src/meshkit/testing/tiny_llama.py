@@ -36,7 +36,7 @@ def main(tokenizer: Path, out: Path) -> None:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=16384,
         bos_token_id=by_text.get(conf.get("bos_token", "")),
         eos_token_id=by_text.get(conf.get("eos_token", "")),
         torch_dtype="float32",

@@ -16,15 +16,20 @@ events endpoint with a ``*`` host to bind (a named host makes it *connect*; the
 replay endpoint is always bound).
 
 ``VllmServer(python, tokenizer, workdir).start()`` returns once ``/health`` answers
-(about a minute on two cores); :meth:`VllmServer.stop` ends it.
+(about a minute on two cores; :meth:`VllmServer.launch` then
+:meth:`VllmServer.wait_ready` start several at once); :meth:`VllmServer.stop` ends
+it, and so does the end of the thread that launched it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -37,6 +42,15 @@ TINY_LLAMA = Path(__file__).with_name("tiny_llama.py")
 
 class VllmUnavailable(RuntimeError):
     """The interpreter cannot import vLLM."""
+
+
+def _die_with_parent() -> None:
+    # A parent killed without its finally (a benchmark's fleet process, terminated)
+    # must not leave a vLLM behind holding a core and a gigabyte. (Linux sends the
+    # signal when the launching *thread* ends.)
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
@@ -55,6 +69,7 @@ class VllmServer:
     :param cache_blocks: the KV cache in blocks (``--num-gpu-blocks-override``;
         None: what ``VLLM_CPU_KVCACHE_SPACE`` = 1 GiB holds).
     :param pub_host: the host of the events endpoint vLLM is given (``*`` binds).
+    :param max_model_len: prompt and answer, in tokens (the cache must hold one).
     """
 
     def __init__(
@@ -66,6 +81,7 @@ class VllmServer:
         block: int = 32,
         cache_blocks: int | None = None,
         pub_host: str = "*",
+        max_model_len: int = 8192,
         start_timeout_s: float = 600.0,
     ) -> None:
         self.python = python
@@ -74,6 +90,7 @@ class VllmServer:
         self.block = block
         self.cache_blocks = cache_blocks
         self.pub_host = pub_host
+        self.max_model_len = max_model_len
         self.start_timeout_s = start_timeout_s
         self.url = self.events = self.replay = ""
         self.proc: subprocess.Popen[bytes] | None = None
@@ -84,6 +101,13 @@ class VllmServer:
         return self.workdir / "vllm.log"
 
     def start(self) -> VllmServer:
+        """:meth:`launch`, then :meth:`wait_ready`."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process and return (call from the thread that outlives it:
+        the process ends with the thread that launched it)."""
         # the interpreter is the caller's, as with any test engine
         probe = subprocess.run([self.python, "-c", "import vllm"], capture_output=True)  # noqa: S603
         if probe.returncode:
@@ -104,7 +128,7 @@ class VllmServer:
             *(self.python, "-m", "vllm.entrypoints.openai.api_server"),
             *("--model", str(model), "--served-model-name", "tiny"),
             *("--host", "127.0.0.1", "--port", str(port)),
-            *("--block-size", str(self.block), "--max-model-len", "2048"),
+            *("--block-size", str(self.block), "--max-model-len", str(self.max_model_len)),
             *("--dtype", "float32", "--enable-prefix-caching", "--enable-prompt-tokens-details"),
             *("--kv-events-config", json.dumps(kv)),
         ]
@@ -113,10 +137,14 @@ class VllmServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(  # noqa: S603
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
         )
         self.url = f"http://127.0.0.1:{port}"
         self.events, self.replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}"
+
+    def wait_ready(self) -> VllmServer:
+        """Return once ``/health`` answers (RuntimeError if vLLM exits or times out)."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + self.start_timeout_s
         while not self._healthy():
             if self.proc.poll() is not None:
