@@ -227,6 +227,16 @@ def kv_breaks(mesh: Any) -> dict[str, int]:
     return out
 
 
+def _serve(conn: Connection, endpoints: list[tuple[str, str, str]], max_life_s: float) -> None:
+    """Give the coordinator the fleet's endpoints, then wait for its "stop"."""
+    conn.send(endpoints)
+    deadline = time.monotonic() + max_life_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.5):
+            conn.recv()
+            return
+
+
 def _engine_totals(text: bytes) -> tuple[int, int, int]:
     """(prompt tokens, prefix-cache hits in tokens, finished requests) in a vLLM
     ``/metrics`` text, summed over label sets."""
@@ -267,12 +277,7 @@ def vllm_fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
             s.launch()
         for s in servers:
             s.wait_ready()
-        conn.send([(s.url, s.events, s.replay) for s in servers])
-        deadline = time.monotonic() + cfg["max_life_s"]
-        while time.monotonic() < deadline:
-            if conn.poll(0.5):
-                conn.recv()
-                break
+        _serve(conn, [(s.url, s.events, s.replay) for s in servers], cfg["max_life_s"])
         stats = []
         for i, s in enumerate(servers):
             prompt, cached, n = _engine_totals(s.metrics())
@@ -312,12 +317,8 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
     try:
         for m in mocks:
             m.start()
-        conn.send([(m.url, m.kv_events_endpoint, m.kv_replay_endpoint) for m in mocks])
-        deadline = time.monotonic() + cfg["max_life_s"]
-        while time.monotonic() < deadline:
-            if conn.poll(0.5):
-                conn.recv()
-                break
+        endpoints = [(m.url, m.kv_events_endpoint, m.kv_replay_endpoint) for m in mocks]
+        _serve(conn, endpoints, cfg["max_life_s"])
         stats = []
         for i, m in enumerate(mocks):
             s = m.worker.stats
