@@ -245,20 +245,19 @@ def _serve(conn: Connection, endpoints: list[tuple[str, str, str]], max_life_s: 
             return
 
 
-def _engine_totals(text: bytes) -> tuple[int, int, int]:
+def _engine_totals(metrics: dict[str, float]) -> tuple[int, int, int]:
     """(prompt tokens, prefix-cache hits in tokens, finished requests) in a vLLM
-    ``/metrics`` text, summed over label sets."""
-    names = {
-        b"vllm:prompt_tokens_total": 0,
-        b"vllm:prefix_cache_hits_total": 1,
-        b"vllm:request_success_total": 2,
-    }
+    engine's samples, summed over label sets."""
+    names = (
+        "vllm:prompt_tokens_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:request_success_total",
+    )
     out = [0.0, 0.0, 0.0]
-    for line in text.splitlines():
-        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
-        i = names.get(name)
-        if i is not None:
-            out[i] += float(line.rsplit(b" ", 1)[1])
+    for key, value in metrics.items():
+        name = key.split("{", 1)[0]
+        if name in names:
+            out[names.index(name)] += value
     return int(out[0]), int(out[1]), int(out[2])
 
 

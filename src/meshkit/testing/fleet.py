@@ -89,6 +89,20 @@ def _get(url: str, timeout: float) -> tuple[int, bytes]:
         return int(exc.code), exc.read()
 
 
+def samples(body: bytes) -> dict[str, float]:
+    """A Prometheus text's samples, by name with labels (``name{k="v"}``)."""
+    out: dict[str, float] = {}
+    for line in body.decode("utf-8", "replace").splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
 def _post(url: str, timeout: float, body: bytes = b"{}") -> int:
     req = urllib.request.Request(url, data=body, method="POST")  # noqa: S310
     req.add_header("content-type", "application/json")
@@ -369,16 +383,7 @@ class EngineFleet:
         status, body = _get(self.engines[i].url + "/metrics", timeout)
         if status != 200:
             raise EngineError(f"GET /metrics of {self.aliases[i]}: HTTP {status}")
-        out: dict[str, float] = {}
-        for line in body.decode("utf-8", "replace").splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name, _, value = line.rpartition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                continue
-        return out
+        return samples(body)
 
     def warm_up(self, timeout: float = 120.0) -> None:
         """Send each live engine one tiny completion, straight (not through meshkit).

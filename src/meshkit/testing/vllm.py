@@ -27,13 +27,14 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import IO
+
+from meshkit.testing.envoy import _free_port
+from meshkit.testing.fleet import _get, samples
 
 __all__ = ["VllmServer", "VllmUnavailable"]
 
@@ -51,12 +52,6 @@ def _die_with_parent() -> None:
     if sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class VllmServer:
@@ -159,16 +154,16 @@ class VllmServer:
 
     def _healthy(self) -> bool:
         try:
-            # a loopback URL built here
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:  # noqa: S310
-                return bool(r.status == 200)
+            return _get(self.url + "/health", 2)[0] == 200
         except OSError:
             return False
 
-    def metrics(self) -> bytes:
-        """The engine's Prometheus text."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:  # noqa: S310
-            return bytes(r.read())
+    def metrics(self) -> dict[str, float]:
+        """The engine's Prometheus samples, by name with labels."""
+        status, body = _get(self.url + "/metrics", 10)
+        if status != 200:
+            raise RuntimeError(f"GET /metrics of {self.url}: HTTP {status}")
+        return samples(body)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
