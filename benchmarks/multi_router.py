@@ -317,6 +317,7 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
                 per_token_ms=cfg["per_token_ms"],
                 prefill_ms_per_token=cfg["prefill_ms_per_token"],
                 output_tokens=cfg["output_tokens"],
+                cache_holds_running=cfg["hold_running"],
             )
         )
         for i in range(cfg["workers"])
@@ -617,6 +618,7 @@ def run_one(
         "max_life_s": max_life,
         "block": args.block,
         "vllm": args.vllm,
+        "hold_running": args.hold_running,
     }
     parent, child = ctx.Pipe()
     fleet = ctx.Process(target=fleet_main, args=(fleet_cfg, child), name="fleet", daemon=True)
@@ -938,6 +940,12 @@ def write_report(
             f"KV events + replay on every worker; latency {args.first_token_ms} ms first token "
             f"+ {args.prefill_ms_per_token} ms per uncached prompt token + {args.per_token_ms} "
             f"ms per output token, {args.output_tokens} output tokens. A fresh fleet per run."
+            + (
+                " Running requests hold their blocks (prompt and output) for their "
+                "generation time, as in vLLM (`--hold-running`)."
+                if args.hold_running
+                else ""
+            )
         )
         + (
             f" Each router's KV index: kv.max_blocks_per_model = {args.kv_max_blocks}."
@@ -1089,6 +1097,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--per-token-ms", type=float, default=0.5)
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.01)
     ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument(
+        "--hold-running",
+        action="store_true",
+        help="the mock workers' running requests hold their KV blocks, as vLLM's do "
+        "(MockConfig.cache_holds_running): high concurrency then pushes cached blocks out",
+    )
     ap.add_argument(
         "--kv-max-blocks",
         type=int,

@@ -66,10 +66,13 @@ class AdminHandlers:
         model = app.config.model.replace('"', "'")
         label = f'{{model_name="{model}"}}'
         cache = app.cache
+        # vLLM counts the blocks running requests hold (cached free blocks are
+        # "free"); without that model, the mock's figure is the cached share.
         usage = (
             0.0
             if cache is None or cache.capacity_blocks == 0
-            else len(cache) / cache.capacity_blocks
+            else (cache.held_blocks if app.config.cache_holds_running else len(cache))
+            / cache.capacity_blocks
         )
         rows: list[tuple[str, str, str, float]] = [
             ("vllm:num_requests_running", "gauge", label, stats.in_flight),

@@ -288,10 +288,10 @@ class MockApp:
         cached = 0
         cache = self.cache
         p = prompt if isinstance(prompt, int) else len(prompt)
+        hashes: list[int] | None = None
         if cache is not None and not isinstance(prompt, int):
             hashes = cache.block_hashes(prompt)
             cached = cache.lookup(hashes, p)
-            cache.insert(hashes, prompt)
         stats = self.stats
         stats.prompt_tokens_total += p
         stats.cached_tokens_total += cached
@@ -300,7 +300,7 @@ class MockApp:
         if truncated:
             n = max(max_out or 0, 0)
         model = body.get("model")
-        return Turn(
+        t = Turn(
             model=model if isinstance(model, str) else self.config.model,
             prompt_tokens=p,
             cached_tokens=cached,
@@ -310,6 +310,11 @@ class MockApp:
             fingerprint=self._fingerprint,
             created=int(time.time()),
         )
+        if hashes is not None and cache is not None and not isinstance(prompt, int):
+            if self.config.cache_holds_running:
+                cache.hold(hashes, p + n, self.total_delay(t))
+            cache.insert(hashes, prompt)
+        return t
 
     def first_delay(self, t: Turn) -> float:
         cfg = self.config

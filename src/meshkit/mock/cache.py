@@ -12,6 +12,18 @@ cached. The trailing partial block is never cached.
 * After a request, its blocks are inserted **last block first**, so that under
   pressure the deepest blocks are evicted before the shared prefix.
 * Capacity is in tokens (``capacity_tokens // block_size`` blocks).
+* Running requests hold their blocks (``MockConfig.cache_holds_running``): as in
+  vLLM, a block in use by a running request cannot be evicted, and the blocks a
+  running request needs beyond its cached prompt blocks (the partial last block, the
+  output) take room from the cache (vLLM's ``KVCacheManager`` allocates every block
+  of a running sequence from the one pool its cached free blocks live in;
+  ``vllm/v1/core/block_pool.py``: only blocks with no reference sit in the free
+  queue, and a new allocation evicts the free queue's head). A hold ends after the
+  request's simulated generation time (:meth:`PrefixCache.hold` takes it), and its
+  blocks go back to the free end last block first, as vLLM frees them. When running
+  requests need more blocks than the cache has, the mock holds them anyway (vLLM
+  would keep the request waiting); what it models is the cached blocks they push
+  out, which is what a router's hit rate sees at high concurrency.
 
 KV events (``MockConfig.kv_events``): with an ``events`` sink set, each block also
 carries an *engine hash* (:class:`~meshkit.mock.kv_publisher.EngineHasher`, seeded
@@ -26,6 +38,8 @@ and evicted by the same insert is not reported. :meth:`PrefixCache.clear` report
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -52,13 +66,26 @@ class PrefixCache:
     events are on, else to ``None``)."""
 
     def __init__(
-        self, capacity_tokens: int, block_size: int = 16, *, events: EventSink | None = None
+        self,
+        capacity_tokens: int,
+        block_size: int = 16,
+        *,
+        events: EventSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self.capacity_blocks = max(capacity_tokens, 0) // block_size
         self._lru: OrderedDict[int, int | None] = OrderedDict()
+        #: Block key -> running requests holding it (never evicted while held).
+        self._held: dict[int, int] = {}
+        #: Blocks running requests hold beyond their cached prompt blocks.
+        self._extra = 0
+        #: Running requests: ``(until, seq, block keys, extra blocks)``, soonest first.
+        self._holds: list[tuple[float, int, tuple[int, ...], int]] = []
+        self._seq = 0
+        self._clock = clock
         #: Where KV events go (``None`` = not tracked).
         self.events = events
         self.hasher = EngineHasher()
@@ -70,6 +97,62 @@ class PrefixCache:
     @property
     def used_tokens(self) -> int:
         return len(self._lru) * self.block_size
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks running requests hold (vLLM's ``kv_cache_usage_perc`` numerator)."""
+        self._expire()
+        return len(self._held) + self._extra
+
+    def hold(self, hashes: Sequence[int], n_tokens: int, seconds: float) -> None:
+        """A request of ``n_tokens`` (prompt and output) whose full prompt blocks are
+        ``hashes`` runs for ``seconds``: its blocks stay in the cache until then.
+
+        Call before :meth:`insert`, so that the insert makes room for the request's
+        other blocks and does not evict its own.
+        """
+        self._expire()
+        held = self._held
+        for h in hashes:
+            held[h] = held.get(h, 0) + 1
+        extra = max(-(-n_tokens // self.block_size) - len(hashes), 0)
+        self._extra += extra
+        self._seq += 1
+        heapq.heappush(self._holds, (self._clock() + seconds, self._seq, tuple(hashes), extra))
+
+    def _expire(self) -> None:
+        holds = self._holds
+        if not holds:
+            return
+        now = self._clock()
+        held, lru = self._held, self._lru
+        while holds and holds[0][0] <= now:
+            _, _, keys, extra = heapq.heappop(holds)
+            self._extra -= extra
+            for h in reversed(keys):
+                count = held[h] - 1
+                if count:
+                    held[h] = count
+                    continue
+                del held[h]
+                if h in lru:
+                    lru.move_to_end(h)
+
+    def _make_room(self) -> list[tuple[int, int | None]]:
+        """Evict least recently used blocks no running request holds until the cache
+        fits (or only held blocks are left)."""
+        lru, held = self._lru, self._held
+        cap = self.capacity_blocks - self._extra
+        evicted: list[tuple[int, int | None]] = []
+        skipped = 0
+        while len(lru) > cap and skipped < len(lru):
+            key, value = lru.popitem(last=False)
+            if key in held:
+                lru[key] = value  # in use: back to the recent end, as if just touched
+                skipped += 1
+                continue
+            evicted.append((key, value))
+        return evicted
 
     def block_hashes(self, tokens: Sequence[Token]) -> list[int]:
         """Cumulative hashes of the full blocks of ``tokens``."""
@@ -101,6 +184,7 @@ class PrefixCache:
         """
         if self.capacity_blocks == 0:
             return
+        self._expire()
         sink = self.events
         if sink is not None and tokens is not None:
             self._insert_reporting(hashes, tokens, sink)
@@ -111,8 +195,7 @@ class PrefixCache:
                 lru.move_to_end(h)
             else:
                 lru[h] = None
-                if len(lru) > self.capacity_blocks:
-                    lru.popitem(last=False)
+                self._make_room()
 
     def _insert_reporting(
         self, hashes: Sequence[int], tokens: Sequence[Token], sink: EventSink
@@ -138,7 +221,6 @@ class PrefixCache:
             engine.append(parent)
         evicted: list[tuple[int, int | None]] = []
         added: set[int] = set()
-        cap = self.capacity_blocks
         for i in range(n - 1, -1, -1):
             key = hashes[i]
             if key in lru:
@@ -148,8 +230,7 @@ class PrefixCache:
             else:
                 lru[key] = engine[i]
                 added.add(key)
-                if len(lru) > cap:
-                    evicted.append(lru.popitem(last=False))
+                evicted.extend(self._make_room())
         events: list[KVCacheEvent] = [
             BlockRemoved(block_hashes=[value], medium=MEDIUM)
             for key, value in evicted
@@ -183,6 +264,9 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every block (reported as ``AllBlocksCleared`` when events are on)."""
         self._lru.clear()
+        self._held.clear()
+        self._holds.clear()
+        self._extra = 0
         if self.events is not None:
             self.events([AllBlocksCleared()])
 

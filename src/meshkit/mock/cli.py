@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crash-after-chunks", type=int, default=None)
     p.add_argument("--cache-tokens", type=int, default=d.cache_tokens)
     p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument(
+        "--cache-holds-running",
+        action="store_true",
+        help="running requests hold their KV blocks, as in vLLM (needs --cache-tokens)",
+    )
     p.add_argument("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token)
     p.add_argument("--sleep-mode", action="store_true")
     p.add_argument("--wake-ms", type=float, default=d.wake_ms)
@@ -93,6 +98,7 @@ def config_from_args(ns: argparse.Namespace) -> MockConfig:
         name=ns.name,
         seed=ns.seed,
         block_size=ns.block_size,
+        cache_holds_running=ns.cache_holds_running,
         kv_events=ns.kv_events,
         kv_replay=ns.kv_replay,
         kv_topic=ns.kv_topic,

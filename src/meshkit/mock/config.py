@@ -57,6 +57,10 @@ class MockConfig:
     cache_tokens: int = 0
     #: Tokens per prefix-cache block (vLLM's ``--block-size``).
     block_size: int = 16
+    #: Running requests hold their blocks (prompt and output) for their simulated
+    #: generation time, as in vLLM, so that many requests in flight push cached
+    #: blocks out (see ``mock/cache.py``). Off: a request's blocks are only cached.
+    cache_holds_running: bool = False
     #: Prefill delay per *uncached* prompt token.
     prefill_ms_per_token: float = 0.0
     #: Serve vLLM's ``/sleep``, ``/wake_up`` and ``/is_sleeping``.

@@ -1,0 +1,133 @@
+"""Running requests hold their KV blocks (``MockConfig.cache_holds_running``), as in vLLM."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import httpx2
+import pytest
+
+from meshkit.mock import MockConfig, MockWorkerThread
+from meshkit.mock.cache import PrefixCache
+from meshkit.mock.tokens import prompt_tokens
+from meshkit.testing.fleet import samples
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def words(tag: str, n: int) -> list[str]:
+    return prompt_tokens(" ".join(f"{tag}{i}" for i in range(n)))  # type: ignore[return-value]
+
+
+def test_held_blocks_outlive_newer_ones() -> None:
+    clock = Clock()
+    cache = PrefixCache(capacity_tokens=64, block_size=16, clock=clock)  # 4 blocks
+    a = cache.block_hashes(words("a", 33))
+    cache.hold(a, 33, 10.0)  # 2 full blocks + the partial one: 3 held
+    cache.insert(a)
+    assert cache.held_blocks == 3
+    for tag in ("b", "c"):
+        cache.insert(cache.block_hashes(words(tag, 32)))
+    # without the hold, a's blocks were the least recently used
+    assert cache.lookup(a, 33) == 32
+    assert len(cache) == 3  # a's 2 blocks and one of c's: the partial block takes room
+    clock.now = 10.0
+    assert cache.held_blocks == 0
+    cache.insert(cache.block_hashes(words("d", 64)))
+    assert cache.lookup(a, 33) == 0  # released, then evicted like any cached block
+
+
+def test_without_holds_the_same_sequence_evicts() -> None:
+    cache = PrefixCache(capacity_tokens=64, block_size=16)
+    a = cache.block_hashes(words("a", 33))
+    cache.insert(a)
+    for tag in ("b", "c"):
+        cache.insert(cache.block_hashes(words(tag, 32)))
+    assert cache.lookup(a, 33) == 0
+
+
+def test_output_blocks_take_room_and_release_frees_last_block_first() -> None:
+    clock = Clock()
+    cache = PrefixCache(capacity_tokens=64, block_size=16, clock=clock)
+    x = cache.block_hashes(words("x", 32))
+    cache.hold(x, 32 + 48, 5.0)  # 2 prompt blocks + 3 for the output: more than the cache
+    cache.insert(x)
+    cache.insert(cache.block_hashes(words("y", 32)))
+    assert len(cache) == 2  # only x's held blocks stay; y's were evicted at once
+    assert cache.held_blocks == 5
+    clock.now = 5.0
+    cache.insert(cache.block_hashes(words("y", 32)))
+    cache.insert(cache.block_hashes(words("z", 16)))  # one block too many
+    # vLLM frees a finished request's blocks last block first: x's tail goes first
+    assert cache.lookup(x, 33) == 16
+
+
+def test_holds_overlap_by_reference_count() -> None:
+    clock = Clock()
+    cache = PrefixCache(capacity_tokens=64, block_size=16, clock=clock)
+    shared = cache.block_hashes(words("s", 32))
+    cache.hold(shared, 32, 1.0)
+    cache.hold(shared, 32, 3.0)
+    cache.insert(shared)
+    clock.now = 2.0  # one holder left
+    for tag in ("b", "c"):
+        cache.insert(cache.block_hashes(words(tag, 32)))
+    assert cache.lookup(shared, 33) == 32
+    clock.now = 3.0
+    assert cache.held_blocks == 0
+    cache.clear()
+    assert len(cache) == 0
+
+
+PER_TOKEN_MS = 400.0
+
+
+@pytest.fixture
+def http() -> Iterator[httpx2.Client]:
+    with httpx2.Client(timeout=10) as c:
+        yield c
+
+
+@pytest.mark.parametrize("holds", [True, False])
+def test_worker_keeps_a_running_prompt_cached(holds: bool, http: httpx2.Client) -> None:
+    """A long request runs while two other prompts pass through a 4-block cache: with
+    holds its prompt is still cached for the next turn, without it is evicted."""
+    config = MockConfig(
+        cache_tokens=64,
+        block_size=16,
+        output_tokens=4,
+        per_token_ms=PER_TOKEN_MS,
+        cache_holds_running=holds,
+    )
+    with MockWorkerThread(config) as m:
+        url = m.url + "/v1/completions"
+        a = " ".join(f"a{i}" for i in range(40))
+        slow = threading.Thread(target=lambda: http.post(url, json={"prompt": a}))
+        slow.start()
+        try:
+            while m.worker.stats.in_flight < 1 and slow.is_alive():
+                threading.Event().wait(0.005)
+            metrics = samples(http.get(m.url + "/metrics").content)
+            usage = next(v for k, v in metrics.items() if k.startswith("vllm:kv_cache_usage"))
+            for tag in ("b", "c"):
+                other = " ".join(f"{tag}{i}" for i in range(32))
+                assert http.post(url, json={"prompt": other, "max_tokens": 1}).status_code == 200
+            again = http.post(url, json={"prompt": a, "max_tokens": 1}).json()["usage"]
+            running = m.worker.stats.in_flight
+        finally:
+            slow.join()
+    assert running == 1  # the long request was still running throughout
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    if holds:
+        assert cached == 32
+        assert usage == 0.75  # 2 prompt blocks + the partial block with the output, of 4
+    else:
+        assert cached == 0
+        assert usage == 0.5  # without holds the mock reports the cached share
