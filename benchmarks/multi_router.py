@@ -279,6 +279,7 @@ def vllm_fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
     ]
     for s in servers:
         os.makedirs(s.workdir, exist_ok=True)
+    ok = False
     try:
         for s in servers:  # all at once, from this thread (they end with it)
             s.launch()
@@ -290,10 +291,14 @@ def vllm_fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
             prompt, cached, n = _engine_totals(s.metrics())
             stats.append((f"w{i}", prompt, cached, n, None))
         conn.send(stats)
+        ok = True
     finally:
         for s in servers:
             s.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if ok:
+            shutil.rmtree(work, ignore_errors=True)
+        else:  # the engines' logs say why
+            print(f"multi_router: the vLLM fleet failed; its logs are in {work}", file=sys.stderr)
 
 
 def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
@@ -317,7 +322,8 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
                 per_token_ms=cfg["per_token_ms"],
                 prefill_ms_per_token=cfg["prefill_ms_per_token"],
                 output_tokens=cfg["output_tokens"],
-                cache_holds_running=cfg["hold_running"],
+                cache_holds_running=cfg["vllm_cache"],
+                cache_outputs=cfg["vllm_cache"],
             )
         )
         for i in range(cfg["workers"])
@@ -588,16 +594,22 @@ class Bound:
             ids = self.ids[key] = prompt_ids(self.tok, body)
         return ids
 
-    def hit_rate(self, bodies: Sequence[dict[str, Any]]) -> float:
+    def hit_rate(self, served: Sequence[tuple[dict[str, Any], str]], outputs: bool) -> float:
+        """``served``: (body, reply) in the order sent. With ``outputs``, the cache
+        also keeps each answer (as engines that cache what they generate do)."""
         from meshkit.mock.cache import PrefixCache
 
         cache = PrefixCache(1 << 62, self.block)
         hit = total = 0
-        for body in bodies:
+        for body, reply in served:
             ids = self.prompt_ids(body)
             hashes = cache.block_hashes(ids)
             hit += cache.lookup(hashes, len(ids))
             cache.insert(hashes)
+            if outputs and reply:
+                cache.insert(
+                    cache.block_hashes(ids + self.tok.encode(reply, add_special_tokens=False))
+                )
             total += len(ids)
         return hit / total if total else 0.0
 
@@ -618,7 +630,7 @@ def run_one(
         "max_life_s": max_life,
         "block": args.block,
         "vllm": args.vllm,
-        "hold_running": args.hold_running,
+        "vllm_cache": args.vllm_cache,
     }
     parent, child = ctx.Pipe()
     fleet = ctx.Process(target=fleet_main, args=(fleet_cfg, child), name="fleet", daemon=True)
@@ -628,7 +640,8 @@ def run_one(
     stop = ctx.Event()
     tasks = ctx.Queue()
     results = ctx.Queue()
-    served: list[tuple[float, dict[str, Any], int]] = []  # (sent at, body, prompt tokens)
+    # (sent at, body, prompt tokens, reply)
+    served: list[tuple[float, dict[str, Any], int, str]] = []
     infos: list[dict[str, Any]] = []
     true_blocks: list[int] = []  # per worker, what its cache holds at the end
     try:
@@ -742,8 +755,10 @@ def run_one(
                 run.notes.append(f"router {r}: KV-event sequence breaks {info['kv_gaps']}")
     # The bound: every answered request, in the order the routers sent them.
     served.sort(key=lambda x: x[0])
-    run.bound = bound.hit_rate([b for _, b, _ in served])
-    run.token_mismatch = sum(1 for _, b, p in served if len(bound.prompt_ids(b)) != p)
+    # engines that cache what they generate (vLLM, --vllm-cache) can hit answers too
+    outputs = bool(args.vllm or args.vllm_cache)
+    run.bound = bound.hit_rate([(b, reply) for _, b, _, reply in served], outputs)
+    run.token_mismatch = sum(1 for _, b, p, _ in served if len(bound.prompt_ids(b)) != p)
     return run
 
 
@@ -752,7 +767,7 @@ def drive(
     wl: Workload,
     tasks: Any,
     results: Any,
-    served: list[tuple[float, dict[str, Any], int]],
+    served: list[tuple[float, dict[str, Any], int, str]],
 ) -> None:
     """C closed-loop users over the conversations; one shared queue of turns."""
     pending = list(reversed(wl.convs))
@@ -816,7 +831,7 @@ def drive(
             continue
         run.usage_prompt += res["prompt"]
         run.usage_cached += res["cached"]
-        served.append((res["t_send"], bodies.pop((cid, t)), res["prompt"]))
+        served.append((res["t_send"], bodies.pop((cid, t)), res["prompt"], res["reply"]))
         history[cid].append({"role": "assistant", "content": res["reply"]})
         if t + 1 < len(conv.users):
             turn_of[cid] = t + 1
@@ -941,9 +956,10 @@ def write_report(
             f"+ {args.prefill_ms_per_token} ms per uncached prompt token + {args.per_token_ms} "
             f"ms per output token, {args.output_tokens} output tokens. A fresh fleet per run."
             + (
-                " Running requests hold their blocks (prompt and output) for their "
-                "generation time, as in vLLM (`--hold-running`)."
-                if args.hold_running
+                " The workers cache as vLLM does (`--vllm-cache`): running requests hold "
+                "their blocks (prompt and output) for their generation time, and an answer's "
+                "full blocks join the cache when it ends; the bound keeps the answers too."
+                if args.vllm_cache
                 else ""
             )
         )
@@ -1098,10 +1114,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.01)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument(
-        "--hold-running",
+        "--block",
+        type=int,
+        help=f"KV block size in tokens (default {BLOCK}; with --vllm 32, the least its "
+        "CPU attention takes)",
+    )
+    ap.add_argument(
+        "--vllm-cache",
         action="store_true",
-        help="the mock workers' running requests hold their KV blocks, as vLLM's do "
-        "(MockConfig.cache_holds_running): high concurrency then pushes cached blocks out",
+        help="the mock workers cache as vLLM does: running requests hold their KV blocks "
+        "and answers join the cache (MockConfig.cache_holds_running, cache_outputs); the "
+        "bound then keeps the answers too",
     )
     ap.add_argument(
         "--kv-max-blocks",
@@ -1149,7 +1172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A report elsewhere (a sweep in /tmp) must not overwrite the committed plot.
             args.png = args.png or os.path.splitext(args.out)[0] + ".png"
     args.repeat = args.repeat or (1 if args.quick else 2)
-    args.block = 32 if args.vllm else BLOCK  # vLLM's CPU attention: multiples of 32
+    if args.block is None:
+        args.block = 32 if args.vllm else BLOCK  # vLLM's CPU attention: multiples of 32
     args.routers = [int(x) for x in str(args.routers).split(",") if x]
     configs = [c for c in args.configs.split(",") if c]
     unknown = set(configs) - set(CONFIGS)

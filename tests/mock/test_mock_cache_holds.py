@@ -131,3 +131,59 @@ def test_worker_keeps_a_running_prompt_cached(holds: bool, http: httpx2.Client) 
     else:
         assert cached == 0
         assert usage == 0.5  # without holds the mock reports the cached share
+
+
+# -- outputs join the cache (MockConfig.cache_outputs) ---------------------------------
+
+
+def test_output_blocks_are_stored_when_the_request_ends() -> None:
+    clock = Clock()
+    batches: list[list[object]] = []
+    cache = PrefixCache(capacity_tokens=1024, block_size=16, events=batches.append, clock=clock)
+    prompt = words("p", 40)
+    full = prompt + words("tok", 16)
+    keys = cache.block_hashes(prompt)
+    cache.hold(keys, 56, 2.0, then=(cache.block_hashes(full), full))
+    cache.insert(keys, prompt)
+    assert cache.lookup(cache.block_hashes(full), 57) == 32  # the answer is not cached yet
+    stored_prompt = batches[-1][-1]
+    clock.now = 2.0
+    assert cache.held_blocks == 0  # ends the request: its output is stored
+    assert cache.lookup(cache.block_hashes(full), 57) == 48
+    (event,) = batches[-1]
+    # one new block, chained on the prompt's last full block, as vLLM reports it
+    assert event.parent_block_hash == stored_prompt.block_hashes[-1]  # type: ignore[attr-defined]
+    assert len(event.token_ids) == 16  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("outputs", [True, False])
+def test_next_turn_hits_the_previous_answer(outputs: bool, http: httpx2.Client) -> None:
+    config = MockConfig(cache_tokens=4096, output_tokens=16, cache_outputs=outputs)
+    with MockWorkerThread(config) as m:
+        url = m.url + "/v1/completions"
+        first = " ".join(f"w{i}" for i in range(40))
+        answer = http.post(url, json={"prompt": first}).json()["choices"][0]["text"]
+        nxt = first + " " + answer + " " + " ".join(f"n{i}" for i in range(10))
+        usage = http.post(url, json={"prompt": nxt}).json()["usage"]
+    # 40 prompt words + 16 answer words: 3 full blocks, 2 of them the first prompt's
+    assert usage["prompt_tokens_details"]["cached_tokens"] == (48 if outputs else 32)
+
+
+def test_next_chat_turn_hits_the_answer_through_the_tokenizer(http: httpx2.Client) -> None:
+    """With an engine tokenizer the output is cached as the ids the next turn's chat
+    template renders for it."""
+    from pathlib import Path
+
+    tiny = Path(__file__).parents[1] / "prepare" / "data" / "tiny"
+    config = MockConfig(
+        cache_tokens=4096, output_tokens=16, cache_outputs=True, tokenizer=str(tiny)
+    )
+    with MockWorkerThread(config) as m:
+        url = m.url + "/v1/chat/completions"
+        msgs = [{"role": "user", "content": " ".join(f"w{i}" for i in range(30))}]
+        r1 = http.post(url, json={"messages": msgs}).json()
+        msgs += [r1["choices"][0]["message"], {"role": "user", "content": "and then"}]
+        usage = http.post(url, json={"messages": msgs}).json()["usage"]
+    first = r1["usage"]["prompt_tokens"]
+    # the cached tokens reach past the first prompt's full blocks into the answer
+    assert usage["prompt_tokens_details"]["cached_tokens"] > first // 16 * 16

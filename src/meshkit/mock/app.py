@@ -79,8 +79,9 @@ class MockApp:
             PrefixCache(config.cache_tokens, config.block_size) if config.cache_tokens > 0 else None
         )
         self._prompt_ids: Callable[[dict[str, Any]], list[int]] | None = None
+        self._text_ids: Callable[[str], list[int]] | None = None
         if config.tokenizer is not None:
-            self._prompt_ids = _engine_tokenizer(config.tokenizer)
+            self._prompt_ids, self._text_ids = _engine_tokenizer(config.tokenizer)
         self._rng = random.Random(config.seed)
         self._memo: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
         self._counter = 0
@@ -311,10 +312,26 @@ class MockApp:
             created=int(time.time()),
         )
         if hashes is not None and cache is not None and not isinstance(prompt, int):
-            if self.config.cache_holds_running:
-                cache.hold(hashes, p + n, self.total_delay(t))
+            cfg = self.config
+            holds, outputs = cfg.cache_holds_running, cfg.cache_outputs and n > 0
+            if holds or outputs:
+                then = None
+                if outputs:
+                    full = [*prompt, *self._output_tokens(t)]
+                    then = (cache.block_hashes(full), full)
+                if holds:
+                    cache.hold(hashes, p + n, self.total_delay(t), then=then)
+                else:  # stored at the cache's next change
+                    cache.hold((), 0, 0.0, then=then)
             cache.insert(hashes, prompt)
         return t
+
+    def _output_tokens(self, t: Turn) -> list[Token]:
+        """The generated text as the next turn's prompt will hold it: the engine
+        tokenizer's ids of it, or its words."""
+        if self._text_ids is not None:
+            return list(self._text_ids(t.text))
+        return [w.strip() for w in t.pieces]
 
     def first_delay(self, t: Turn) -> float:
         cfg = self.config
@@ -513,13 +530,19 @@ class MockApp:
         return out
 
 
-def _engine_tokenizer(path: str) -> Callable[[dict[str, Any]], list[int]]:
-    """Load the tokenizer at ``path`` once; a function of a request body to its ids."""
+def _engine_tokenizer(
+    path: str,
+) -> tuple[Callable[[dict[str, Any]], list[int]], Callable[[str], list[int]]]:
+    """Load the tokenizer at ``path`` once: functions of a request body to its prompt
+    ids, and of a generated text to its ids."""
     from meshkit.prepare.jobs import prompt_ids
     from meshkit.prepare.tokenizers import TokenizerSpec
 
     tok = TokenizerSpec(path).load()
-    return lambda body: prompt_ids(tok, body)
+    return (
+        lambda body: prompt_ids(tok, body),
+        lambda text: tok.encode(text, add_special_tokens=False),
+    )
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

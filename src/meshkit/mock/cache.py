@@ -24,6 +24,10 @@ cached. The trailing partial block is never cached.
   requests need more blocks than the cache has, the mock holds them anyway (vLLM
   would keep the request waiting); what it models is the cached blocks they push
   out, which is what a router's hit rate sees at high concurrency.
+* Outputs (``MockConfig.cache_outputs``): when a request ends, the full blocks of its
+  prompt and output are stored, as vLLM caches the blocks it generates
+  (``KVCacheManager.cache_blocks`` runs as decoding fills blocks); a conversation's
+  next turn repeats the answer in its prompt and hits them.
 
 KV events (``MockConfig.kv_events``): with an ``events`` sink set, each block also
 carries an *engine hash* (:class:`~meshkit.mock.kv_publisher.EngineHasher`, seeded
@@ -57,6 +61,8 @@ __all__ = ["EventSink", "PrefixCache"]
 
 #: Receives one batch of events per cache change.
 EventSink = Callable[[list[KVCacheEvent]], None]
+#: Block keys and the tokens they were cut from, stored when a request ends.
+_Store = tuple[Sequence[int], Sequence[Token]]
 #: KV events name the device tier the blocks live on.
 MEDIUM = "GPU"
 
@@ -82,8 +88,9 @@ class PrefixCache:
         self._held: dict[int, int] = {}
         #: Blocks running requests hold beyond their cached prompt blocks.
         self._extra = 0
-        #: Running requests: ``(until, seq, block keys, extra blocks)``, soonest first.
-        self._holds: list[tuple[float, int, tuple[int, ...], int]] = []
+        #: Running requests, soonest end first: ``(until, seq, block keys, extra
+        #: blocks, what to store when it ends)``.
+        self._holds: list[tuple[float, int, tuple[int, ...], int, _Store | None]] = []
         self._seq = 0
         self._clock = clock
         #: Where KV events go (``None`` = not tracked).
@@ -104,9 +111,20 @@ class PrefixCache:
         self._expire()
         return len(self._held) + self._extra
 
-    def hold(self, hashes: Sequence[int], n_tokens: int, seconds: float) -> None:
+    def hold(
+        self,
+        hashes: Sequence[int],
+        n_tokens: int,
+        seconds: float,
+        *,
+        then: _Store | None = None,
+    ) -> None:
         """A request of ``n_tokens`` (prompt and output) whose full prompt blocks are
         ``hashes`` runs for ``seconds``: its blocks stay in the cache until then.
+
+        ``then`` (the block keys and tokens of prompt and output) is stored when the
+        request ends: vLLM caches the full blocks of what it generated too, so the next
+        turn of a conversation can hit the previous answer.
 
         Call before :meth:`insert`, so that the insert makes room for the request's
         other blocks and does not evict its own.
@@ -118,7 +136,8 @@ class PrefixCache:
         extra = max(-(-n_tokens // self.block_size) - len(hashes), 0)
         self._extra += extra
         self._seq += 1
-        heapq.heappush(self._holds, (self._clock() + seconds, self._seq, tuple(hashes), extra))
+        until = self._clock() + seconds
+        heapq.heappush(self._holds, (until, self._seq, tuple(hashes), extra, then))
 
     def _expire(self) -> None:
         holds = self._holds
@@ -127,7 +146,7 @@ class PrefixCache:
         now = self._clock()
         held, lru = self._held, self._lru
         while holds and holds[0][0] <= now:
-            _, _, keys, extra = heapq.heappop(holds)
+            _, _, keys, extra, then = heapq.heappop(holds)
             self._extra -= extra
             for h in reversed(keys):
                 count = held[h] - 1
@@ -137,6 +156,8 @@ class PrefixCache:
                 del held[h]
                 if h in lru:
                     lru.move_to_end(h)
+            if then is not None:
+                self._store(*then)
 
     def _make_room(self) -> list[tuple[int, int | None]]:
         """Evict least recently used blocks no running request holds until the cache
@@ -185,6 +206,9 @@ class PrefixCache:
         if self.capacity_blocks == 0:
             return
         self._expire()
+        self._store(hashes, tokens)
+
+    def _store(self, hashes: Sequence[int], tokens: Sequence[Token] | None) -> None:
         sink = self.events
         if sink is not None and tokens is not None:
             self._insert_reporting(hashes, tokens, sink)

@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="running requests hold their KV blocks, as in vLLM (needs --cache-tokens)",
     )
+    p.add_argument(
+        "--cache-outputs",
+        action="store_true",
+        help="a request's output joins the prefix cache when it ends, as in vLLM",
+    )
     p.add_argument("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token)
     p.add_argument("--sleep-mode", action="store_true")
     p.add_argument("--wake-ms", type=float, default=d.wake_ms)
@@ -99,6 +104,7 @@ def config_from_args(ns: argparse.Namespace) -> MockConfig:
         seed=ns.seed,
         block_size=ns.block_size,
         cache_holds_running=ns.cache_holds_running,
+        cache_outputs=ns.cache_outputs,
         kv_events=ns.kv_events,
         kv_replay=ns.kv_replay,
         kv_topic=ns.kv_topic,

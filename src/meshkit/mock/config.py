@@ -61,6 +61,11 @@ class MockConfig:
     #: generation time, as in vLLM, so that many requests in flight push cached
     #: blocks out (see ``mock/cache.py``). Off: a request's blocks are only cached.
     cache_holds_running: bool = False
+    #: A request's output joins the cache when it ends (its full blocks, chained on the
+    #: prompt's), as vLLM caches what it generated: the next turn of a conversation,
+    #: whose prompt repeats the answer, hits it. With ``tokenizer``, the output's ids
+    #: are the tokenizer's for the generated text.
+    cache_outputs: bool = False
     #: Prefill delay per *uncached* prompt token.
     prefill_ms_per_token: float = 0.0
     #: Serve vLLM's ``/sleep``, ``/wake_up`` and ``/is_sleeping``.
