@@ -187,3 +187,45 @@ def test_next_chat_turn_hits_the_answer_through_the_tokenizer(http: httpx2.Clien
     first = r1["usage"]["prompt_tokens"]
     # the cached tokens reach past the first prompt's full blocks into the answer
     assert usage["prompt_tokens_details"]["cached_tokens"] > first // 16 * 16
+
+
+@pytest.mark.parametrize("holds", [True, False])
+def test_published_events_describe_the_cache_exactly(holds: bool) -> None:
+    """Fed to meshkit's KV index, the events name exactly the blocks the cache holds
+    after every request: also when a request's own cached blocks are pushed out and
+    put back by its insert (a crowded cache, held blocks, stored answers)."""
+    import random
+    import time
+
+    import msgspec
+
+    from meshkit.core.kv_events import decode_batch
+    from meshkit.core.kv_index import KvIndex, _h64
+    from meshkit.mock.kv_publisher import KVEventBatch
+
+    clock = Clock()
+    index = KvIndex(10**6)
+    encode = msgspec.msgpack.Encoder().encode
+
+    def sink(events: list[object]) -> None:
+        batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=None)  # type: ignore[arg-type]
+        index.apply("w", decode_batch(encode(batch)))
+
+    cache = PrefixCache(4000, 32, events=sink, clock=clock)
+    rng = random.Random(7)
+    convs = [[rng.randrange(1000) for _ in range(rng.randrange(200, 900))] for _ in range(12)]
+    for step in range(400):
+        clock.now += 0.005
+        c = rng.randrange(len(convs))
+        prompt = convs[c]
+        full = prompt + [rng.randrange(1000) for _ in range(64)]
+        keys = cache.block_hashes(prompt)
+        cache.lookup(keys, len(prompt))
+        then = (cache.block_hashes(full), full)
+        cache.hold(keys if holds else (), len(full) if holds else 0, 0.03 * holds, then=then)
+        cache.insert(keys, prompt)
+        convs[c] = full + [rng.randrange(1000) for _ in range(40)]
+        if len(convs[c]) > 3000:
+            convs[c] = convs[c][:300]
+        held = {_h64(v) for v in cache._lru.values() if v is not None}
+        assert set(index._workers["w"].entries) == held, f"step {step}"

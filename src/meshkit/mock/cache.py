@@ -163,17 +163,18 @@ class PrefixCache:
         """Evict least recently used blocks no running request holds until the cache
         fits (or only held blocks are left)."""
         lru, held = self._lru, self._held
-        cap = self.capacity_blocks - self._extra
-        evicted: list[tuple[int, int | None]] = []
-        skipped = 0
-        while len(lru) > cap and skipped < len(lru):
-            key, value = lru.popitem(last=False)
-            if key in held:
-                lru[key] = value  # in use: back to the recent end, as if just touched
-                skipped += 1
-                continue
-            evicted.append((key, value))
-        return evicted
+        need = len(lru) + self._extra - self.capacity_blocks
+        if need <= 0:
+            return []
+        if not held:
+            return [lru.popitem(last=False) for _ in range(min(need, len(lru)))]
+        victims: list[int] = []
+        for key in lru:  # oldest first; a held block keeps its place until released
+            if key not in held:
+                victims.append(key)
+                if len(victims) == need:
+                    break
+        return [(key, lru.pop(key)) for key in victims]
 
     def block_hashes(self, tokens: Sequence[Token]) -> list[int]:
         """Cumulative hashes of the full blocks of ``tokens``."""
@@ -253,7 +254,10 @@ class PrefixCache:
                 lru.move_to_end(key)
             else:
                 lru[key] = engine[i]
-                added.add(key)
+                if not present[i]:
+                    # (a cached block this insert pushed out and put back is not new:
+                    # if pushed out again, its removal is reported)
+                    added.add(key)
                 evicted.extend(self._make_room())
         events: list[KVCacheEvent] = [
             BlockRemoved(block_hashes=[value], medium=MEDIUM)
