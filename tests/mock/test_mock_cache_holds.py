@@ -156,9 +156,17 @@ def test_output_blocks_are_stored_when_the_request_ends() -> None:
     assert len(event.token_ids) == 16  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("outputs", [True, False])
-def test_next_turn_hits_the_previous_answer(outputs: bool, http: httpx2.Client) -> None:
-    config = MockConfig(cache_tokens=4096, output_tokens=16, cache_outputs=outputs)
+@pytest.mark.parametrize(("outputs", "holds"), [(True, False), (True, True), (False, False)])
+def test_next_turn_hits_the_previous_answer(
+    outputs: bool, holds: bool, http: httpx2.Client
+) -> None:
+    config = MockConfig(
+        cache_tokens=4096,
+        output_tokens=16,
+        cache_outputs=outputs,
+        cache_holds_running=holds,
+        per_token_ms=2.0 * holds,  # the answer is stored when its hold ends
+    )
     with MockWorkerThread(config) as m:
         url = m.url + "/v1/completions"
         first = " ".join(f"w{i}" for i in range(40))

@@ -321,7 +321,7 @@ class MockApp:
                     then = (cache.block_hashes(full), full)
                 if holds:
                     cache.hold(hashes, p + n, self.total_delay(t), then=then)
-                else:  # stored at the cache's next change
+                else:  # ends at once: the insert below stores it
                     cache.hold((), 0, 0.0, then=then)
             cache.insert(hashes, prompt)
         return t

@@ -188,6 +188,7 @@ class PrefixCache:
 
     def lookup(self, hashes: Sequence[int], n_tokens: int) -> int:
         """Cached tokens for a prompt of ``n_tokens`` with block ``hashes``; touches hits."""
+        self._expire()  # a request that has ended has stored its answer
         usable = max(n_tokens - 1, 0) // self.block_size
         hits = 0
         lru = self._lru
