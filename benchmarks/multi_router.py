@@ -289,7 +289,7 @@ def vllm_fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
         stats = []
         for i, s in enumerate(servers):
             prompt, cached, n = _engine_totals(s.metrics())
-            stats.append((f"w{i}", prompt, cached, n, None))
+            stats.append((f"w{i}", prompt, cached, n, None, 0))
         conn.send(stats)
         ok = True
     finally:
@@ -339,7 +339,8 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
             n = sum(v for k, v in s.requests_total.items() if "chat" in k)
             cache = m.worker.app.cache
             blocks = len(cache) if cache is not None else 0
-            stats.append((f"w{i}", s.prompt_tokens_total, s.cached_tokens_total, n, blocks))
+            over = cache.overfull if cache is not None else 0
+            stats.append((f"w{i}", s.prompt_tokens_total, s.cached_tokens_total, n, blocks, over))
         conn.send(stats)
     finally:
         for m in mocks:
@@ -712,12 +713,16 @@ def run_one(
             stats = None
             while stats is None and parent.poll(30):
                 got = parent.recv()
-                if got and len(got[0]) == 5:  # not the endpoints of a fleet that started late
+                if got and len(got[0]) == 6:  # not the endpoints of a fleet that started late
                     stats = got
             if stats is not None:
-                for name, prompt, cached, n, blocks in stats:
+                for name, prompt, cached, n, blocks, over in stats:
                     if blocks is not None:
                         true_blocks.append(blocks)
+                    if over:  # vLLM would have kept requests waiting: the mock thrashed
+                        run.notes.append(
+                            f"{name}: running requests held more than the cache {over} times"
+                        )
                     run.prompt_tokens += prompt
                     run.cached_tokens += cached
                     if args.vllm:  # its answers name no worker: the engine's own count

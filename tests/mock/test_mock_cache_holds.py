@@ -38,6 +38,7 @@ def test_held_blocks_outlive_newer_ones() -> None:
     # without the hold, a's blocks were the least recently used
     assert cache.lookup(a, 33) == 32
     assert len(cache) == 3  # a's 2 blocks and one of c's: the partial block takes room
+    assert cache.overfull == 0
     clock.now = 10.0
     assert cache.held_blocks == 0
     cache.insert(cache.block_hashes(words("d", 64)))
@@ -62,6 +63,7 @@ def test_output_blocks_take_room_and_release_frees_last_block_first() -> None:
     cache.insert(cache.block_hashes(words("y", 32)))
     assert len(cache) == 2  # only x's held blocks stay; y's were evicted at once
     assert cache.held_blocks == 5
+    assert cache.overfull > 0  # vLLM would have kept a request waiting
     clock.now = 5.0
     cache.insert(cache.block_hashes(words("y", 32)))
     cache.insert(cache.block_hashes(words("z", 16)))  # one block too many

@@ -22,8 +22,9 @@ cached. The trailing partial block is never cached.
   request's simulated generation time (:meth:`PrefixCache.hold` takes it), and its
   blocks go back to the free end last block first, as vLLM frees them. When running
   requests need more blocks than the cache has, the mock holds them anyway (vLLM
-  would keep the request waiting); what it models is the cached blocks they push
-  out, which is what a router's hit rate sees at high concurrency.
+  would keep the request waiting) and counts it in ``overfull``: past that point
+  every block is evicted as soon as it is released, so the mock's hit rates there are
+  far below an engine's.
 * Outputs (``MockConfig.cache_outputs``): when a request ends, the full blocks of its
   prompt and output are stored, as vLLM caches the blocks it generates
   (``KVCacheManager.cache_blocks`` runs as decoding fills blocks); a conversation's
@@ -93,6 +94,10 @@ class PrefixCache:
         self._holds: list[tuple[float, int, tuple[int, ...], int, _Store | None]] = []
         self._seq = 0
         self._clock = clock
+        #: Inserts that found only held blocks to evict: running requests held more
+        #: than the cache, where vLLM would keep requests waiting and the mock, which
+        #: does not, evicts every block as soon as it is released.
+        self.overfull = 0
         #: Where KV events go (``None`` = not tracked).
         self.events = events
         self.hasher = EngineHasher()
@@ -174,6 +179,8 @@ class PrefixCache:
                 victims.append(key)
                 if len(victims) == need:
                     break
+        if len(victims) < need:
+            self.overfull += 1
         return [(key, lru.pop(key)) for key in victims]
 
     def block_hashes(self, tokens: Sequence[Token]) -> list[int]:
