@@ -312,19 +312,26 @@ class MockApp:
             created=int(time.time()),
         )
         if hashes is not None and cache is not None and not isinstance(prompt, int):
-            cfg = self.config
-            holds, outputs = cfg.cache_holds_running, cfg.cache_outputs and n > 0
-            if holds or outputs:
-                then = None
-                if outputs:
-                    full = [*prompt, *self._output_tokens(t)]
-                    then = (cache.block_hashes(full), full)
-                if holds:
-                    cache.hold(hashes, p + n, self.total_delay(t), then=then)
-                else:  # ends at once: the insert below stores it
-                    cache.hold((), 0, 0.0, then=then)
-            cache.insert(hashes, prompt)
+            self._remember(cache, prompt, hashes, t)
         return t
+
+    def _remember(
+        self, cache: PrefixCache, prompt: Sequence[Token], hashes: list[int], t: Turn
+    ) -> None:
+        """The turn's blocks into the cache as an engine's would go: held while it
+        runs (``cache_holds_running``), and the answer's with them (``cache_outputs``)."""
+        cfg = self.config
+        keys, tokens = hashes, prompt
+        if cfg.cache_outputs and t.output_tokens > 0:
+            tokens = [*prompt, *self._output_tokens(t)]
+            keys = cache.block_hashes(tokens)
+        if not cfg.cache_holds_running:
+            cache.insert(keys, tokens)
+            return
+        then = (keys, tokens) if keys is not hashes else None  # stored when the hold ends
+        n_tokens = t.prompt_tokens + t.output_tokens
+        cache.hold(hashes, n_tokens, self.total_delay(t), then=then)
+        cache.insert(hashes, prompt)
 
     def _output_tokens(self, t: Turn) -> list[Token]:
         """The generated text as the next turn's prompt will hold it: the engine
