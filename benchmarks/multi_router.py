@@ -606,11 +606,9 @@ class Bound:
             ids = self.prompt_ids(body)
             hashes = cache.block_hashes(ids)
             hit += cache.lookup(hashes, len(ids))
+            if outputs and reply:  # the prompt's blocks and the answer's after them
+                hashes = cache.block_hashes(ids + self.tok.encode(reply, add_special_tokens=False))
             cache.insert(hashes)
-            if outputs and reply:
-                cache.insert(
-                    cache.block_hashes(ids + self.tok.encode(reply, add_special_tokens=False))
-                )
             total += len(ids)
         return hit / total if total else 0.0
 
