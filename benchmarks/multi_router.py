@@ -289,7 +289,7 @@ def vllm_fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
         stats = []
         for i, s in enumerate(servers):
             prompt, cached, n = _engine_totals(s.metrics())
-            stats.append((f"w{i}", prompt, cached, n, None, 0))
+            stats.append((f"w{i}", prompt, cached, n, None, 0, 0))
         conn.send(stats)
         ok = True
     finally:
@@ -340,7 +340,9 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
             cache = m.worker.app.cache
             blocks = len(cache) if cache is not None else 0
             over = cache.overfull if cache is not None else 0
-            stats.append((f"w{i}", s.prompt_tokens_total, s.cached_tokens_total, n, blocks, over))
+            queued = cache.queued if cache is not None else 0
+            row = (s.prompt_tokens_total, s.cached_tokens_total, n, blocks, over, queued)
+            stats.append((f"w{i}", *row))
         conn.send(stats)
     finally:
         for m in mocks:
@@ -711,16 +713,17 @@ def run_one(
             stats = None
             while stats is None and parent.poll(30):
                 got = parent.recv()
-                if got and len(got[0]) == 6:  # not the endpoints of a fleet that started late
+                if got and len(got[0]) == 7:  # not the endpoints of a fleet that started late
                     stats = got
             if stats is not None:
-                for name, prompt, cached, n, blocks, over in stats:
+                waited = []
+                for name, prompt, cached, n, blocks, over, queued in stats:
                     if blocks is not None:
                         true_blocks.append(blocks)
-                    if over:  # vLLM would have kept requests waiting: the mock thrashed
-                        run.notes.append(
-                            f"{name}: running requests held more than the cache {over} times"
-                        )
+                    if over:  # an engine would refuse them; the mock thrashed
+                        run.notes.append(f"{name}: {over} requests larger than its KV cache")
+                    if queued:
+                        waited.append(f"{name} {queued}")
                     run.prompt_tokens += prompt
                     run.cached_tokens += cached
                     if args.vllm:  # its answers name no worker: the engine's own count
@@ -730,6 +733,8 @@ def run_one(
                         run.notes.append(
                             f"{name}: {n} chat requests seen, {run.per_worker[name]} answered"
                         )
+                if waited:  # as vLLM's scheduler keeps them in its waiting queue
+                    run.notes.append("requests that waited for KV room: " + ", ".join(waited))
             else:
                 run.notes.append("no stats from the fleet")
         except (OSError, EOFError) as exc:

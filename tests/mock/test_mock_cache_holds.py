@@ -30,8 +30,7 @@ def test_held_blocks_outlive_newer_ones() -> None:
     clock = Clock()
     cache = PrefixCache(capacity_tokens=64, block_size=16, clock=clock)  # 4 blocks
     a = cache.block_hashes(words("a", 33))
-    cache.hold(a, 33, 10.0)  # 2 full blocks + the partial one: 3 held
-    cache.insert(a)
+    cache.admit(a, words("a", 33), 33, 10.0)  # 2 full blocks + the partial one: 3 held
     assert cache.held_blocks == 3
     for tag in ("b", "c"):
         cache.insert(cache.block_hashes(words(tag, 32)))
@@ -58,12 +57,11 @@ def test_output_blocks_take_room_and_release_frees_last_block_first() -> None:
     clock = Clock()
     cache = PrefixCache(capacity_tokens=64, block_size=16, clock=clock)
     x = cache.block_hashes(words("x", 32))
-    cache.hold(x, 32 + 48, 5.0)  # 2 prompt blocks + 3 for the output: more than the cache
-    cache.insert(x)
+    cache.admit(x, words("x", 32), 32 + 48, 5.0)  # 2 prompt + 3 output: more than the cache
     cache.insert(cache.block_hashes(words("y", 32)))
     assert len(cache) == 2  # only x's held blocks stay; y's were evicted at once
     assert cache.held_blocks == 5
-    assert cache.overfull > 0  # vLLM would have kept a request waiting
+    assert cache.overfull == 1  # larger than the cache: an engine would refuse it
     clock.now = 5.0
     cache.insert(cache.block_hashes(words("y", 32)))
     cache.insert(cache.block_hashes(words("z", 16)))  # one block too many
@@ -75,9 +73,8 @@ def test_holds_overlap_by_reference_count() -> None:
     clock = Clock()
     cache = PrefixCache(capacity_tokens=64, block_size=16, clock=clock)
     shared = cache.block_hashes(words("s", 32))
-    cache.hold(shared, 32, 1.0)
-    cache.hold(shared, 32, 3.0)
-    cache.insert(shared)
+    cache.admit(shared, words("s", 32), 32, 1.0)
+    cache.admit(shared, words("s", 32), 32, 3.0)
     clock.now = 2.0  # one holder left
     for tag in ("b", "c"):
         cache.insert(cache.block_hashes(words(tag, 32)))
@@ -99,10 +96,10 @@ def http() -> Iterator[httpx2.Client]:
 
 @pytest.mark.parametrize("holds", [True, False])
 def test_worker_keeps_a_running_prompt_cached(holds: bool, http: httpx2.Client) -> None:
-    """A long request runs while two other prompts pass through a 4-block cache: with
+    """A long request runs while three other prompts pass through a 6-block cache: with
     holds its prompt is still cached for the next turn, without it is evicted."""
     config = MockConfig(
-        cache_tokens=64,
+        cache_tokens=96,
         block_size=16,
         output_tokens=4,
         per_token_ms=PER_TOKEN_MS,
@@ -118,7 +115,7 @@ def test_worker_keeps_a_running_prompt_cached(holds: bool, http: httpx2.Client) 
                 threading.Event().wait(0.005)
             metrics = samples(http.get(m.url + "/metrics").content)
             usage = next(v for k, v in metrics.items() if k.startswith("vllm:kv_cache_usage"))
-            for tag in ("b", "c"):
+            for tag in ("b", "c", "d"):  # each fits beside the long one: none waits
                 other = " ".join(f"{tag}{i}" for i in range(32))
                 assert http.post(url, json={"prompt": other, "max_tokens": 1}).status_code == 200
             again = http.post(url, json={"prompt": a, "max_tokens": 1}).json()["usage"]
@@ -129,10 +126,10 @@ def test_worker_keeps_a_running_prompt_cached(holds: bool, http: httpx2.Client) 
     cached = again["prompt_tokens_details"]["cached_tokens"]
     if holds:
         assert cached == 32
-        assert usage == 0.75  # 2 prompt blocks + the partial block with the output, of 4
+        assert usage == 0.5  # 2 prompt blocks + the partial block with the output, of 6
     else:
         assert cached == 0
-        assert usage == 0.5  # without holds the mock reports the cached share
+        assert usage == 2 / 6  # without holds the mock reports the cached share
 
 
 # -- outputs join the cache (MockConfig.cache_outputs) ---------------------------------
@@ -145,8 +142,7 @@ def test_output_blocks_are_stored_when_the_request_ends() -> None:
     prompt = words("p", 40)
     full = prompt + words("tok", 16)
     keys = cache.block_hashes(prompt)
-    cache.hold(keys, 56, 2.0, then=(cache.block_hashes(full), full))
-    cache.insert(keys, prompt)
+    cache.admit(keys, prompt, 56, 2.0, then=(cache.block_hashes(full), full))
     assert cache.lookup(cache.block_hashes(full), 57) == 32  # the answer is not cached yet
     stored_prompt = batches[-1][-1]
     clock.now = 2.0
@@ -232,10 +228,121 @@ def test_published_events_describe_the_cache_exactly(holds: bool) -> None:
         keys = cache.block_hashes(prompt)
         cache.lookup(keys, len(prompt))
         then = (cache.block_hashes(full), full)
-        cache.hold(keys if holds else (), len(full) if holds else 0, 0.03 * holds, then=then)
-        cache.insert(keys, prompt)
+        if holds:  # (some wait for room: their blocks are stored when they start)
+            cache.admit(keys, prompt, len(full), 0.03, then=then)
+        else:  # the answer is stored at the next change, the prompt now
+            cache.admit((), (), 0, 0.0, then=then)
+            cache.insert(keys, prompt)
         convs[c] = full + [rng.randrange(1000) for _ in range(40)]
         if len(convs[c]) > 3000:
             convs[c] = convs[c][:300]
         held = {_h64(v) for v in cache._lru.values() if v is not None}
         assert set(index._workers["w"].entries) == held, f"step {step}"
+    assert (cache.queued > 0) == holds  # the crowd made requests wait
+
+
+# -- requests wait for room (the waiting queue) -----------------------------------------
+
+
+def test_a_request_that_does_not_fit_waits_for_the_running_one() -> None:
+    clock = Clock()
+    batches: list[list[object]] = []
+    cache = PrefixCache(capacity_tokens=64, block_size=16, events=batches.append, clock=clock)
+    a, b = words("a", 32), words("b", 32)
+    ka, kb = cache.block_hashes(a), cache.block_hashes(b)
+    assert cache.admit(ka, a, 48, 10.0) == 0.0  # 2 prompt blocks + 1 for the output
+    assert cache.admit(kb, b, 48, 1.0) == 10.0  # 3 more do not fit beside a's 3
+    assert cache.waiting == 1
+    assert cache.lookup(kb, 33) == 0  # not started: its prompt is not computed yet
+    reported = len(batches)
+    clock.now = 10.0
+    assert cache.waiting == 0
+    assert cache.held_blocks == 3  # b's, a's are released
+    assert len(batches) > reported  # b's blocks are reported when it starts
+    assert cache.lookup(kb, 33) == 32
+    assert cache.overfull == 0
+
+
+def test_waiting_requests_start_in_arrival_order() -> None:
+    clock = Clock()
+    cache = PrefixCache(capacity_tokens=64, block_size=16, clock=clock)
+    a, b, c = words("a", 32), words("b", 32), words("c", 16)
+    cache.admit(cache.block_hashes(a), a, 48, 10.0)
+    cache.admit(cache.block_hashes(b), b, 48, 5.0)
+    clock.now = 1.0
+    # c's one block would fit beside a's three now, but b waits ahead of it
+    assert cache.admit(cache.block_hashes(c), c, 16, 1.0) == 9.0
+    assert cache.waiting == 2
+    clock.now = 10.0
+    assert cache.waiting == 0
+    assert cache.held_blocks == 4  # b's three and c's one run together
+
+
+def test_a_shared_prefix_needs_no_room_twice() -> None:
+    """A request whose prompt blocks a running request holds needs only its own."""
+    clock = Clock()
+    cache = PrefixCache(capacity_tokens=80, block_size=16, clock=clock)  # 5 blocks
+    shared = words("s", 48)
+    keys = cache.block_hashes(shared)
+    assert cache.admit(keys, shared, 64, 10.0) == 0.0  # 3 prompt blocks + 1 output
+    assert cache.admit(keys, shared, 64, 10.0) == 0.0  # 3 shared + 1 output: 5 in all
+    assert cache.held_blocks == 5
+    assert cache.admit(cache.block_hashes(words("t", 16)), words("t", 16), 16, 1.0) == 10.0
+
+
+@pytest.mark.parametrize(("blocks", "start"), [(6, 2.0), (5, 10.0)])
+def test_a_shared_prefix_released_while_waiting_is_needed_again(blocks: int, start: float) -> None:
+    clock = Clock()
+    cache = PrefixCache(capacity_tokens=16 * blocks, block_size=16, clock=clock)
+    shared, x = words("s", 48), words("x", 16)
+    keys = cache.block_hashes(shared)
+    cache.admit(keys, shared, 64, 2.0)  # 3 prompt blocks + 1 output, until 2 s
+    cache.admit(cache.block_hashes(x), x, 16, 10.0)  # 1 block, until 10 s
+    # 3 shared + 2 output blocks: 2 more than the 5 in use do not fit; when the first
+    # request ends, its 3 shared blocks are this one's to hold: 1 + 5 in use then
+    assert cache.admit(keys, shared, 80, 1.0) == start
+
+
+def test_a_request_larger_than_the_cache_runs_once_the_rest_has_ended() -> None:
+    clock = Clock()
+    cache = PrefixCache(capacity_tokens=64, block_size=16, clock=clock)
+    a, big = words("a", 16), words("g", 64)
+    cache.admit(cache.block_hashes(a), a, 16, 2.0)
+    assert cache.admit(cache.block_hashes(big), big, 80, 1.0) == 2.0
+    clock.now = 2.0
+    assert cache.held_blocks == 5
+    assert cache.overfull == 1  # 5 blocks in a 4-block cache: nothing left to evict
+
+
+def test_worker_reports_a_waiting_request(http: httpx2.Client) -> None:
+    """Two requests that do not fit together: the second waits, and the worker's
+    metrics say so as vLLM's do (``num_requests_waiting``)."""
+    config = MockConfig(
+        cache_tokens=64,
+        block_size=16,
+        output_tokens=16,
+        per_token_ms=PER_TOKEN_MS / 4,
+        cache_holds_running=True,
+    )
+    with MockWorkerThread(config) as m:
+        url = m.url + "/v1/completions"
+        codes: list[int] = []
+
+        def send(tag: str) -> None:
+            prompt = " ".join(f"{tag}{i}" for i in range(32))
+            codes.append(http.post(url, json={"prompt": prompt}).status_code)
+
+        threads = [threading.Thread(target=send, args=(tag,)) for tag in ("a", "b")]
+        for n, t in enumerate(threads, 1):
+            t.start()
+            while m.worker.stats.in_flight < n and t.is_alive():
+                threading.Event().wait(0.005)
+        try:
+            metrics = samples(http.get(m.url + "/metrics").content)
+        finally:
+            for t in threads:
+                t.join()
+    value = {k.split("{")[0]: v for k, v in metrics.items()}
+    assert codes == [200, 200]
+    assert value["vllm:num_requests_waiting"] == 1
+    assert value["vllm:num_requests_running"] == 1

@@ -74,9 +74,10 @@ class AdminHandlers:
             else (cache.held_blocks if app.config.cache_holds_running else len(cache))
             / cache.capacity_blocks
         )
+        waiting = cache.waiting if cache is not None else 0
         rows: list[tuple[str, str, str, float]] = [
-            ("vllm:num_requests_running", "gauge", label, stats.in_flight),
-            ("vllm:num_requests_waiting", "gauge", label, 0),
+            ("vllm:num_requests_running", "gauge", label, max(stats.in_flight - waiting, 0)),
+            ("vllm:num_requests_waiting", "gauge", label, waiting),
             ("vllm:kv_cache_usage_perc", "gauge", label, usage),
             ("vllm:prefix_cache_queries_total", "counter", label, stats.prompt_tokens_total),
             ("vllm:prefix_cache_hits_total", "counter", label, stats.cached_tokens_total),

@@ -330,8 +330,7 @@ class MockApp:
             return
         then = (keys, tokens) if keys is not hashes else None  # stored when the hold ends
         n_tokens = t.prompt_tokens + t.output_tokens
-        cache.hold(hashes, n_tokens, self.total_delay(t), then=then)
-        cache.insert(hashes, prompt)
+        t.queued_s = cache.admit(hashes, prompt, n_tokens, self.total_delay(t), then=then)
 
     def _output_tokens(self, t: Turn) -> list[Token]:
         """The generated text as the next turn's prompt will hold it: the engine
@@ -342,7 +341,8 @@ class MockApp:
 
     def first_delay(self, t: Turn) -> float:
         cfg = self.config
-        return (cfg.prefill_ms_per_token * t.uncached_tokens + cfg.first_token_ms) / 1000.0
+        run = (cfg.prefill_ms_per_token * t.uncached_tokens + cfg.first_token_ms) / 1000.0
+        return t.queued_s + run
 
     def total_delay(self, t: Turn) -> float:
         """Seconds until the last token: prefill + first token + per-token gaps."""

@@ -19,12 +19,15 @@ cached. The trailing partial block is never cached.
   of a running sequence from the one pool its cached free blocks live in;
   ``vllm/v1/core/block_pool.py``: only blocks with no reference sit in the free
   queue, and a new allocation evicts the free queue's head). A hold ends after the
-  request's simulated generation time (:meth:`PrefixCache.hold` takes it), and its
-  blocks go back to the free end last block first, as vLLM frees them. When running
-  requests need more blocks than the cache has, the mock holds them anyway (vLLM
-  would keep the request waiting) and counts it in ``overfull``: past that point
-  every block is evicted as soon as it is released, so the mock's hit rates there are
-  far below an engine's.
+  request's simulated generation time (:meth:`PrefixCache.admit` takes it), and its
+  blocks go back to the free end last block first, as vLLM frees them.
+* Requests wait for room (:meth:`PrefixCache.admit`): a request whose blocks do not
+  fit beside the running requests' starts when enough of them have ended, first come
+  first served, as vLLM's scheduler keeps it in its waiting queue
+  (``vllm/v1/core/sched/scheduler.py``: a waiting request whose slots cannot be
+  allocated stops the pass). Its prompt blocks are stored and held from its start;
+  its cache hit is counted when it arrives. Only a request larger than the whole
+  cache runs beside others anyway, counted in ``overfull``.
 * Outputs (``MockConfig.cache_outputs``): when a request ends, the full blocks of its
   prompt and output are stored, as vLLM caches the blocks it generates
   (``KVCacheManager.cache_blocks`` runs as decoding fills blocks); a conversation's
@@ -47,6 +50,7 @@ import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from meshkit.mock.kv_publisher import (
     AllBlocksCleared,
@@ -60,12 +64,29 @@ from meshkit.mock.tokens import Token
 
 __all__ = ["EventSink", "PrefixCache"]
 
+#: Timeline kinds: a running request ends before a waiting one starts.
+_END, _START = 0, 1
+
 #: Receives one batch of events per cache change.
 EventSink = Callable[[list[KVCacheEvent]], None]
 #: Block keys and the tokens they were cut from, stored when a request ends.
 _Store = tuple[Sequence[int], Sequence[Token]]
 #: KV events name the device tier the blocks live on.
 MEDIUM = "GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """A request that holds blocks while it runs."""
+
+    keys: tuple[int, ...]
+    #: Its prompt's tokens, stored when it starts.
+    tokens: Sequence[Token]
+    #: Prompt and output tokens: the blocks it takes.
+    n_tokens: int
+    #: How long it runs once started.
+    seconds: float
+    then: _Store | None
 
 
 class PrefixCache:
@@ -89,14 +110,20 @@ class PrefixCache:
         self._held: dict[int, int] = {}
         #: Blocks running requests hold beyond their cached prompt blocks.
         self._extra = 0
-        #: Running requests, soonest end first: ``(until, seq, block keys, extra
-        #: blocks, what to store when it ends)``.
-        self._holds: list[tuple[float, int, tuple[int, ...], int, _Store | None]] = []
+        #: What happens next, soonest first: ``(when, kind, seq, request)``; kind
+        #: ``_END`` (a running request ends) sorts before ``_START`` (a waiting one
+        #: starts) at the same instant, so a start finds the room it waited for.
+        self._timeline: list[tuple[float, int, int, _Request]] = []
+        #: Requests admitted but not started (vLLM's waiting queue).
+        self._waiting = 0
+        #: Requests that have waited for room.
+        self.queued = 0
+        #: The latest start given to a waiting request: later ones start no sooner.
+        self._tail = 0.0
         self._seq = 0
         self._clock = clock
-        #: Inserts that found only held blocks to evict: running requests held more
-        #: than the cache, where vLLM would keep requests waiting and the mock, which
-        #: does not, evicts every block as soon as it is released.
+        #: Requests larger than the whole cache, run beside others anyway (an engine
+        #: would refuse them): every block is evicted as soon as it is released.
         self.overfull = 0
         #: Where KV events go (``None`` = not tracked).
         self.events = events
@@ -116,44 +143,109 @@ class PrefixCache:
         self._expire()
         return len(self._held) + self._extra
 
-    def hold(
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room (vLLM's ``num_requests_waiting``)."""
+        self._expire()
+        return self._waiting
+
+    def _extra_blocks(self, hashes: Sequence[int], n_tokens: int) -> int:
+        return max(-(-n_tokens // self.block_size) - len(hashes), 0)
+
+    def admit(
         self,
         hashes: Sequence[int],
+        tokens: Sequence[Token],
         n_tokens: int,
         seconds: float,
         *,
         then: _Store | None = None,
-    ) -> None:
+    ) -> float:
         """A request of ``n_tokens`` (prompt and output) whose full prompt blocks are
-        ``hashes`` runs for ``seconds``: its blocks stay in the cache until then.
+        ``hashes`` (cut from ``tokens``) runs for ``seconds`` once its blocks fit beside
+        the running requests' and every request waiting before it has started. From its
+        start until its end its blocks are stored and held (never evicted). Returns the
+        seconds it waits (0.0 when it starts now).
 
         ``then`` (the block keys and tokens of prompt and output) is stored when the
         request ends: vLLM caches the full blocks of what it generated too, so the next
         turn of a conversation can hit the previous answer.
-
-        Call before :meth:`insert`, so that the insert makes room for the request's
-        other blocks and does not evict its own.
         """
         self._expire()
-        held = self._held
-        for h in hashes:
-            held[h] = held.get(h, 0) + 1
-        extra = max(-(-n_tokens // self.block_size) - len(hashes), 0)
-        self._extra += extra
+        now = self._clock()
+        request = _Request(tuple(hashes), tokens, n_tokens, seconds, then)
+        start = self._start_time(request, now)
+        if start <= now:
+            self._begin(request, now)
+            self._store(request.keys, tokens)
+            return 0.0
+        self._tail = start
+        self._waiting += 1
+        self.queued += 1
         self._seq += 1
-        until = self._clock() + seconds
-        heapq.heappush(self._holds, (until, self._seq, tuple(hashes), extra, then))
+        heapq.heappush(self._timeline, (start, _START, self._seq, request))
+        return start - now
+
+    def _start_time(self, request: _Request, now: float) -> float:
+        """When ``request`` fits: walk the timeline, as the counts would change, until
+        the blocks it needs are free."""
+        held, cap = self._held, self.capacity_blocks
+        mine = set(request.keys)
+        extra = self._extra_blocks(request.keys, request.n_tokens)
+        need = extra + sum(1 for h in mine if h not in held)
+        used = len(held) + self._extra
+        at = max(now, self._tail)
+        if used + need <= cap and not self._waiting:
+            return now
+        counts: dict[int, int] = {}
+        timeline = list(self._timeline)
+        heapq.heapify(timeline)
+        while timeline:
+            when, kind, seq, other = timeline[0]
+            if when > at:
+                if used + need <= cap:
+                    return at
+                at = when
+            heapq.heappop(timeline)
+            step = 1 if kind == _START else -1
+            for h in set(other.keys):
+                before = counts.get(h, held.get(h, 0))
+                counts[h] = before + step
+                if before == 0 or before + step == 0:  # a block taken or given back
+                    used += step
+                    if h in mine:  # (what others hold, it need not take)
+                        need -= step
+            used += step * self._extra_blocks(other.keys, other.n_tokens)
+            if kind == _START:
+                heapq.heappush(timeline, (when + other.seconds, _END, seq, other))
+        return at  # larger than the cache: runs once the rest has ended
+
+    def _begin(self, request: _Request, now: float) -> None:
+        held = self._held
+        for h in request.keys:
+            held[h] = held.get(h, 0) + 1
+        extra = self._extra_blocks(request.keys, request.n_tokens)
+        self._extra += extra
+        if len(held) + self._extra > self.capacity_blocks:
+            self.overfull += 1  # nothing left to evict for it
+        self._seq += 1
+        heapq.heappush(self._timeline, (now + request.seconds, _END, self._seq, request))
 
     def _expire(self) -> None:
-        holds = self._holds
-        if not holds:
+        timeline = self._timeline
+        if not timeline:
             return
         now = self._clock()
         held, lru = self._held, self._lru
-        while holds and holds[0][0] <= now:
-            _, _, keys, extra, then = heapq.heappop(holds)
-            self._extra -= extra
-            for h in reversed(keys):
+        while timeline and timeline[0][0] <= now:
+            when, kind, _, request = heapq.heappop(timeline)
+            if kind == _START:
+                self._waiting -= 1
+                self._begin(request, when)
+                self._store(request.keys, request.tokens)
+                continue
+            self._extra -= self._extra_blocks(request.keys, request.n_tokens)
+            for h in reversed(request.keys):
                 count = held[h] - 1
                 if count:
                     held[h] = count
@@ -161,8 +253,8 @@ class PrefixCache:
                 del held[h]
                 if h in lru:
                     lru.move_to_end(h)
-            if then is not None:
-                self._store(*then)
+            if request.then is not None:
+                self._store(*request.then)
 
     def _make_room(self) -> list[tuple[int, int | None]]:
         """Evict least recently used blocks no running request holds until the cache
@@ -179,8 +271,6 @@ class PrefixCache:
                 victims.append(key)
                 if len(victims) == need:
                     break
-        if len(victims) < need:
-            self.overfull += 1
         return [(key, lru.pop(key)) for key in victims]
 
     def block_hashes(self, tokens: Sequence[Token]) -> list[int]:
@@ -301,7 +391,9 @@ class PrefixCache:
         """Drop every block (reported as ``AllBlocksCleared`` when events are on)."""
         self._lru.clear()
         self._held.clear()
-        self._holds.clear()
+        self._timeline.clear()
+        self._waiting = 0
+        self._tail = 0.0
         self._extra = 0
         if self.events is not None:
             self.events([AllBlocksCleared()])

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cache-holds-running",
         action="store_true",
-        help="running requests hold their KV blocks, as in vLLM (needs --cache-tokens)",
+        help="running requests hold their KV blocks and others wait for room, as in vLLM "
+        "(needs --cache-tokens)",
     )
     p.add_argument(
         "--cache-outputs",

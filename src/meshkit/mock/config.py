@@ -59,7 +59,9 @@ class MockConfig:
     block_size: int = 16
     #: Running requests hold their blocks (prompt and output) for their simulated
     #: generation time, as in vLLM, so that many requests in flight push cached
-    #: blocks out (see ``mock/cache.py``). Off: a request's blocks are only cached.
+    #: blocks out, and a request that does not fit waits for room, first come first
+    #: served, as in vLLM's waiting queue (see ``mock/cache.py``). Off: a request's
+    #: blocks are only cached and every request starts at once.
     cache_holds_running: bool = False
     #: A request's output joins the cache when it ends (its full blocks, chained on the
     #: prompt's), as vLLM caches what it generated: the next turn of a conversation,

@@ -31,6 +31,8 @@ class Turn:
     rank: int | None
     fingerprint: str
     created: int
+    #: Seconds it waits for KV room before it starts (the cache model's queue).
+    queued_s: float = 0.0
 
     @property
     def uncached_tokens(self) -> int:
