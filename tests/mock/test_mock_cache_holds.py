@@ -303,6 +303,23 @@ def test_a_shared_prefix_released_while_waiting_is_needed_again(blocks: int, sta
     assert cache.admit(keys, shared, 80, 1.0) == start
 
 
+def test_time_passing_during_an_admission_does_not_overfill() -> None:
+    """The clock moves between reads (a live worker): a request that ends after the
+    cache caught up on the past must still be running when the next one is placed."""
+
+    class Ticking(Clock):
+        def __call__(self) -> float:
+            self.now += 1.0
+            return self.now - 1.0
+
+    clock = Ticking()
+    cache = PrefixCache(capacity_tokens=64, block_size=16, clock=clock)
+    a, b = words("a", 32), words("b", 32)
+    cache.admit(cache.block_hashes(a), a, 48, 1.5)  # 3 of 4 blocks, read at 0: ends at 1.5
+    assert cache.admit(cache.block_hashes(b), b, 48, 1.0) == 0.5  # read at 1: waits for a
+    assert cache.overfull == 0
+
+
 def test_a_request_larger_than_the_cache_runs_once_the_rest_has_ended() -> None:
     clock = Clock()
     cache = PrefixCache(capacity_tokens=64, block_size=16, clock=clock)

@@ -171,8 +171,8 @@ class PrefixCache:
         request ends: vLLM caches the full blocks of what it generated too, so the next
         turn of a conversation can hit the previous answer.
         """
-        self._expire()
         now = self._clock()
+        self._expire(now)  # (the same instant: the walk below must see nothing past due)
         request = _Request(tuple(hashes), tokens, n_tokens, seconds, then)
         start = self._start_time(request, now)
         if start <= now:
@@ -231,11 +231,12 @@ class PrefixCache:
         self._seq += 1
         heapq.heappush(self._timeline, (now + request.seconds, _END, self._seq, request))
 
-    def _expire(self) -> None:
+    def _expire(self, now: float | None = None) -> None:
         timeline = self._timeline
         if not timeline:
             return
-        now = self._clock()
+        if now is None:
+            now = self._clock()
         held, lru = self._held, self._lru
         while timeline and timeline[0][0] <= now:
             when, kind, _, request = heapq.heappop(timeline)
