@@ -26,8 +26,11 @@ cached. The trailing partial block is never cached.
   first served, as vLLM's scheduler keeps it in its waiting queue
   (``vllm/v1/core/sched/scheduler.py``: a waiting request whose slots cannot be
   allocated stops the pass). Its prompt blocks are stored and held from its start;
-  its cache hit is counted when it arrives. Only a request larger than the whole
-  cache runs beside others anyway, counted in ``overfull``.
+  its cache hit is counted when it arrives. The mock takes the output's blocks at
+  the start too, where vLLM takes them as it decodes and preempts a running request
+  when they run out: the mock waits a little earlier and never preempts. Only a
+  request larger than the whole cache runs beside others anyway, counted in
+  ``overfull``.
 * Outputs (``MockConfig.cache_outputs``): when a request ends, the full blocks of its
   prompt and output are stored, as vLLM caches the blocks it generates
   (``KVCacheManager.cache_blocks`` runs as decoding fills blocks); a conversation's
