@@ -332,8 +332,9 @@ def test_a_request_larger_than_the_cache_runs_once_the_rest_has_ended() -> None:
 
 
 def test_worker_reports_a_waiting_request(http: httpx2.Client) -> None:
-    """Two requests that do not fit together: the second waits, and the worker's
-    metrics say so as vLLM's do (``num_requests_waiting``)."""
+    """Two requests that do not fit together: the second waits, its answer comes after
+    the first one's although it is far shorter, and the worker's metrics say so as
+    vLLM's do (``num_requests_waiting``)."""
     config = MockConfig(
         cache_tokens=64,
         block_size=16,
@@ -344,10 +345,13 @@ def test_worker_reports_a_waiting_request(http: httpx2.Client) -> None:
     with MockWorkerThread(config) as m:
         url = m.url + "/v1/completions"
         codes: list[int] = []
+        done: list[str] = []
 
         def send(tag: str) -> None:
             prompt = " ".join(f"{tag}{i}" for i in range(32))
-            codes.append(http.post(url, json={"prompt": prompt}).status_code)
+            short = {"max_tokens": 1} if tag == "b" else {}  # 33 tokens: still 3 blocks
+            codes.append(http.post(url, json={"prompt": prompt, **short}).status_code)
+            done.append(tag)
 
         threads = [threading.Thread(target=send, args=(tag,)) for tag in ("a", "b")]
         for n, t in enumerate(threads, 1):
@@ -361,5 +365,6 @@ def test_worker_reports_a_waiting_request(http: httpx2.Client) -> None:
                 t.join()
     value = {k.split("{")[0]: v for k, v in metrics.items()}
     assert codes == [200, 200]
+    assert done == ["a", "b"]  # b waited for a's blocks before its one token
     assert value["vllm:num_requests_waiting"] == 1
     assert value["vllm:num_requests_running"] == 1

@@ -330,7 +330,8 @@ class MockApp:
             return
         then = (keys, tokens) if keys is not hashes else None  # stored when the hold ends
         n_tokens = t.prompt_tokens + t.output_tokens
-        t.queued_s = cache.admit(hashes, prompt, n_tokens, self.total_delay(t), then=then)
+        run_s = self.total_delay(t)  # (before the wait is known: the run alone)
+        t.queued_s = cache.admit(hashes, prompt, n_tokens, run_s, then=then)
 
     def _output_tokens(self, t: Turn) -> list[Token]:
         """The generated text as the next turn's prompt will hold it: the engine
