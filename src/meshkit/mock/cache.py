@@ -85,8 +85,8 @@ class _Request:
     keys: tuple[int, ...]
     #: Its prompt's tokens, stored when it starts.
     tokens: Sequence[Token]
-    #: Prompt and output tokens: the blocks it takes.
-    n_tokens: int
+    #: Blocks it takes beyond its full prompt blocks (the partial one, the output).
+    extra: int
     #: How long it runs once started.
     seconds: float
     then: _Store | None
@@ -152,9 +152,6 @@ class PrefixCache:
         self._expire()
         return self._waiting
 
-    def _extra_blocks(self, hashes: Sequence[int], n_tokens: int) -> int:
-        return max(-(-n_tokens // self.block_size) - len(hashes), 0)
-
     def admit(
         self,
         hashes: Sequence[int],
@@ -176,7 +173,8 @@ class PrefixCache:
         """
         now = self._clock()
         self._expire(now)  # (the same instant: the walk below must see nothing past due)
-        request = _Request(tuple(hashes), tokens, n_tokens, seconds, then)
+        extra = max(-(-n_tokens // self.block_size) - len(hashes), 0)
+        request = _Request(tuple(hashes), tokens, extra, seconds, then)
         start = self._start_time(request, now)
         if start <= now:
             self._begin(request, now)
@@ -194,8 +192,7 @@ class PrefixCache:
         the blocks it needs are free."""
         held, cap = self._held, self.capacity_blocks
         mine = set(request.keys)
-        extra = self._extra_blocks(request.keys, request.n_tokens)
-        need = extra + sum(1 for h in mine if h not in held)
+        need = request.extra + sum(1 for h in mine if h not in held)
         used = len(held) + self._extra
         at = max(now, self._tail)
         if used + need <= cap and not self._waiting:
@@ -218,7 +215,7 @@ class PrefixCache:
                     used += step
                     if h in mine:  # (what others hold, it need not take)
                         need -= step
-            used += step * self._extra_blocks(other.keys, other.n_tokens)
+            used += step * other.extra
             if kind == _START:
                 heapq.heappush(timeline, (when + other.seconds, _END, seq, other))
         return at  # larger than the cache: runs once the rest has ended
@@ -227,8 +224,7 @@ class PrefixCache:
         held = self._held
         for h in request.keys:
             held[h] = held.get(h, 0) + 1
-        extra = self._extra_blocks(request.keys, request.n_tokens)
-        self._extra += extra
+        self._extra += request.extra
         if len(held) + self._extra > self.capacity_blocks:
             self.overfull += 1  # nothing left to evict for it
         self._seq += 1
@@ -248,7 +244,7 @@ class PrefixCache:
                 self._begin(request, when)
                 self._store(request.keys, request.tokens)
                 continue
-            self._extra -= self._extra_blocks(request.keys, request.n_tokens)
+            self._extra -= request.extra
             for h in reversed(request.keys):
                 count = held[h] - 1
                 if count:
