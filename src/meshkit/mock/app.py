@@ -286,16 +286,7 @@ class MockApp:
         rank: int | None,
     ) -> Turn:
         """Account a generation: prompt size, prefix-cache hit, output length."""
-        cached = 0
-        cache = self.cache
         p = prompt if isinstance(prompt, int) else len(prompt)
-        hashes: list[int] | None = None
-        if cache is not None and not isinstance(prompt, int):
-            hashes = cache.block_hashes(prompt)
-            cached = cache.lookup(hashes, p)
-        stats = self.stats
-        stats.prompt_tokens_total += p
-        stats.cached_tokens_total += cached
         n = self.config.output_tokens
         truncated = max_out is not None and max_out < n
         if truncated:
@@ -304,15 +295,21 @@ class MockApp:
         t = Turn(
             model=model if isinstance(model, str) else self.config.model,
             prompt_tokens=p,
-            cached_tokens=cached,
+            cached_tokens=0,
             output_tokens=n,
             truncated=truncated,
             rank=rank,
             fingerprint=self._fingerprint,
             created=int(time.time()),
         )
-        if hashes is not None and cache is not None and not isinstance(prompt, int):
+        cache = self.cache
+        if cache is not None and not isinstance(prompt, int):
+            hashes = cache.block_hashes(prompt)
+            t.cached_tokens = cache.lookup(hashes, p)
             self._remember(cache, prompt, hashes, t)
+        stats = self.stats
+        stats.prompt_tokens_total += p
+        stats.cached_tokens_total += t.cached_tokens
         return t
 
     def _remember(
