@@ -965,7 +965,8 @@ def write_report(
             f"ms per output token, {args.output_tokens} output tokens. A fresh fleet per run."
             + (
                 " The workers cache as vLLM does (`--vllm-cache`): running requests hold "
-                "their blocks (prompt and output) for their generation time, and an answer's "
+                "their blocks (prompt and output) for their generation time, a request that "
+                "does not fit beside them waits (first come first served), and an answer's "
                 "full blocks join the cache when it ends; the bound keeps the answers too."
                 if args.vllm_cache
                 else ""
@@ -1130,9 +1131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--vllm-cache",
         action="store_true",
-        help="the mock workers cache as vLLM does: running requests hold their KV blocks "
-        "and answers join the cache (MockConfig.cache_holds_running, cache_outputs); the "
-        "bound then keeps the answers too",
+        help="the mock workers cache as vLLM does: running requests hold their KV blocks, "
+        "others wait for room, and answers join the cache (MockConfig.cache_holds_running, "
+        "cache_outputs); the bound then keeps the answers too",
     )
     ap.add_argument(
         "--kv-max-blocks",
