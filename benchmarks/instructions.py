@@ -300,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         help="meshkit gateways as `meshkit serve --processes N` (all processes counted)",
     )
     ap.add_argument(
+        "--keep",
+        help="write the callgrind/cachegrind files here and keep them (for "
+        "callgrind_annotate / cg_annotate; the .1 run is N requests, .2 is 2N)",
+    )
+    ap.add_argument(
         "--no-probes",
         action="store_true",
         help="meshkit gateways without health/engine-load probes (their share grows "
@@ -337,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         for u in urls:
             _wait_http(int(u.rsplit(":", 1)[1]), 30)
         with tempfile.TemporaryDirectory() as d:
-            tmp = Path(d)
+            tmp = Path(d) if ns.keep is None else Path(ns.keep)
+            tmp.mkdir(parents=True, exist_ok=True)
             for name, repo in repos.items():
                 python = str(repo / ".venv" / "bin" / "python")
                 got = results[name] = {}
