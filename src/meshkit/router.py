@@ -504,14 +504,9 @@ class Router:
         again (:mod:`meshkit.core.kv_silence` says why)."""
         with self._lock:
             now, fleet = self.clock(), self.fleet
-            placed = self.states.placed_at
             out = []
             for w in fleet.workers:
-                if (
-                    w.kv_events
-                    and fleet.kv.covers(w.id)
-                    and fleet.kv_silence.check(w.id, placed.get(w.id), now)
-                ):
+                if w.kv_events and fleet.kv.covers(w.id) and fleet.kv_silence.check(w.id, now):
                     fleet.kv.forget(w.id)
                     out.append(w.id)
             if out:

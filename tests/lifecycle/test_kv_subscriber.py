@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -358,3 +359,57 @@ def test_a_publisher_silent_after_a_request_gives_way_to_the_tree(
             assert kv.blocks_of(url) == 1
     finally:
         pub.close()
+
+
+TINY = str(Path(__file__).resolve().parents[1] / "prepare" / "data" / "tiny")
+
+
+def test_short_prompts_alone_do_not_make_a_live_publisher_silent(
+    mock_factory: Callable[..., Any],
+) -> None:
+    """A worker that serves only prompts shorter than one of its blocks stores
+    nothing and publishes nothing: that is not a silent publisher. Once its block
+    size is known (a long prompt's blocks), such requests do not start the wait."""
+    worker = mock_factory(
+        name="short",
+        cache_tokens=100_000,
+        block_size=64,
+        tokenizer=TINY,
+        kv_events="tcp://127.0.0.1:0",
+    )
+    url = worker.url
+    silence = 0.3
+    w = Worker(url, kv_events=worker.kv_events_endpoint)
+    with Mesh(
+        workers=[w],
+        policy="cache_aware",
+        tokenizer=TINY,
+        lifecycle={"probe": False},
+        kv={"silence_s": silence},
+    ) as mesh:
+        mesh.lifecycle.start()
+        kv = mesh.router.fleet.kv
+        long = "tell me about the weather in every town of the valley " * 20
+        deadline = time.monotonic() + 20
+        while not kv.blocks_of(url):  # the subscriber may join after the first store
+            assert time.monotonic() < deadline, "no block of the long prompt arrived"
+            chat_once(mesh, long)
+            time.sleep(0.05)
+        assert kv.block_size_of(url) == 64
+        deadline = time.monotonic() + 6 * silence
+        while time.monotonic() < deadline:  # short prompts, well past kv.silence_s
+            chat_once(mesh, "hi")
+            time.sleep(0.05)
+        row = mesh.router.describe(url)[0]
+        assert row["prefix_match"] == "events" and not row["kv_silent"]
+        assert not silent_gauge(mesh, url)
+
+
+def chat_once(mesh: Mesh, content: str) -> None:
+    import httpx
+
+    from meshkit import MeshTransport
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    with httpx.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
+        assert client.post("/v1/chat/completions", json=body).status_code == 200

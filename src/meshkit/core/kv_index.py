@@ -137,6 +137,11 @@ class KvIndex:
     def block_sizes(self) -> dict[str, int]:
         return {w: s.block_size for w, s in self._workers.items() if s.block_size is not None}
 
+    def block_size_of(self, worker_id: str) -> int | None:
+        """The block size ``worker_id``'s events showed (None: none stored yet)."""
+        w = self._workers.get(worker_id)
+        return None if w is None else w.block_size
+
     def sizes(self) -> frozenset[int]:
         """The block sizes in use (prepare computes a request's keys for each)."""
         return frozenset(s.block_size for s in self._workers.values() if s.block_size)

@@ -13,9 +13,15 @@ answers; prefix caching may be off; a proxy may sit in the way.
 placed on the worker, and for ``after_s`` after the first of them not one batch
 arrived. (An engine stores a block for any prompt longer than one block, so a
 served request is followed by an event within a prefill.) The worker is then
-matched on the router's approximate tree until its next batch. A false alarm
-(only prompts shorter than a block, an engine with caching off) costs no more
-than that: the tree is what a worker without events gets.
+matched on the router's approximate tree until its next batch.
+
+Only a request whose prompt fills a block of the worker's size starts the wait
+(:meth:`KvSilence.expect`): a worker that serves short prompts alone has nothing
+to publish, and is not taken for silent. Where meshkit did not compute the
+prompt's blocks (no tokenizer for its model, an API it does not render) or does
+not know the worker's block size yet, the request counts. A false alarm left
+(an engine with prefix caching off) costs no more than the tree, which is what a
+worker without events gets.
 
 Pure: the subscriber calls it with the router's clock.
 """
@@ -35,7 +41,7 @@ class KvSilence:
     def __init__(self, after_s: float) -> None:
         self.after_s = after_s
         self._heard: dict[str, float] = {}
-        #: the first placement seen after the last batch, per worker
+        #: the first expected placement after the last batch, per worker
         self._waiting: dict[str, float] = {}
         self._silent: set[str] = set()
 
@@ -49,17 +55,17 @@ class KvSilence:
             return True
         return False
 
-    def check(self, worker_id: str, placed_at: float | None, now: float) -> bool:
-        """Whether ``worker_id`` turned silent just now (True once per silence).
+    def expect(self, worker_id: str, now: float) -> None:
+        """A request that should make the worker store a block was placed on it at
+        ``now``: the first one since its last batch starts the wait."""
+        if worker_id in self._heard and worker_id not in self._waiting:
+            self._waiting[worker_id] = now
 
-        :param placed_at: when a request was last placed on it (None: never).
-        """
-        heard = self._heard.get(worker_id)
-        if not self.after_s or heard is None or worker_id in self._silent:
+    def check(self, worker_id: str, now: float) -> bool:
+        """Whether ``worker_id`` turned silent just now (True once per silence)."""
+        since = self._waiting.get(worker_id)
+        if not self.after_s or since is None or worker_id in self._silent:
             return False
-        if placed_at is None or placed_at <= heard:
-            return False
-        since = self._waiting.setdefault(worker_id, placed_at)
         if now - since < self.after_s:
             return False
         self._silent.add(worker_id)
