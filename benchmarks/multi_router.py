@@ -235,7 +235,9 @@ def kv_breaks(mesh: Any) -> dict[str, int]:
     return out
 
 
-def _serve(conn: Connection, endpoints: list[tuple[str, str, str]], max_life_s: float) -> None:
+def _serve(
+    conn: Connection, endpoints: list[tuple[str, str | None, str | None]], max_life_s: float
+) -> None:
     """Give the coordinator the fleet's endpoints, then wait for its "stop"."""
     conn.send(endpoints)
     deadline = time.monotonic() + max_life_s
@@ -1033,10 +1035,10 @@ def write_report(
 
 def plot(path: str, runs: Sequence[Cell]) -> None:
     try:
-        import matplotlib
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
@@ -1204,11 +1206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         sys.path.insert(0, snapshot)  # spawned children inherit sys.path
         main = sys.modules["__main__"]
-        if getattr(main, "__spec__", None) is None and getattr(main, "__file__", None):
+        main_file = getattr(main, "__file__", None)
+        if getattr(main, "__spec__", None) is None and main_file:
             # The children import the script itself again (spawn runs its path):
             # an edit of it mid-run would reach them too, so they run a copy.
-            script = os.path.join(snapshot, os.path.basename(main.__file__))
-            shutil.copy2(main.__file__, script)
+            script = os.path.join(snapshot, os.path.basename(main_file))
+            shutil.copy2(main_file, script)
             main.__file__ = script
         args.snapshot = snapshot
         args.source += " (a copy taken at start)"
