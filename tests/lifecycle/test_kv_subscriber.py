@@ -378,7 +378,7 @@ def test_short_prompts_alone_do_not_make_a_live_publisher_silent(
         kv_events="tcp://127.0.0.1:0",
     )
     url = worker.url
-    silence = 0.3
+    silence = 1.0  # well above an event's way back, even on a loaded machine
     w = Worker(url, kv_events=worker.kv_events_endpoint)
     with Mesh(
         workers=[w],
@@ -389,14 +389,16 @@ def test_short_prompts_alone_do_not_make_a_live_publisher_silent(
     ) as mesh:
         mesh.lifecycle.start()
         kv = mesh.router.fleet.kv
-        long = "tell me about the weather in every town of the valley " * 20
         deadline = time.monotonic() + 20
+        sent = 0
         while not kv.blocks_of(url):  # the subscriber may join after the first store
-            assert time.monotonic() < deadline, "no block of the long prompt arrived"
-            chat_once(mesh, long)
+            assert time.monotonic() < deadline, "no block of a long prompt arrived"
+            # a new prompt each time: a cached one would store (and publish) nothing
+            chat_once(mesh, f"{sent} tell me about the weather in the valley " * 20)
+            sent += 1
             time.sleep(0.05)
         assert kv.block_size_of(url) == 64
-        deadline = time.monotonic() + 6 * silence
+        deadline = time.monotonic() + 3 * silence
         while time.monotonic() < deadline:  # short prompts, well past kv.silence_s
             chat_once(mesh, "hi")
             time.sleep(0.05)
