@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx2
@@ -345,13 +346,15 @@ def test_worker_reports_a_waiting_request(http: httpx2.Client) -> None:
     with MockWorkerThread(config) as m:
         url = m.url + "/v1/completions"
         codes: list[int] = []
-        done: list[str] = []
+        sent: dict[str, float] = {}
+        answered: dict[str, float] = {}
 
         def send(tag: str) -> None:
             prompt = " ".join(f"{tag}{i}" for i in range(32))
             short = {"max_tokens": 1} if tag == "b" else {}  # 33 tokens: still 3 blocks
+            sent[tag] = time.monotonic()
             codes.append(http.post(url, json={"prompt": prompt, **short}).status_code)
-            done.append(tag)
+            answered[tag] = time.monotonic()
 
         threads = [threading.Thread(target=send, args=(tag,)) for tag in ("a", "b")]
         for n, t in enumerate(threads, 1):
@@ -365,6 +368,11 @@ def test_worker_reports_a_waiting_request(http: httpx2.Client) -> None:
                 t.join()
     value = {k.split("{")[0]: v for k, v in metrics.items()}
     assert codes == [200, 200]
-    assert done == ["a", "b"]  # b waited for a's blocks before its one token
+    # b waited for a's blocks before its one token: it cannot answer before a has
+    # ended (without the wait in its delay it answers at once). A bound from the
+    # clock, not the order the two threads append their answers in: b's one token
+    # comes as a ends, so that order was a race.
+    a_lasts = (config.output_tokens - 1) * config.per_token_ms / 1000
+    assert answered["b"] >= sent["a"] + a_lasts
     assert value["vllm:num_requests_waiting"] == 1
     assert value["vllm:num_requests_running"] == 1
