@@ -305,13 +305,13 @@ def silent_gauge(mesh: Mesh, url: str) -> float | None:
     return mesh.metrics.registry.get_sample_value("mesh_kv_silent", {"worker": url})
 
 
-def placed_request(mesh: Mesh) -> None:
+def placed_request(mesh: Mesh, content: str = "hi " * 40, model: str = "mock-model") -> None:
     import httpx
 
     from meshkit import MeshTransport
 
     with httpx.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
-        body = {"model": "mock-model", "messages": [{"role": "user", "content": "hi " * 40}]}
+        body = {"model": model, "messages": [{"role": "user", "content": content}]}
         assert client.post("/v1/chat/completions", json=body).status_code == 200
 
 
@@ -394,24 +394,14 @@ def test_short_prompts_alone_do_not_make_a_live_publisher_silent(
         while not kv.blocks_of(url):  # the subscriber may join after the first store
             assert time.monotonic() < deadline, "no block of a long prompt arrived"
             # a new prompt each time: a cached one would store (and publish) nothing
-            chat_once(mesh, f"{sent} tell me about the weather in the valley " * 20)
+            placed_request(mesh, f"{sent} tell me about the weather in the valley " * 20, "tiny")
             sent += 1
             time.sleep(0.05)
         assert kv.block_size_of(url) == 64
         deadline = time.monotonic() + 3 * silence
         while time.monotonic() < deadline:  # short prompts, well past kv.silence_s
-            chat_once(mesh, "hi")
+            placed_request(mesh, "hi", "tiny")
             time.sleep(0.05)
         row = mesh.router.describe(url)[0]
         assert row["prefix_match"] == "events" and not row["kv_silent"]
         assert not silent_gauge(mesh, url)
-
-
-def chat_once(mesh: Mesh, content: str) -> None:
-    import httpx
-
-    from meshkit import MeshTransport
-
-    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
-    with httpx.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
-        assert client.post("/v1/chat/completions", json=body).status_code == 200
