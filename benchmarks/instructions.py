@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -341,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for u in urls:
             _wait_http(int(u.rsplit(":", 1)[1]), 30)
-        with tempfile.TemporaryDirectory() as d:
-            tmp = Path(d) if ns.keep is None else Path(ns.keep)
+        scratch = tempfile.TemporaryDirectory() if ns.keep is None else nullcontext(ns.keep)
+        with scratch as d:
+            tmp = Path(d)
             tmp.mkdir(parents=True, exist_ok=True)
             for name, repo in repos.items():
                 python = str(repo / ".venv" / "bin" / "python")

@@ -235,6 +235,29 @@ def kv_breaks(mesh: Any) -> dict[str, int]:
     return out
 
 
+def _worker_stats(
+    name: str,
+    prompt: int,
+    cached: int,
+    requests: int,
+    *,
+    blocks: int | None = None,
+    over: int = 0,
+    queued: int = 0,
+) -> dict[str, Any]:
+    """One worker's totals at the end of a run, as the fleet sends them (by name: a
+    dict pickles the same from any process)."""
+    return {
+        "name": name,
+        "prompt": prompt,
+        "cached": cached,
+        "requests": requests,
+        "blocks": blocks,  # None: the engine does not say (vLLM)
+        "over": over,
+        "queued": queued,
+    }
+
+
 def _serve(
     conn: Connection, endpoints: list[tuple[str, str | None, str | None]], max_life_s: float
 ) -> None:
@@ -291,8 +314,8 @@ def vllm_fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
         stats = []
         for i, s in enumerate(servers):
             prompt, cached, n = _engine_totals(s.metrics())
-            stats.append((f"w{i}", prompt, cached, n, None, 0, 0))
-        conn.send(stats)
+            stats.append(_worker_stats(f"w{i}", prompt, cached, n))
+        conn.send(("stats", stats))
         ok = True
     finally:
         for s in servers:
@@ -343,9 +366,18 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
             blocks = len(cache) if cache is not None else 0
             over = cache.overfull if cache is not None else 0
             queued = cache.queued if cache is not None else 0
-            row = (s.prompt_tokens_total, s.cached_tokens_total, n, blocks, over, queued)
-            stats.append((f"w{i}", *row))
-        conn.send(stats)
+            stats.append(
+                _worker_stats(
+                    f"w{i}",
+                    s.prompt_tokens_total,
+                    s.cached_tokens_total,
+                    n,
+                    blocks=blocks,
+                    over=over,
+                    queued=queued,
+                )
+            )
+        conn.send(("stats", stats))
     finally:
         for m in mocks:
             try:
@@ -715,11 +747,13 @@ def run_one(
             stats = None
             while stats is None and parent.poll(30):
                 got = parent.recv()
-                if got and len(got[0]) == 7:  # not the endpoints of a fleet that started late
-                    stats = got
+                if isinstance(got, tuple) and got[0] == "stats":  # not a late fleet's endpoints
+                    stats = got[1]
             if stats is not None:
                 waited = []
-                for name, prompt, cached, n, blocks, over, queued in stats:
+                for w in stats:
+                    name, prompt, cached, n = w["name"], w["prompt"], w["cached"], w["requests"]
+                    blocks, over, queued = w["blocks"], w["over"], w["queued"]
                     if blocks is not None:
                         true_blocks.append(blocks)
                     if over:  # an engine would refuse them; the mock thrashed
