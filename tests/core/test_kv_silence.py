@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from meshkit.core.endpoints import resolve
 from meshkit.core.kv_events import Batch, BlockStored
-from meshkit.core.kv_index import KvIndex
+from meshkit.core.kv_index import KvIndex, chain
 from meshkit.core.kv_silence import KvSilence
 from meshkit.core.requests import parse_request
-from meshkit.core.states import _fills_a_block
 
 
 def test_silent_once_a_placed_request_goes_unanswered_for_after_s() -> None:
@@ -71,11 +70,28 @@ def test_only_a_prompt_that_fills_a_block_of_the_workers_size_is_expected() -> N
     match = resolve("POST", "/v1/chat/completions")
     assert match is not None
     v = parse_request(match, b'{"model":"m","messages":[{"role":"user","content":"hi"}]}')
-    assert _fills_a_block(v, kv, "b")  # keys not computed: unknown counts
+    assert kv.would_store("b", v.kv_keys)  # keys not computed: unknown counts
     v.kv_keys = {4: [11, 12], 16: []}
-    assert _fills_a_block(v, kv, "b")  # two 4-token blocks
+    assert kv.would_store("b", v.kv_keys)  # two 4-token blocks
     v.kv_keys = {4: [], 16: []}
-    assert not _fills_a_block(v, kv, "b")  # shorter than one block: nothing to publish
-    assert not _fills_a_block(v, kv, "a")  # size not seen yet: no size's block either
+    assert not kv.would_store("b", v.kv_keys)  # shorter than one block: nothing to publish
+    assert not kv.would_store("a", v.kv_keys)  # size not seen yet: no size's block either
     v.kv_keys = {4: [11], 16: []}
-    assert _fills_a_block(v, kv, "a")  # size not seen yet: some size's block
+    assert kv.would_store("a", v.kv_keys)  # size not seen yet: some size's block
+
+
+def test_a_prompt_the_worker_holds_whole_is_not_expected_to_publish() -> None:
+    """A prefix hit stores no block: a worker that serves only prompts it holds
+    (a load test cycling a fixed prompt set) must not be taken for silent."""
+    kv = KvIndex(1000)
+    kv.attach("a")
+    kv.attach("b")
+    held = chain((1, 2, 3, 4, 5, 6, 7, 8), 4)
+    kv.apply("b", Batch(0.0, (BlockStored((1, 2), None, (1, 2, 3, 4, 5, 6, 7, 8), 4),)))
+    kv.apply("a", Batch(0.0, (BlockStored((3,), None, (1, 2, 3, 4), 4),)))
+    assert not kv.would_store("b", {4: held})  # both blocks held
+    assert not kv.would_store("b", {4: held[:1]})  # a shorter prompt of the same prefix
+    longer = chain((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12), 4)
+    assert kv.would_store("b", {4: longer})  # a third block, new to it
+    assert kv.would_store("a", {4: held})  # holds the first block only
+    assert not kv.would_store("a", {4: held[:1]})

@@ -405,3 +405,52 @@ def test_short_prompts_alone_do_not_make_a_live_publisher_silent(
         row = mesh.router.describe(url)[0]
         assert row["prefix_match"] == "events" and not row["kv_silent"]
         assert not silent_gauge(mesh, url)
+
+
+def test_prompts_the_worker_holds_do_not_make_a_live_publisher_silent(
+    mock_factory: Callable[..., Any],
+) -> None:
+    """A prompt the engine holds whole is a prefix hit: it stores (and publishes)
+    nothing. A worker that serves one cached prompt over and over (a load test
+    cycling a fixed prompt set) is not a silent publisher."""
+    worker = mock_factory(
+        name="held",
+        cache_tokens=100_000,
+        block_size=64,
+        tokenizer=TINY,
+        kv_events="tcp://127.0.0.1:0",
+    )
+    url = worker.url
+    silence = 1.0  # well above an event's way back, even on a loaded machine
+    w = Worker(url, kv_events=worker.kv_events_endpoint)
+    with Mesh(
+        workers=[w],
+        policy="cache_aware",
+        tokenizer=TINY,
+        lifecycle={"probe": False},
+        kv={"silence_s": silence},
+    ) as mesh:
+        mesh.lifecycle.start()
+        kv = mesh.router.fleet.kv
+        deadline = time.monotonic() + 20
+        sent = 0
+        while not kv.blocks_of(url):  # the subscriber may join after the first store
+            assert time.monotonic() < deadline, "no block of a long prompt arrived"
+            placed_request(mesh, f"{sent} tell me about the weather in the valley " * 20, "tiny")
+            sent += 1
+            time.sleep(0.05)
+        held = "the one prompt of this load test, about rivers and their banks " * 20
+        before = kv.blocks_of(url)
+        placed_request(mesh, held, "tiny")
+        while kv.blocks_of(url) == before:  # its blocks are in the index
+            assert time.monotonic() < deadline, "the held prompt's blocks did not arrive"
+            time.sleep(0.05)
+        stored = kv.blocks_of(url)
+        deadline = time.monotonic() + 3 * silence
+        while time.monotonic() < deadline:  # the same prompt, well past kv.silence_s
+            placed_request(mesh, held, "tiny")
+            time.sleep(0.05)
+        assert kv.blocks_of(url) == stored  # nothing new was stored: every one a hit
+        row = mesh.router.describe(url)[0]
+        assert row["prefix_match"] == "events" and not row["kv_silent"]
+        assert not silent_gauge(mesh, url)

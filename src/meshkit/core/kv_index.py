@@ -142,6 +142,24 @@ class KvIndex:
         w = self._workers.get(worker_id)
         return None if w is None else w.block_size
 
+    def would_store(self, worker_id: str, keys: Mapping[int, Sequence[int]] | None) -> bool:
+        """Whether serving a prompt with these block ``keys`` (per block size) should
+        make ``worker_id``'s engine publish: the prompt fills a block of the worker's
+        size that the worker does not hold yet. A prompt it holds whole is a prefix
+        hit and stores nothing (``kv_silence`` must not wait for it). Unknown counts
+        as yes: keys not computed, or a block size not seen yet (then any size's
+        block)."""
+        if keys is None:
+            return True
+        w = self._workers.get(worker_id)
+        if w is None or w.block_size is None:
+            return any(keys.values())
+        own = keys.get(w.block_size)
+        if not own:
+            return False
+        # An engine that holds a prefix's last block holds the blocks before it.
+        return not (self._holders.get(own[-1], 0) >> w.bit) & 1
+
     def sizes(self) -> frozenset[int]:
         """The block sizes in use (prepare computes a request's keys for each)."""
         return frozenset(s.block_size for s in self._workers.values() if s.block_size)

@@ -11,17 +11,21 @@ answers; prefix caching may be off; a proxy may sit in the way.
 
 :class:`KvSilence` says when to stop trusting such a publisher: requests were
 placed on the worker, and for ``after_s`` after the first of them not one batch
-arrived. (An engine stores a block for any prompt longer than one block, so a
-served request is followed by an event within a prefill.) The worker is then
-matched on the router's approximate tree until its next batch.
+arrived. (An engine stores a block for any prompt longer than one block that it
+does not hold yet, so such a request is followed by an event within a prefill.)
+The worker is then matched on the router's approximate tree until its next batch.
 
-Only a request whose prompt fills a block of the worker's size starts the wait
-(:meth:`KvSilence.expect`): a worker that serves short prompts alone has nothing
-to publish, and is not taken for silent. Where meshkit did not compute the
-prompt's blocks (no tokenizer for its model, an API it does not render) or does
-not know the worker's block size yet, the request counts. A false alarm left
-(an engine with prefix caching off) costs no more than the tree, which is what a
-worker without events gets.
+Only a request that should make the engine store a block starts the wait
+(:meth:`KvSilence.expect`, as :meth:`~meshkit.core.kv_index.KvIndex.would_store`
+says): its prompt fills a block of the worker's size that the index does not show
+the worker holding already. A worker that serves short prompts alone, or prompts
+it holds whole (prefix hits), has nothing to publish, and is not taken for silent.
+Where meshkit did not compute the prompt's blocks (no tokenizer for its model, an
+API it does not render) or does not know the worker's block size yet, the request
+counts. A false alarm left (an engine with prefix caching off) costs no more than
+the tree, which is what a worker without events gets. A silence that begins while
+all traffic hits blocks the index still shows is seen at the first request with a
+new block.
 
 Pure: the subscriber calls it with the router's clock.
 """

@@ -28,7 +28,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote
 
-from meshkit.core.kv_index import KvIndex
 from meshkit.core.lifecycle import (
     Active,
     Breaker,
@@ -271,7 +270,7 @@ class WorkerStates:
                 admit = None
         wid = cand.worker.id
         self.placed_at[wid] = now
-        if cand.worker.kv_events is not None and _fills_a_block(view, self.fleet.kv, wid):
+        if cand.worker.kv_events is not None and self.fleet.kv.would_store(wid, view.kv_keys):
             self.fleet.kv_silence.expect(wid, now)
         if self.half_open and wid in self.half_open:
             self.machines[wid].start_trial(now)
@@ -601,16 +600,3 @@ class WorkerStates:
         return worker.id not in self.fleet.unhealthy or (
             worker.id in self.sleepy and worker.id not in self.manual
         )
-
-
-def _fills_a_block(view: RequestView, kv: KvIndex, worker_id: str) -> bool:
-    """Whether the prompt fills a block of ``worker_id``'s size, so that serving it
-    makes the engine publish (:mod:`meshkit.core.kv_silence`). Unknown counts as yes:
-    keys not computed, or a block size not seen yet (then any size's block)."""
-    keys = view.kv_keys
-    if keys is None:
-        return True
-    size = kv.block_size_of(worker_id)
-    if size is None:
-        return any(keys.values())
-    return bool(keys.get(size))
