@@ -5,6 +5,7 @@ changed, a removed worker's task and entries go."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -440,9 +441,14 @@ def test_prompts_the_worker_holds_do_not_make_a_live_publisher_silent(
             sent += 1
             time.sleep(0.05)
         held = "the one prompt of this load test, about rivers and their banks " * 20
-        before = kv.blocks_of(url)
+        match = mesh.resolve("POST", "/v1/chat/completions")
+        assert match is not None
+        body = {"model": "tiny", "messages": [{"role": "user", "content": held}]}
+        keys = mesh.prepare(match, json.dumps(body).encode(), []).kv_keys
+        assert keys and keys.get(64)
         placed_request(mesh, held, "tiny")
-        while kv.blocks_of(url) == before:  # its blocks are in the index
+        # Its blocks are in the index (and, published before them, every earlier one's).
+        while kv.match((), [url], keys)[url] < 64 * len(keys[64]):
             assert time.monotonic() < deadline, "the held prompt's blocks did not arrive"
             time.sleep(0.05)
         stored = kv.blocks_of(url)
@@ -450,7 +456,7 @@ def test_prompts_the_worker_holds_do_not_make_a_live_publisher_silent(
         while time.monotonic() < deadline:  # the same prompt, well past kv.silence_s
             placed_request(mesh, held, "tiny")
             time.sleep(0.05)
-        assert kv.blocks_of(url) == stored  # nothing new was stored: every one a hit
         row = mesh.router.describe(url)[0]
         assert row["prefix_match"] == "events" and not row["kv_silent"]
         assert not silent_gauge(mesh, url)
+        assert kv.blocks_of(url) == stored  # nothing new was stored: every one a hit
