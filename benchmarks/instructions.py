@@ -11,7 +11,8 @@ to the next; instruction counts do not. This counts, under ``valgrind
 checkout at ``DIR`` (each with its own ``.venv``), on three paths:
 
 * ``core``: ``Mesh.prepare`` → the forward flow → accounting, in-process against a
-  fake exchange (``core_bench.py``'s request); the difference of a run of ``2N`` and
+  fake exchange (``core_bench.py``'s request, placed by ``--policy``, round robin
+  unless named); the difference of a run of ``2N`` and
   one of ``N`` requests, over ``N`` (start-up cancels out);
 * ``transport``: one request through ``httpx2.Client(transport=MeshTransport(mesh))``
   to a mock worker in another process, counted the same way;
@@ -64,7 +65,7 @@ CORE = """
 import sys
 sys.path.insert(0, {bench!r})
 import core_bench
-core_bench.run({size}, "round_robin", rounds=1, n={n})
+core_bench.run({size}, {policy!r}, rounds=1, n={n})
 """
 
 TRANSPORT = """
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api", choices=sorted(API_PATHS), default="completions")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--policy", default="round_robin", help="the core path's policy")
     ap.add_argument("--clients", default="1,16", help="gateway client counts")
     ap.add_argument("--paths", default="core,transport,gateway")
     ap.add_argument(
@@ -352,7 +354,14 @@ def main(argv: list[str] | None = None) -> int:
                 if "core" in paths:
                     bench = str(repo / "benchmarks")
                     got["core"] = _per_request(
-                        python, CORE, ns.requests, tmp, f"core.{name}", bench=bench, size=ns.size
+                        python,
+                        CORE,
+                        ns.requests,
+                        tmp,
+                        f"core.{name}",
+                        bench=bench,
+                        size=ns.size,
+                        policy=ns.policy,
                     )
                 if "transport" in paths:
                     got["transport"] = _per_request(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -17,6 +16,7 @@ from meshkit.core.policies.ring import (
     hash_token_ids,
     load_bound,
 )
+from meshkit.core.workers import Candidate, Worker
 
 KEYS = [hash_bytes(b"key-%d" % i) for i in range(10_000)]
 
@@ -97,9 +97,8 @@ def test_load_bound_counts_the_new_request() -> None:
     assert load_bound({"a": 10, "b": 2, "x": 100}, ["a", "b"], 1.0) == 7
 
 
-def _cands(n: int) -> list[SimpleNamespace]:
-    # bounded_load_pick only reads ``key``.
-    return [SimpleNamespace(key=k) for k in _keys(n)]
+def _cands(n: int) -> list[Candidate]:
+    return [Candidate(Worker(k)) for k in _keys(n)]
 
 
 def test_bounded_load_skips_an_overloaded_candidate() -> None:
@@ -108,12 +107,12 @@ def test_bounded_load_skips_an_overloaded_candidate() -> None:
     point = KEYS[0]
     order = list(ring.walk(point))
     first = order[0]
-    assert bounded_load_pick(ring, point, cands, {}, 1.25).key == first  # type: ignore[arg-type]
+    assert bounded_load_pick(ring, point, cands, {}, 1.25).key == first
     hot = {first: 10}
     # total 10, n 4: bound ceil(1.25 * 11 / 4) = 4; the owner at 10 is skipped.
-    assert bounded_load_pick(ring, point, cands, hot, 1.25).key == order[1]  # type: ignore[arg-type]
+    assert bounded_load_pick(ring, point, cands, hot, 1.25).key == order[1]
     # Strict affinity ignores load.
-    assert bounded_load_pick(ring, point, cands, hot, None).key == first  # type: ignore[arg-type]
+    assert bounded_load_pick(ring, point, cands, hot, None).key == first
 
 
 def test_bounded_load_skips_ineligible_and_unknown_members() -> None:
@@ -122,11 +121,11 @@ def test_bounded_load_skips_ineligible_and_unknown_members() -> None:
     point = KEYS[1]
     order = list(ring.walk(point))
     eligible = [c for c in cands if c.key != order[0]]
-    assert bounded_load_pick(ring, point, eligible, {}, 1.25).key == order[1]  # type: ignore[arg-type]
+    assert bounded_load_pick(ring, point, eligible, {}, 1.25).key == order[1]
     # A candidate the ring has never seen is still placeable.
-    stranger = SimpleNamespace(key="http://127.0.0.1:9999")
-    got = bounded_load_pick(ring, point, [stranger], {}, 1.25)  # type: ignore[list-item]
-    assert got is stranger  # type: ignore[comparison-overlap]
+    stranger = Candidate(Worker("http://127.0.0.1:9999"))
+    got = bounded_load_pick(ring, point, [stranger], {}, 1.25)
+    assert got is stranger
 
 
 @given(st.lists(st.integers(0, 200), min_size=1, max_size=12), st.integers(0, 2**64 - 1))
@@ -134,7 +133,7 @@ def test_bounded_load_never_refuses_everyone(loads: list[int], point: int) -> No
     cands = _cands(len(loads))
     ring = HashRing([c.key for c in cands], virtual_nodes=10)
     load = {c.key: n for c, n in zip(cands, loads, strict=True)}
-    got = bounded_load_pick(ring, point, cands, load, 1.25)  # type: ignore[arg-type]
+    got = bounded_load_pick(ring, point, cands, load, 1.25)
     total = sum(loads)
     bound = math.ceil(1.25 * (total + 1) / len(loads))
     # The pick is within the bound: somebody always fits.

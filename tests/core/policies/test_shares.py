@@ -281,22 +281,16 @@ def test_the_burst_guard_always_holds(
         load[got.key] += 1
 
 
-def test_the_plan_is_made_after_8_16_32_64_128_then_every_128_requests(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_plan_is_made_after_8_16_32_64_128_then_every_128_requests() -> None:
     ring = HashRing(["a", "b"])
     shares = TrafficShares(owner_share=0.25, half_life_s=300.0, max_prefixes=10)
-    made: list[int] = []
-    make = shares._make
-
-    def counted(*args: object) -> object:
-        made.append(len(made) and shares._seen)
-        return make(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(shares, "_make", counted)
-    for _ in range(600):
+    made: list[int] = []  # requests seen when each plan was made (a new Plan object)
+    last = None
+    for seen in range(1, 601):
         shares.observe(1, 0.0)
-        shares.plan(ring, ring.keys, 0.0)
+        got = shares.plan(ring, ring.keys, 0.0)
+        if got is not last:
+            made.append(len(made) and seen)
+            last = got
     assert made == [0, 8, 16, 32, 64, 128, 256, 384, 512]
-    shares.plan(ring, ("a",), 0.0)  # the fleet changed: at once
-    assert len(made) == 10
+    assert shares.plan(ring, ("a",), 0.0) is not last  # the fleet changed: at once

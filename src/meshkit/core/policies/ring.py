@@ -159,7 +159,7 @@ def bounded_load_pick(
     by_key = {c.key: c for c in eligible}
     bound: float = math.inf
     if load_factor is not None:
-        bound = load_bound(load, by_key, load_factor)
+        bound = float(load_bound(load, by_key, load_factor))
     first: Candidate | None = None
     for key in ring.walk(point):
         cand = by_key.get(key)
