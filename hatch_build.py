@@ -21,8 +21,11 @@ is what puts the gateway level with vllm-router's CPU per request there.
 
 Only modules whose classes and functions mypyc compiles faithfully are listed: a
 module that defines msgspec ``Struct`` types, runtime-checkable protocols, or
-classes that plugins subclass and name by class attributes (the policies) stays
-interpreted (``tests/test_compiled.py`` checks the list against what is installed).
+classes that plugins subclass and name by class attributes (``BasePolicy``, the
+simple policies) stays interpreted (``tests/test_compiled.py`` checks the list
+against what is installed). ``cache_aware``, the costliest policy per request, is
+compiled with ``allow_interpreted_subclasses``: a subclass's overrides (``name``,
+``is_hot``) are honoured, and nothing reads its ``name`` from the class.
 
 What costs a compiled module more than it looks (found with callgrind, see
 ``benchmarks/RESULTS.md``; ``benchmarks/instructions.py`` measures a change):
@@ -59,6 +62,7 @@ COMPILED = (
     "src/meshkit/core/lifecycle.py",
     "src/meshkit/core/payload.py",
     "src/meshkit/core/placement.py",
+    "src/meshkit/core/policies/cache_aware.py",
     "src/meshkit/core/policies/context.py",
     "src/meshkit/core/policies/radix.py",
     "src/meshkit/core/policies/ring.py",

@@ -53,8 +53,12 @@ def test_compiled_means_exactly_the_listed_modules() -> None:
         assert not any(_is_extension(m) for m in listed)
         return
     assert all(_is_extension(m) for m in listed)
-    # what stays interpreted: the msgspec shapes, the policies plugins subclass
-    for name in ("meshkit.core.shapes", "meshkit.core.policies.simple"):
+    # what stays interpreted: the msgspec shapes, the policy base plugins subclass
+    for name in (
+        "meshkit.core.shapes",
+        "meshkit.core.policies.base",
+        "meshkit.core.policies.simple",
+    ):
         assert not _is_extension(name), name
 
 

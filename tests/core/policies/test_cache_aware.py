@@ -342,3 +342,27 @@ def test_long_conversations_are_balanced_by_their_starts(kit: SimpleNamespace) -
 def test_conversation_slack_is_validated() -> None:
     with pytest.raises(ConfigError, match="conversation_slack"):
         create_policy("cache_aware", {"conversation_slack": -1})
+
+
+def test_a_subclass_is_heard_also_in_the_compiled_build(kit: SimpleNamespace) -> None:
+    """``CacheAware`` is compiled in a wheel (``hatch_build.py``) with interpreted
+    subclasses allowed: a plugin's subclass names itself and its override of the
+    spill gate decides, as in the interpreted build."""
+    gates: list[tuple[int, float]] = []
+
+    class NeverHot(CacheAware):
+        name = "never_hot"
+
+        def is_hot(self, load: int, mean: float) -> bool:
+            gates.append((load, mean))
+            return False
+
+    cs = kit.cands(4)
+    p = NeverHot()
+    assert p.name == "never_hot" and CacheAware().name == "cache_aware"
+    _place(p, cs[0], SYSTEM_A, kit)
+    # cs[0] is hot for CacheAware's own gate (see test_spill_gate_is_per_candidate)
+    load = {cs[0].key: 100, cs[1].key: 40, cs[2].key: 0, cs[3].key: 0}
+    assert p.select(kit.ctx(cs, kit.view(SYSTEM_A + "user: hi"), load=load)) == cs[0]
+    assert gates == [(100, 35.0)]
+    assert create_policy(p) is p

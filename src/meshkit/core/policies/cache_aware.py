@@ -57,6 +57,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from mypy_extensions import mypyc_attr
+
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.policies.prefix_hash import conversation_head
 from meshkit.core.policies.radix import RadixTree
@@ -95,6 +97,8 @@ def least_loaded(cands: Sequence[Candidate], loads: Sequence[int], text: str) ->
     return min(ties, key=lambda c: _spread_key(digest, c))
 
 
+# Compiled in a wheel (hatch_build.py); a plugin may still subclass it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class CacheAware(BasePolicy):
     """Route to the worker whose prefix cache most likely holds the prompt.
 
