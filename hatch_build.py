@@ -23,9 +23,10 @@ Only modules whose classes and functions mypyc compiles faithfully are listed: a
 module that defines msgspec ``Struct`` types, runtime-checkable protocols, or
 classes that plugins subclass and name by class attributes (``BasePolicy``, the
 simple policies) stays interpreted (``tests/test_compiled.py`` checks the list
-against what is installed). ``cache_aware``, the costliest policy per request, is
-compiled with ``allow_interpreted_subclasses``: a subclass's overrides (``name``,
-``is_hot``) are honoured, and nothing reads its ``name`` from the class.
+against what is installed). ``cache_aware`` and ``prefix_hash``, the costliest
+policies per request, are compiled with ``allow_interpreted_subclasses``: a
+subclass's ``name`` and overrides (``is_hot``, ``on_placed``) are honoured, and
+nothing reads a policy's ``name`` from its class.
 
 What costs a compiled module more than it looks (found with callgrind, see
 ``benchmarks/RESULTS.md``; ``benchmarks/instructions.py`` measures a change):
@@ -64,6 +65,7 @@ COMPILED = (
     "src/meshkit/core/placement.py",
     "src/meshkit/core/policies/cache_aware.py",
     "src/meshkit/core/policies/context.py",
+    "src/meshkit/core/policies/prefix_hash.py",
     "src/meshkit/core/policies/radix.py",
     "src/meshkit/core/policies/ring.py",
     "src/meshkit/core/policies/shares.py",

@@ -21,7 +21,7 @@ from meshkit.core.endpoints import resolve
 from meshkit.core.policies import Needs, PrefixHash, create_policy
 from meshkit.core.policies.prefix_hash import conversation_head
 from meshkit.core.policies.ring import HashRing, bounded_load_pick
-from meshkit.core.requests import parse_request
+from meshkit.core.requests import RequestView, parse_request
 from meshkit.core.workers import Candidate
 from meshkit.errors import ConfigError
 
@@ -129,27 +129,22 @@ def test_ineligible_owner_is_skipped_and_keys_return(kit: SimpleNamespace) -> No
     assert p.select(kit.ctx(fleet, v, fleet=fleet, version=7)) == home
 
 
-def test_ring_is_rebuilt_only_when_the_fleet_version_changes(
-    kit: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import meshkit.core.policies.prefix_hash as mod
-
-    built: list[int] = []
-    real = HashRing
-
-    def counting(keys: list[str], vnodes: int) -> HashRing:
-        built.append(len(keys))
-        return real(keys, vnodes)
-
-    monkeypatch.setattr(mod, "HashRing", counting)
+def test_ring_is_rebuilt_only_when_the_fleet_version_changes(kit: SimpleNamespace) -> None:
     fleet = kit.cands(4)
     p = PrefixHash()
+    rings = []
     for i in range(20):
-        p.select(kit.ctx(fleet[: 2 + i % 3], kit.view(f"x{i}"), fleet=fleet, version=3))
-    assert built == [4]
+        ctx = kit.ctx(fleet[: 2 + i % 3], kit.view(f"x{i}"), fleet=fleet, version=3)
+        p.select(ctx)
+        rings.append(p._rings.get(ctx))  # the ring select used, unless it rebuilds
+    ring = rings[0]
+    assert all(r is ring for r in rings)
+    assert len(ring.keys) == 4
     bigger = [*fleet, *kit.cands(1, start=9)]
-    p.select(kit.ctx(bigger, kit.view("y"), fleet=bigger, version=4))
-    assert built == [4, 5]
+    ctx = kit.ctx(bigger, kit.view("y"), fleet=bigger, version=4)
+    p.select(ctx)
+    rebuilt = p._rings.get(ctx)
+    assert rebuilt is not ring and len(rebuilt.keys) == 5
 
 
 def test_single_candidate_short_circuits(kit: SimpleNamespace) -> None:
@@ -460,3 +455,25 @@ def test_the_head_is_found_in_the_routing_text_meshkit_builds(
     assert head == (len(first.routing_text), True)
     assert first.routing_text.endswith("Q1")
     assert conversation_head(later.routing_text, 32768) == (head[0], False)
+
+
+def test_a_subclass_is_heard_also_in_the_compiled_build(kit: SimpleNamespace) -> None:
+    """``PrefixHash`` is compiled in a wheel with interpreted subclasses allowed: a
+    plugin's subclass keeps its name, its attributes and its overrides."""
+    seen: list[str] = []
+
+    class Logged(PrefixHash):
+        name = "logged_prefix_hash"
+
+        def on_placed(self, cand: Candidate, view: RequestView, now: float) -> None:
+            seen.append(cand.key)
+            super().on_placed(cand, view, now)
+
+    p = Logged()
+    p.note = "plugins may keep their own state"  # type: ignore[attr-defined]
+    assert p.name == "logged_prefix_hash" and PrefixHash().name == "prefix_hash"
+    cs = kit.cands(3)
+    v = kit.view("x")
+    got = p.select(kit.ctx(cs, v))
+    p.on_placed(got, v, 0.0)
+    assert seen == [got.key]

@@ -95,6 +95,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from mypy_extensions import mypyc_attr
+
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.policies.ring import HashRing, bounded_load_pick, hash_bytes, hash_token_ids
 from meshkit.core.policies.shares import TrafficShares
@@ -163,6 +165,8 @@ class RingCache:
         return self._ring
 
 
+# Compiled in a wheel (hatch_build.py); a plugin may still subclass it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PrefixHash(BasePolicy):
     """Bounded-load consistent hashing of the prompt prefix.
 
