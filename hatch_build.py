@@ -21,12 +21,12 @@ is what puts the gateway level with vllm-router's CPU per request there.
 
 Only modules whose classes and functions mypyc compiles faithfully are listed: a
 module that defines msgspec ``Struct`` types, runtime-checkable protocols, or
-classes that plugins subclass and name by class attributes (``BasePolicy``, the
-simple policies) stays interpreted (``tests/test_compiled.py`` checks the list
-against what is installed). ``cache_aware`` and ``prefix_hash``, the costliest
-policies per request, are compiled with ``allow_interpreted_subclasses``: a
-subclass's ``name`` and overrides (``is_hot``, ``on_placed``) are honoured, and
-nothing reads a policy's ``name`` from its class.
+the base class plugins subclass (``BasePolicy``) stays interpreted
+(``tests/test_compiled.py`` checks the list against what is installed). The
+built-in policies on the request path (the simple ones, ``cache_aware``,
+``prefix_hash``) are compiled with ``allow_interpreted_subclasses``: a subclass's
+``name`` and overrides (``is_hot``, ``on_placed``) are honoured, and nothing reads
+a policy's ``name`` from its class.
 
 What costs a compiled module more than it looks (found with callgrind, see
 ``benchmarks/RESULTS.md``; ``benchmarks/instructions.py`` measures a change):
@@ -69,6 +69,7 @@ COMPILED = (
     "src/meshkit/core/policies/radix.py",
     "src/meshkit/core/policies/ring.py",
     "src/meshkit/core/policies/shares.py",
+    "src/meshkit/core/policies/simple.py",
     "src/meshkit/core/relay.py",
     "src/meshkit/core/requests.py",
     "src/meshkit/core/states.py",

@@ -54,11 +54,7 @@ def test_compiled_means_exactly_the_listed_modules() -> None:
         return
     assert all(_is_extension(m) for m in listed)
     # what stays interpreted: the msgspec shapes, the policy base plugins subclass
-    for name in (
-        "meshkit.core.shapes",
-        "meshkit.core.policies.base",
-        "meshkit.core.policies.simple",
-    ):
+    for name in ("meshkit.core.shapes", "meshkit.core.policies.base"):
         assert not _is_extension(name), name
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from mypy_extensions import mypyc_attr
+
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.workers import Candidate
 
 __all__ = ["LeastLoad", "PowerOfTwo", "RandomPolicy", "RoundRobin"]
 
 
+# Compiled in a wheel (hatch_build.py); a plugin may still subclass it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RoundRobin(BasePolicy):
     """Each placement takes the next candidate of the fleet's stable order.
 
@@ -41,6 +45,8 @@ class RoundRobin(BasePolicy):
         return ctx.candidates[0]  # pragma: no cover - candidates is never empty
 
 
+# Compiled in a wheel (hatch_build.py); a plugin may still subclass it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RandomPolicy(BasePolicy):
     name = "random"
 
@@ -48,6 +54,8 @@ class RandomPolicy(BasePolicy):
         return ctx.candidates[ctx.rng.randrange(len(ctx.candidates))]
 
 
+# Compiled in a wheel (hatch_build.py); a plugin may still subclass it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class PowerOfTwo(BasePolicy):
     """The less loaded (in-flight requests) of two random candidates."""
 
@@ -62,6 +70,8 @@ class PowerOfTwo(BasePolicy):
         return ca if ctx.load_of(ca) <= ctx.load_of(cb) else cb
 
 
+# Compiled in a wheel (hatch_build.py); a plugin may still subclass it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LeastLoad(BasePolicy):
     """The candidate with the least in-flight work, weighted by prompt size.
 
