@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -365,28 +366,31 @@ def test_a_publisher_silent_after_a_request_gives_way_to_the_tree(
 TINY = str(Path(__file__).resolve().parents[1] / "prepare" / "data" / "tiny")
 
 
-def test_short_prompts_alone_do_not_make_a_live_publisher_silent(
-    mock_factory: Callable[..., Any],
-) -> None:
-    """A worker that serves only prompts shorter than one of its blocks stores
-    nothing and publishes nothing: that is not a silent publisher. Once its block
-    size is known (a long prompt's blocks), such requests do not start the wait."""
+#: the kv.silence_s of the two tests below: well above an event's way back, even on
+#: a loaded machine
+SILENCE_S = 1.0
+
+
+@contextmanager
+def publishing_worker(mock_factory: Callable[..., Any], name: str) -> Iterator[tuple[Mesh, str]]:
+    """A mock worker with 64-token blocks that publishes, a mesh subscribed to it
+    (``kv.silence_s`` = :data:`SILENCE_S`), once a long prompt's blocks arrived (so
+    the worker's block size is known): (the mesh, the worker's URL)."""
     worker = mock_factory(
-        name="short",
+        name=name,
         cache_tokens=100_000,
         block_size=64,
         tokenizer=TINY,
         kv_events="tcp://127.0.0.1:0",
     )
     url = worker.url
-    silence = 1.0  # well above an event's way back, even on a loaded machine
     w = Worker(url, kv_events=worker.kv_events_endpoint)
     with Mesh(
         workers=[w],
         policy="cache_aware",
         tokenizer=TINY,
         lifecycle={"probe": False},
-        kv={"silence_s": silence},
+        kv={"silence_s": SILENCE_S},
     ) as mesh:
         mesh.lifecycle.start()
         kv = mesh.router.fleet.kv
@@ -399,13 +403,27 @@ def test_short_prompts_alone_do_not_make_a_live_publisher_silent(
             sent += 1
             time.sleep(0.05)
         assert kv.block_size_of(url) == 64
-        deadline = time.monotonic() + 3 * silence
+        yield mesh, url
+
+
+def assert_trusted(mesh: Mesh, url: str) -> None:
+    row = mesh.router.describe(url)[0]
+    assert row["prefix_match"] == "events" and not row["kv_silent"]
+    assert not silent_gauge(mesh, url)
+
+
+def test_short_prompts_alone_do_not_make_a_live_publisher_silent(
+    mock_factory: Callable[..., Any],
+) -> None:
+    """A worker that serves only prompts shorter than one of its blocks stores
+    nothing and publishes nothing: that is not a silent publisher. Once its block
+    size is known (a long prompt's blocks), such requests do not start the wait."""
+    with publishing_worker(mock_factory, "short") as (mesh, url):
+        deadline = time.monotonic() + 3 * SILENCE_S
         while time.monotonic() < deadline:  # short prompts, well past kv.silence_s
             placed_request(mesh, "hi", "tiny")
             time.sleep(0.05)
-        row = mesh.router.describe(url)[0]
-        assert row["prefix_match"] == "events" and not row["kv_silent"]
-        assert not silent_gauge(mesh, url)
+        assert_trusted(mesh, url)
 
 
 def test_prompts_the_worker_holds_do_not_make_a_live_publisher_silent(
@@ -414,32 +432,8 @@ def test_prompts_the_worker_holds_do_not_make_a_live_publisher_silent(
     """A prompt the engine holds whole is a prefix hit: it stores (and publishes)
     nothing. A worker that serves one cached prompt over and over (a load test
     cycling a fixed prompt set) is not a silent publisher."""
-    worker = mock_factory(
-        name="held",
-        cache_tokens=100_000,
-        block_size=64,
-        tokenizer=TINY,
-        kv_events="tcp://127.0.0.1:0",
-    )
-    url = worker.url
-    silence = 1.0  # well above an event's way back, even on a loaded machine
-    w = Worker(url, kv_events=worker.kv_events_endpoint)
-    with Mesh(
-        workers=[w],
-        policy="cache_aware",
-        tokenizer=TINY,
-        lifecycle={"probe": False},
-        kv={"silence_s": silence},
-    ) as mesh:
-        mesh.lifecycle.start()
+    with publishing_worker(mock_factory, "held") as (mesh, url):
         kv = mesh.router.fleet.kv
-        deadline = time.monotonic() + 20
-        sent = 0
-        while not kv.blocks_of(url):  # the subscriber may join after the first store
-            assert time.monotonic() < deadline, "no block of a long prompt arrived"
-            placed_request(mesh, f"{sent} tell me about the weather in the valley " * 20, "tiny")
-            sent += 1
-            time.sleep(0.05)
         held = "the one prompt of this load test, about rivers and their banks " * 20
         match = mesh.resolve("POST", "/v1/chat/completions")
         assert match is not None
@@ -447,16 +441,15 @@ def test_prompts_the_worker_holds_do_not_make_a_live_publisher_silent(
         keys = mesh.prepare(match, json.dumps(body).encode(), []).kv_keys
         assert keys and keys.get(64)
         placed_request(mesh, held, "tiny")
+        deadline = time.monotonic() + 20
         # Its blocks are in the index (and, published before them, every earlier one's).
         while kv.match((), [url], keys)[url] < 64 * len(keys[64]):
             assert time.monotonic() < deadline, "the held prompt's blocks did not arrive"
             time.sleep(0.05)
         stored = kv.blocks_of(url)
-        deadline = time.monotonic() + 3 * silence
+        deadline = time.monotonic() + 3 * SILENCE_S
         while time.monotonic() < deadline:  # the same prompt, well past kv.silence_s
             placed_request(mesh, held, "tiny")
             time.sleep(0.05)
-        row = mesh.router.describe(url)[0]
-        assert row["prefix_match"] == "events" and not row["kv_silent"]
-        assert not silent_gauge(mesh, url)
+        assert_trusted(mesh, url)
         assert kv.blocks_of(url) == stored  # nothing new was stored: every one a hit
