@@ -479,16 +479,24 @@ def test_pipelined_bodies_are_bounded_in_bytes(gateway: Any) -> None:
     served, _, mesh = gateway(output_tokens=6, per_token_ms=150.0)
     big = [request("POST", PATH, chat("x" * (MAX_BODY * 2 // 5))) for _ in range(5)]
     raw = Raw(served.url)
-    raw.send(b"".join(big))
-    conn = None
+    raw.send(big[0])  # it runs for about a second; the others queue behind it
+    assert wait_until(lambda: served.conn_of(raw) is not None)
+    conn = served.conn_of(raw)
+    assert conn is not None
 
-    def paused() -> bool:
-        nonlocal conn
-        conn = conn or served.conn_of(raw)
-        return conn is not None and served.call(lambda: conn.read_paused)  # type: ignore[union-attr]
+    def state() -> tuple[int, bool]:
+        return served.call(lambda: (len(conn.queue), conn.read_paused))
 
-    assert wait_until(paused)
-    assert served.call(lambda: len(conn.queue)) < 4  # type: ignore[union-attr]
+    # One at a time, each read before the next is sent: what one read of the socket
+    # holds is parsed whole, so sending them together would test the read's size.
+    for queued, one in enumerate(big[1:], 1):
+        raw.send(one)
+        assert wait_until(lambda q=queued: state()[0] == q or state()[1])
+        if state()[1]:
+            break
+    # Three queued bodies are 1.2 x max_body_bytes: reading paused there, at 3 of 16.
+    assert state() == (3, True)
+    raw.send(big[4])  # not read while paused
     assert [raw.response().status for _ in big] == [200] * 5
     raw.close()
     assert_settled(mesh)
