@@ -402,7 +402,7 @@ def publishing_worker(mock_factory: Callable[..., Any], name: str) -> Iterator[t
             placed_request(mesh, f"{sent} tell me about the weather in the valley " * 20, "tiny")
             sent += 1
             time.sleep(0.05)
-        assert kv.block_size_of(url) == 64
+        assert kv.block_sizes.get(url) == 64
         yield mesh, url
 
 

@@ -137,11 +137,6 @@ class KvIndex:
     def block_sizes(self) -> dict[str, int]:
         return {w: s.block_size for w, s in self._workers.items() if s.block_size is not None}
 
-    def block_size_of(self, worker_id: str) -> int | None:
-        """The block size ``worker_id``'s events showed (None: none stored yet)."""
-        w = self._workers.get(worker_id)
-        return None if w is None else w.block_size
-
     def would_store(self, worker_id: str, keys: Mapping[int, Sequence[int]] | None) -> bool:
         """Whether serving a prompt with these block ``keys`` (per block size) should
         make ``worker_id``'s engine publish: the prompt fills a block of the worker's
