@@ -275,6 +275,9 @@ class ServerConfig:
     keep_alive_s: float = 5.0
     # Built-in server: connections over this are answered 503 and closed.
     max_connections: int = 4096
+    # Built-in server: requests a connection pipelines behind the running one are
+    # parsed this far ahead, then reading pauses (meshkit.server.h1.conn).
+    max_pipelined: int = 16
     # Router processes accepting on the one port ("auto": the usable CPUs); a
     # supervisor restarts a child that dies (meshkit.server.supervisor).
     processes: int | str = 1

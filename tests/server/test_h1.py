@@ -462,10 +462,10 @@ def test_pipelined_requests_are_answered_in_order(gateway: Any) -> None:
             assert r.status == 400 and is_openai_error(r.json())
         else:
             assert r.json()["object"] == "list"
-    # More than the server parses ahead (it pauses reading, then resumes).
-    many = [request("POST", PATH, chat(max_tokens=1 + i % 8)) for i in range(40)]
+    # As many as the server takes from one read (one runs, 16 queue).
+    many = [request("POST", PATH, chat(max_tokens=1 + i % 8)) for i in range(17)]
     raw.send(b"".join(many))
-    assert [tokens_in(raw.response()) for _ in many] == [1 + i % 8 for i in range(40)]
+    assert [tokens_in(raw.response()) for _ in many] == [1 + i % 8 for i in range(17)]
     raw.send(request("GET", "/health"))
     assert raw.response().status == 200
     assert served.conns() == 1
@@ -473,9 +473,54 @@ def test_pipelined_requests_are_answered_in_order(gateway: Any) -> None:
     assert_settled(mesh)
 
 
+def test_pipelined_requests_pause_reading_at_the_bound(gateway: Any) -> None:
+    """server.max_pipelined queued: reading pauses; what arrives meanwhile is read
+    once the queue has room, and every request is answered in order."""
+    served, _, mesh = gateway(output_tokens=3, per_token_ms=100.0, server={"max_pipelined": 3})
+    sizes = [3, 1, 2, 1]  # the first runs for 0.3 s while the others queue behind it
+    raw = Raw(served.url)
+    raw.send(b"".join(request("POST", PATH, chat(f"p{n}", max_tokens=n)) for n in sizes))
+    assert wait_until(lambda: served.conn_of(raw) is not None)
+    conn = served.conn_of(raw)
+    assert conn is not None
+    assert served.call(lambda: (len(conn.queue), conn.read_paused)) == (3, True)
+    raw.send(request("POST", PATH, chat("late", max_tokens=2)))  # read after the pause
+    assert [tokens_in(raw.response()) for _ in range(5)] == [*sizes, 2]
+    assert served.conns() == 1
+    raw.close()
+    assert_settled(mesh)
+
+
+def test_pipelined_past_the_bound_in_one_read_is_refused(gateway: Any) -> None:
+    """What one read holds is parsed whole: a request completed after the queue
+    filled is answered 503 in turn, and the connection closes after it, so no
+    more than server.max_pipelined + 2 requests are held, however many arrive."""
+    served, worker, mesh = gateway(output_tokens=4, per_token_ms=100.0, server={"max_pipelined": 3})
+    raw = Raw(served.url)
+    raw.send(request("POST", PATH, chat("slow")))  # runs while the others arrive
+    assert wait_until(lambda: api_requests(worker) == 1)
+    conn = served.conn_of(raw)
+    assert conn is not None
+    raw.send(b"".join(request("POST", PATH, chat(f"p{i}", max_tokens=1)) for i in range(8)))
+    # Three queue, the fourth is refused (queued to be answered in turn), the rest
+    # are never parsed.
+    assert wait_until(lambda: served.call(lambda: len(conn.queue)) == 4)
+    assert served.call(lambda: conn.read_paused)
+    assert [raw.response().status for _ in range(4)] == [200] * 4
+    refused = raw.response()
+    assert refused.status == 503 and refused.closes
+    error = refused.json()
+    assert is_openai_error(error) and error["error"]["code"] == "unavailable"
+    assert "server.max_pipelined" in error["error"]["message"]
+    assert raw.closed()
+    assert api_requests(worker) == 4
+    assert metric_value(mesh, "mesh_router_rejections_total", code="unavailable") == 1
+    assert_settled(mesh)
+
+
 def test_pipelined_bodies_are_bounded_in_bytes(gateway: Any) -> None:
     """Reading pauses once the queued bodies pass bounds.max_body_bytes, well before
-    MAX_PIPELINED requests of max_body_bytes each are held for one connection."""
+    server.max_pipelined requests of max_body_bytes each are held for one connection."""
     served, _, mesh = gateway(output_tokens=6, per_token_ms=150.0)
     big = [request("POST", PATH, chat("x" * (MAX_BODY * 2 // 5))) for _ in range(5)]
     raw = Raw(served.url)

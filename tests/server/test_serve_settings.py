@@ -93,3 +93,25 @@ def test_flags_over_file(toml: str) -> None:
 def test_negative_grace_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"server\.grace_s"):
         resolve_settings(grace_s=-1.0, environ={})
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [
+        ("max_pipelined = 0", "server.max_pipelined"),
+        ("max_connections = 0", "server.max_connections"),
+        ("keep_alive_s = 0", "server.keep_alive_s"),
+    ],
+)
+def test_server_bounds_below_one_are_refused(tmp_path: Path, line: str, key: str) -> None:
+    path = tmp_path / "bounds.toml"
+    path.write_text(f"[server]\n{line}\n")
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        resolve_settings(config=str(path), environ={})
+
+
+def test_server_bounds_come_from_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bounds.toml"
+    path.write_text("[server]\nmax_pipelined = 4\nmax_connections = 9\n")
+    _, s = resolve_settings(config=str(path), environ={})
+    assert (s.max_pipelined, s.max_connections) == (4, 9)

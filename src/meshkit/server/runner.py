@@ -203,6 +203,7 @@ def _h1_server(gateway: MeshMiddleware, settings: ServeSettings) -> H1Server:
         gateway,
         keep_alive_s=settings.keep_alive_s,
         max_connections=settings.max_connections,
+        max_pipelined=settings.max_pipelined,
         access_log=settings.access_log,
     )
 
@@ -420,6 +421,7 @@ class GatewayThread:
         grace_s: float = 5.0,
         keep_alive_s: float = 5.0,
         max_connections: int = 4096,
+        max_pipelined: int = 16,
         access_log: bool = False,
         sock: socket.socket | None = None,
     ) -> None:
@@ -442,6 +444,7 @@ class GatewayThread:
             server=server,
             keep_alive_s=keep_alive_s,
             max_connections=max_connections,
+            max_pipelined=max_pipelined,
         )
         self._ready = threading.Event()
         self._started = False

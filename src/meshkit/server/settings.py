@@ -49,6 +49,7 @@ class ServeSettings:
     server: str = "builtin"
     keep_alive_s: float = 5.0
     max_connections: int = 4096
+    max_pipelined: int = 16
     #: router processes on the one port (resolved: "auto" is the usable CPUs)
     processes: int = 1
 
@@ -150,6 +151,7 @@ def resolve_settings(
         server=server or s.http,
         keep_alive_s=s.keep_alive_s,
         max_connections=s.max_connections,
+        max_pipelined=s.max_pipelined,
         processes=_processes(
             processes if processes is not None else s.processes,
             "--processes" if processes is not None else source,
@@ -162,6 +164,8 @@ def resolve_settings(
         raise ConfigError("server.keep_alive_s", "must be > 0", source=source)
     if settings.max_connections < 1:
         raise ConfigError("server.max_connections", "must be >= 1", source=source)
+    if settings.max_pipelined < 1:
+        raise ConfigError("server.max_pipelined", "must be >= 1", source=source)
     if not 0 <= settings.port <= 65535:
         where = "--port" if port is not None else source
         raise ConfigError(

@@ -12,8 +12,14 @@ quarter of a proxied request's samples). Every other path (``/health``,
 ``/metrics``, ``/workers``) goes to the gateway's ASGI app through a small bridge
 (:mod:`meshkit.server.h1.bridge`).
 
-Per connection: one request runs at a time; pipelined requests queue (at most
-``MAX_PIPELINED``, then reading pauses). Bounds are those of every mode
+Per connection: one request runs at a time; pipelined requests queue behind it
+(``server.max_pipelined`` of them, or bodies over ``bounds.max_body_bytes`` in
+all, then reading pauses). What one read of the socket holds is parsed whole, so
+a request completed after the pause, in the same read, is not queued: it is
+answered 503 ``unavailable`` in turn and the connection closes after it, unread
+(RFC 9112 §9.3.2: a client retries the requests a closed connection left
+unanswered). A connection holds at most ``max_pipelined`` + 2 requests, however
+many a client writes at once. Bounds are those of every mode
 (``bounds.max_header_bytes`` and ``bounds.max_headers`` while the head arrives:
 431; ``bounds.max_body_bytes`` on the declared length and while the body arrives:
 413, and the connection closes without reading the rest). A client that closes
@@ -52,9 +58,6 @@ __all__ = ["H1Conn", "Request"]
 
 log = logging.getLogger("meshkit.server")
 access_log = logging.getLogger("meshkit.access")
-
-#: pipelined requests parsed ahead of the one running, before reading pauses
-MAX_PIPELINED = 16
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -124,6 +127,7 @@ class H1Conn(asyncio.Protocol):
         self.max_head = bounds.max_header_bytes
         self.max_headers = bounds.max_headers
         self.max_body = bounds.max_body_bytes
+        self.max_pipelined = server.max_pipelined
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.client = ""
@@ -343,6 +347,15 @@ class H1Conn(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.read_paused:
+            # Parsed from the read that filled the queue: refused rather than held
+            # (a read of tiny requests would otherwise queue thousands).
+            raise _Refused(
+                Unavailable(
+                    f"over server.max_pipelined ({self.max_pipelined}) requests were "
+                    "pipelined at once; the connection closes after this answer"
+                )
+            )
         self._in_head = True
         self._head_bytes = 0
         parts = self._body
@@ -395,7 +408,7 @@ class H1Conn(asyncio.Protocol):
     def _queue_full(self) -> bool:
         # By count and by bytes: 16 queued bodies of max_body_bytes each would be
         # 16 x 32 MiB held for one connection.
-        return len(self.queue) >= MAX_PIPELINED or self.queued_bytes > self.max_body
+        return len(self.queue) >= self.max_pipelined or self.queued_bytes > self.max_body
 
     def _start(self, req: Request) -> None:
         self.req = req

@@ -7,6 +7,8 @@ on a listening socket with :class:`~meshkit.server.h1.conn.H1Conn` connections. 
 owns what spans connections:
 
 * ``server.max_connections``: a connection over it is answered 503 and closed;
+* ``server.max_pipelined``: how far each connection parses ahead (see
+  :class:`~meshkit.server.h1.conn.H1Conn`);
 * ``server.keep_alive_s``: a sweep every second closes connections with no
   request running that have been silent that long (idle keep-alives, and heads
   that stall half-sent);
@@ -44,6 +46,7 @@ class H1Server:
         *,
         keep_alive_s: float = 5.0,
         max_connections: int = 4096,
+        max_pipelined: int = 16,
         access_log: bool = False,
         app: Any = None,
     ) -> None:
@@ -55,6 +58,7 @@ class H1Server:
         self.app = app if app is not None else gateway.app
         self.keep_alive_ticks = max(1, math.ceil(keep_alive_s))
         self.max_connections = max_connections
+        self.max_pipelined = max_pipelined
         self.access_log = access_log
         self.conns: set[H1Conn] = set()
         self.tick = 0
