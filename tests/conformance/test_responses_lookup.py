@@ -9,7 +9,6 @@ tests/server/test_serve_responses_lookup.py)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -45,18 +44,6 @@ def _lookups(mocks: list[MockWorkerThread], rid: str, kind: str = "previous_resp
 
 def _fleet(mock_factory: Callable[..., MockWorkerThread]) -> list[MockWorkerThread]:
     return [mock_factory(name=f"w{i}") for i in range(3)]
-
-
-def _crash(mock: MockWorkerThread) -> socket.socket:
-    """Kill ``mock`` and keep its port bound, not listening: connecting is refused, as
-    to a crashed engine, and no other test's server (pytest-xdist runs two) can take
-    the freed port and answer in its place. Close the socket at the end."""
-    mock.kill()
-    port = int(mock.url.rsplit(":", 1)[1])
-    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    holder.bind(("127.0.0.1", port))
-    return holder
 
 
 def _first_turn(
@@ -123,13 +110,12 @@ def test_the_owner_down_is_502_not_a_move(
     mocks = _fleet(mock_factory)
     urls = [m.url for m in mocks]
     rid, owner = _first_turn(mesh_factory, urls, kind)
-    held = _crash(next(m for m in mocks if m.worker.config.name == owner))
-    try:
-        mesh = mesh_factory(workers=urls, lifecycle={"probe": False})
-        mode = run_mode(mesh)
-        r = mode.request("POST", "/v1/responses", json=_follow(rid, kind))
-    finally:
-        held.close()
+    # Killed, its port stays bound and refuses connections (MockWorkerThread.kill):
+    # no other test's server can answer in its place.
+    next(m for m in mocks if m.worker.config.name == owner).kill()
+    mesh = mesh_factory(workers=urls, lifecycle={"probe": False})
+    mode = run_mode(mesh)
+    r = mode.request("POST", "/v1/responses", json=_follow(rid, kind))
     assert r.status == 502, r.body
     assert r.json()["error"]["code"] == "upstream_error"
     # the others were asked, and none was given the request

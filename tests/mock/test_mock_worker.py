@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -734,6 +735,25 @@ def test_kill_and_restart_same_port(
     m.kill()  # idempotent
     m.start()
     assert http.get(url + "/health").status_code == 200
+
+
+def test_a_killed_worker_keeps_its_port(spawn: Callable[..., MockWorkerThread]) -> None:
+    """Killed, the port stays bound and refuses connections, so no other server
+    (another pytest-xdist worker's) is given it and answers in the worker's place."""
+    m = spawn(name="k")
+    port = m.worker.port
+    m.kill()  # no connection was open: nothing else holds the port
+    taker = socket.socket()
+    taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    with taker, pytest.raises(OSError) as taken:
+        taker.bind(("127.0.0.1", port))
+    assert taken.value.errno == errno.EADDRINUSE
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    m.restart()
+    assert m.worker.port == port
+    with httpx2.Client(trust_env=False) as http:
+        assert http.get(m.url + "/health").status_code == 200
 
 
 def test_async_worker_api() -> None:

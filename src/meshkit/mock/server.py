@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import socket
 import ssl as ssl_module
 from collections import deque
 from typing import TYPE_CHECKING, cast
@@ -320,6 +321,8 @@ class MockWorker:
         self.stats = MockStats()
         self.app = MockApp(self.config, self.stats)
         self._server: asyncio.AbstractServer | None = None
+        # after kill(): the port, bound and not listening (see hold_port)
+        self._held: socket.socket | None = None
         self._conns: set[_Conn] = set()
         self._kv: KvEventPublisher | None = None
         cfg = self.config
@@ -365,6 +368,7 @@ class MockWorker:
         """Bind and listen (again on the same port after :meth:`kill` or :meth:`stop`)."""
         if self._server is not None:
             raise RuntimeError("mock worker already running")
+        self._release_port()
         loop = asyncio.get_running_loop()
         if self._kv is not None:
             await self._kv.open()
@@ -399,6 +403,7 @@ class MockWorker:
 
     async def stop(self) -> None:
         """Stop listening and close every connection (in-flight answers are dropped)."""
+        self._release_port()
         server, self._server = self._server, None
         if server is None:
             return
@@ -421,6 +426,36 @@ class MockWorker:
             self._kv.close()  # first: a crash publishes nothing
             self._kv.reset()
         self.app.reset_state()
+
+    def hold_port(self) -> None:
+        """Keep a killed worker's port bound, not listening, until it starts again.
+
+        Connecting is then refused, as to a crashed engine, and no other server on
+        the machine (another pytest-xdist worker's) can be given the freed port and
+        answer in its place, or take it before a restart. Call it once the
+        listener has closed (a loop iteration after :meth:`kill`); best effort.
+        """
+        if self._server is not None or self._held is not None or not self.port:
+            return
+        # Without SO_REUSEADDR first: only then may no other socket bind the port
+        # (two sockets that both set it may share a port neither listens on). A
+        # connection of the old listener in TIME_WAIT refuses that; then with it.
+        for reuse in (False, True):
+            held = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+            if reuse:
+                held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                held.bind((self.host, self.port))
+            except OSError:
+                held.close()
+                continue
+            self._held = held
+            return
+
+    def _release_port(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
 
     async def __aenter__(self) -> MockWorker:
         await self.start()

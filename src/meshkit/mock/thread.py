@@ -75,13 +75,16 @@ class MockWorkerThread:
         return self.worker.url
 
     def kill(self) -> None:
-        """Crash the worker (see :meth:`MockWorker.kill`); the thread keeps running."""
+        """Crash the worker (see :meth:`MockWorker.kill`); the thread keeps running,
+        and the port stays bound, refusing connections, until a restart
+        (:meth:`MockWorker.hold_port`)."""
         if self._loop is None:
             return
 
         async def kill() -> None:
             self.worker.kill()
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # the listener closes
+            self.worker.hold_port()
 
         self._call(kill())
 
