@@ -511,7 +511,7 @@ def test_pipelined_past_the_bound_in_one_read_is_refused(gateway: Any) -> None:
     assert refused.status == 503 and refused.closes
     error = refused.json()
     assert is_openai_error(error) and error["error"]["code"] == "unavailable"
-    assert "server.max_pipelined" in error["error"]["message"]
+    assert "more than server.max_pipelined (3) requests" in error["error"]["message"]
     assert raw.closed()
     assert api_requests(worker) == 4
     assert metric_value(mesh, "mesh_router_rejections_total", code="unavailable") == 1
@@ -544,6 +544,25 @@ def test_pipelined_bodies_are_bounded_in_bytes(gateway: Any) -> None:
     raw.send(big[4])  # not read while paused
     assert [raw.response().status for _ in big] == [200] * 5
     raw.close()
+    assert_settled(mesh)
+
+
+def test_pipelined_bodies_past_the_byte_bound_in_one_write_are_refused(gateway: Any) -> None:
+    """Bodies written at once past bounds.max_body_bytes: the one parsed after the
+    pause (in the read that caused it) is refused and the connection closes."""
+    served, worker, mesh = gateway(output_tokens=4, per_token_ms=100.0)
+    raw = Raw(served.url)
+    raw.send(request("POST", PATH, chat("slow")))
+    assert wait_until(lambda: api_requests(worker) == 1)
+    big = [request("POST", PATH, chat("x" * (MAX_BODY * 2 // 5), max_tokens=1)) for _ in range(4)]
+    raw.send(b"".join(big))
+    assert [raw.response().status for _ in range(4)] == [200] * 4  # 3 queued: 1.2 x the bound
+    refused = raw.response()
+    assert refused.status == 503 and refused.closes
+    message = refused.json()["error"]["message"]
+    assert f"request bodies over bounds.max_body_bytes ({MAX_BODY})" in message
+    assert raw.closed()
+    assert api_requests(worker) == 4
     assert_settled(mesh)
 
 

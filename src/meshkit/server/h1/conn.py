@@ -350,12 +350,7 @@ class H1Conn(asyncio.Protocol):
         if self.read_paused:
             # Parsed from the read that filled the queue: refused rather than held
             # (a read of tiny requests would otherwise queue thousands).
-            raise _Refused(
-                Unavailable(
-                    f"over server.max_pipelined ({self.max_pipelined}) requests were "
-                    "pipelined at once; the connection closes after this answer"
-                )
-            )
+            raise _Refused(Unavailable(self._over_pipelined()))
         self._in_head = True
         self._head_bytes = 0
         parts = self._body
@@ -409,6 +404,16 @@ class H1Conn(asyncio.Protocol):
         # By count and by bytes: 16 queued bodies of max_body_bytes each would be
         # 16 x 32 MiB held for one connection.
         return len(self.queue) >= self.max_pipelined or self.queued_bytes > self.max_body
+
+    def _over_pipelined(self) -> str:
+        if len(self.queue) >= self.max_pipelined:
+            bound = f"more than server.max_pipelined ({self.max_pipelined}) requests"
+        else:
+            bound = f"request bodies over bounds.max_body_bytes ({self.max_body})"
+        return (
+            f"{bound} were pipelined behind the one running; "
+            "the connection closes after this answer"
+        )
 
     def _start(self, req: Request) -> None:
         self.req = req
