@@ -437,3 +437,22 @@ def test_mesh_fleet_gets_the_limits() -> None:
         assert (mesh.fleet.max_in_flight, mesh.fleet.max_in_flight_per_worker) == (7, 3)
     finally:
         mesh.close()
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "max_body_bytes",
+        "max_header_bytes",
+        "max_headers",
+        "max_sse_line_bytes",
+        "max_json_depth",
+        "max_captured_body_bytes",
+    ],
+)
+def test_every_bound_is_at_least_one(key: str) -> None:
+    assert getattr(MeshConfig.build().bounds, key) >= 1
+    assert getattr(MeshConfig.build(bounds={key: 1}).bounds, key) == 1
+    with pytest.raises(ConfigError) as ei:
+        MeshConfig.build(bounds={key: 0})
+    assert ei.value.key == f"bounds.{key}"

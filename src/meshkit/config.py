@@ -144,6 +144,14 @@ class BoundsConfig:
     max_headers: int = 128
     max_sse_line_bytes: int = 1024 * 1024
     max_json_depth: int = 64
+    # A worker's body read whole before it is answered: an error compared across
+    # workers, a model list merged, a PD answer whose logprobs are merged.
+    max_captured_body_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ConfigError(f"bounds.{f.name}", "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -246,6 +246,11 @@ class Router:
                 self._policy.on_placed(cand, view, now)
             return cand
 
+    @property
+    def capture_limit(self) -> int:
+        """``bounds.max_captured_body_bytes``: the most of a worker's body a flow reads whole."""
+        return self.config.bounds.max_captured_body_bytes
+
     def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> Lease:
         """A lease on ``cand`` (its slot is taken).
 

@@ -98,3 +98,22 @@ def test_retrieve_relays_the_workers_refusal(
     assert r.status == 200
     assert r.json()["id"] == "mock-model"
     assert wait_until(lambda: mesh.total_load() == 0)
+
+
+def test_a_model_list_over_the_capture_bound_is_a_502_not_a_shorter_list(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    """A worker's list is read whole (bounds.max_captured_body_bytes): one past the
+    bound is refused, not silently left out of the union."""
+    mocks = [mock_factory(name="a", model="model-a"), mock_factory(name="b", model="m" * 200)]
+    mesh = mesh_factory(
+        workers=[Worker(m.url) for m in mocks],
+        lifecycle={"probe": False},
+        bounds={"max_captured_body_bytes": 180},
+    )
+    r = run_mode(mesh).request("GET", "/v1/models")
+    assert r.status == 502, r.body
+    error = r.json()["error"]
+    assert error["code"] == "upstream_error"
+    assert "bounds.max_captured_body_bytes (180 bytes)" in error["message"]
+    assert wait_until(lambda: mesh.total_load() == 0)

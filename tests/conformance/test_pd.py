@@ -92,6 +92,30 @@ def test_sglang_batched_generate_gets_lists_and_merged_logprobs(
     for item in r.json():
         values = [lp[0] for lp in item["meta_info"]["input_token_logprobs"]]
         assert values == [-1.0, -1.0, -2.0]  # the prefill's first, then the decode's
+    assert wait_until(lambda: mesh.total_load() == 0)  # both legs' leases released
+
+
+def test_sglang_logprobs_over_the_capture_bound_are_a_502_not_a_cut_answer(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    """The merged answer is read whole: past bounds.max_captured_body_bytes it is
+    refused as the worker's (502, the bound named), never relayed cut short or
+    blamed on the client, and both legs' leases are released."""
+    prefill, decode = _pd(mock_factory, "sglang")
+    body = {"text": "a b", "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}
+    whole = mesh_factory(workers=_workers(prefill, decode), pd={"protocol": "sglang"})
+    size = len(run_mode(whole).request("POST", "/generate", json=body).body)
+    mesh = mesh_factory(
+        workers=_workers(prefill, decode),
+        pd={"protocol": "sglang"},
+        bounds={"max_captured_body_bytes": size // 2},
+    )
+    r = run_mode(mesh).request("POST", "/generate", json=body)
+    assert r.status == 502, r.body
+    error = r.json()["error"]
+    assert error["code"] == "upstream_error"
+    assert f"bounds.max_captured_body_bytes ({size // 2} bytes)" in error["message"]
+    assert wait_until(lambda: mesh.total_load() == 0)
 
 
 def test_vllm_pd_is_sequential_with_kv_transfer_params(

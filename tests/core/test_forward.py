@@ -89,6 +89,8 @@ class FakePlacer:
     """place/lease/targets over a real Fleet, placement.place and RoundRobin; the
     lease checks the admission limits again, as ``Mesh.lease`` does."""
 
+    capture_limit = 1024 * 1024  # bounds.max_captured_body_bytes
+
     def __init__(
         self,
         workers: Iterable[Worker],

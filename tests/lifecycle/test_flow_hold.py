@@ -63,6 +63,8 @@ class Placer:
             raise WakePending("http://w:1", 12.5, _Waiter(), 0.3)
         return self.cand
 
+    capture_limit = 1024 * 1024  # bounds.max_captured_body_bytes
+
     def lease(self, cand: Candidate, view: RequestView, *, admission: bool = True) -> _Lease:
         lease = _Lease(cand)
         self.leases.append(lease)

@@ -12,6 +12,7 @@ import pytest
 from meshkit.core.forward import Attempt, AttemptResult, Failure
 from meshkit.core.requests import LocalResponse
 from meshkit.core.workers import Candidate, Worker
+from meshkit.errors import UpstreamError
 from meshkit.upstream.base import UpstreamFailure
 from meshkit.upstream.drive import (
     CLOSE,
@@ -162,3 +163,81 @@ def test_an_op_that_fails_closes_the_flow_and_abandons_the_attempt_in_flight() -
         run_sync(flow_steps(flow()), send)
     assert finished == ["flow closed"]
     assert attempt.lease.abandoned == 1
+
+
+class _Body:
+    """An exchange whose body is ``body``, read up to the limit asked."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status = status
+        self.headers = [(b"content-type", b"application/json")]
+        self.body = body
+        self.asked: list[int] = []
+        self.closed = False
+
+    def read(self, limit: int) -> bytes:
+        self.asked.append(limit)
+        return self.body[:limit]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize(
+    ("size", "truncated"), [(99, False), (100, False), (101, True), (5000, True)]
+)
+def test_a_captured_body_is_bounded_and_says_when_it_was_cut(size: int, truncated: bool) -> None:
+    attempt = _attempt()
+    attempt.read_body, attempt.read_limit = "always", 100
+    seen: list[AttemptResult] = []
+
+    def flow() -> Generator[Any, AttemptResult, Any]:
+        seen.append((yield attempt))
+        return LocalResponse(200, (), b"done")  # the flow answers; it read the body
+
+    exchange = _Body(200, b"x" * size)
+    got = run_sync(flow_steps(flow()), lambda a: exchange)
+    assert isinstance(got, Answered) and got.local.body == b"done"
+    (result,) = seen
+    assert exchange.asked == [101]  # one byte past the bound tells a cut body apart
+    assert result.truncated is truncated
+    assert result.body == b"x" * min(size, 100)
+    assert exchange.closed
+
+
+def test_a_cut_capture_is_never_relayed_as_the_answer() -> None:
+    attempt = _attempt()
+    attempt.read_body, attempt.read_limit = "always", 100
+
+    def flow() -> Generator[Any, AttemptResult, Any]:
+        yield attempt
+        return attempt  # its captured body would be the answer
+
+    with pytest.raises(UpstreamError, match=r"bounds\.max_captured_body_bytes \(100 bytes\)"):
+        run_sync(flow_steps(flow()), lambda a: _Body(400, b"e" * 101))
+    assert attempt.lease.abandoned == 1
+    whole = _attempt()
+    whole.read_body, whole.read_limit = "always", 100
+
+    def flow2() -> Generator[Any, AttemptResult, Any]:
+        yield whole
+        return whole
+
+    got = run_sync(flow_steps(flow2()), lambda a: _Body(400, b"e" * 100))
+    assert isinstance(got, Answered) and got.attempt is whole and got.local.body == b"e" * 100
+
+
+def test_a_flow_can_answer_with_its_attempt_and_a_body_it_rewrote() -> None:
+    attempt = _attempt()
+    attempt.read_body, attempt.read_limit = "always", 100
+
+    def flow() -> Generator[Any, AttemptResult, Any]:
+        result = yield attempt
+        attempt.answer = LocalResponse(200, (), (result.body or b"") + b"!")
+        return attempt
+
+    got = run_sync(flow_steps(flow()), lambda a: _Body(200, b"{}"))
+    assert isinstance(got, Answered)
+    assert got.attempt is attempt  # its lease is the caller's: accounted and released
+    assert got.local.body == b"{}!"
+    assert attempt.lease.abandoned == 0

@@ -43,6 +43,7 @@ from meshkit.core.forward import (
     LocalResponse,
     Placer,
     build_attempt,
+    capture,
     pool_refusal,
 )
 from meshkit.core.requests import RequestView
@@ -83,7 +84,7 @@ def resource_flow(
             continue
         # Errors are read (small JSON) so the best one can be relayed after the
         # other origins were asked; a success is relayed as it streams.
-        attempt.read_body = "errors"
+        capture(attempt, placer, "errors")
         result = yield attempt
         status = result.status
         if status is not None and status < 400:
@@ -129,14 +130,19 @@ def models_flow(
     for number, cand in enumerate(targets):
         # May raise Overloaded: a listing without that worker's models would be wrong.
         attempt = build_attempt(placer, view, cand, client_headers, "GET", number, b"")
-        attempt.read_body = "always"
-        result = yield attempt
+        result = yield capture(attempt, placer)
         status = result.status
         if result.failure is Failure.POOL:
             attempt.lease.abandon()
             pool_timeout = True
             continue
         attempt.lease.release(ok=status == 200, status=status)
+        if status == 200 and result.truncated:
+            # A list without that worker's models would be wrong, as above.
+            raise UpstreamError(
+                f"a worker's model list is over bounds.max_captured_body_bytes "
+                f"({placer.capture_limit} bytes)"
+            )
         if status is not None and status != 200:
             if status >= 400 and (
                 refusal is None or _refusal_rank(status) < _refusal_rank(refusal.status or 0)

@@ -86,6 +86,7 @@ __all__ = [
     "WakePending",
     "answered",
     "build_attempt",
+    "capture",
     "forward_flow",
     "pool_refusal",
 ]
@@ -115,6 +116,8 @@ class AttemptResult:
     failure: Failure | None = None
     headers: tuple[tuple[bytes, bytes], ...] = ()
     body: bytes | None = None
+    #: the body was longer than the attempt's ``read_limit``: ``body`` is its head
+    truncated: bool = False
     #: the answer to a :class:`Hold`: did the worker become ready in time
     ready: bool | None = None
 
@@ -208,6 +211,11 @@ class Leaser(Protocol):
         (by now) at its admission limit (``admission=False``: not checked)."""
         ...
 
+    @property
+    def capture_limit(self) -> int:
+        """``bounds.max_captured_body_bytes``: the most of a body :func:`capture` reads."""
+        ...
+
 
 class Placer(Leaser, Protocol):
     def lookup_targets(self, view: RequestView) -> list[Candidate]:
@@ -255,6 +263,7 @@ class Attempt:
     """
 
     __slots__ = (
+        "answer",
         "body",
         "candidate",
         "delay_s",
@@ -265,6 +274,7 @@ class Attempt:
         "number",
         "probe",
         "read_body",
+        "read_limit",
         "url",
     )
 
@@ -292,7 +302,13 @@ class Attempt:
         self.delay_s = delay_s
         self.history: list[tuple[str, AttemptResult]] = [] if history is None else history
         #: "never", "errors" (non-2xx) or "always": read the body into the result
+        #: (set with :func:`capture`, which sets ``read_limit`` too)
         self.read_body = read_body
+        #: the most of that body read (a longer one is marked ``truncated``)
+        self.read_limit = 0
+        #: what to answer with instead of the captured body (a flow rewrote it, as
+        #: the PD flow merges logprobs); the returned attempt's worker answered it
+        self.answer: LocalResponse | None = None
         #: a question to a worker (where a referenced response lives), never the
         #: answer: a front end that does not send attempts itself (ext-proc) sends these
         self.probe = probe
@@ -334,6 +350,14 @@ def _sends_rank(cand: Candidate, api: Api) -> bool:
     if api in (Api.MESSAGES, Api.RESPONSES):
         return cand.worker.declares(api)
     return True
+
+
+def capture(attempt: Attempt, placer: Leaser, when: str = "always") -> Attempt:
+    """Have the driver read ``attempt``'s body into its result (``when``: "always"
+    or "errors"), at most ``bounds.max_captured_body_bytes`` of it."""
+    attempt.read_body = when
+    attempt.read_limit = placer.capture_limit
+    return attempt
 
 
 def build_attempt(
@@ -385,7 +409,7 @@ def _find_owner(
             placer, view, cand, client_headers, "GET", number, b"", admission=False
         )
         attempt.url = cand.worker.url + path
-        attempt.read_body = "always"
+        capture(attempt, placer)
         attempt.probe = True
         result = yield attempt
         status = result.status

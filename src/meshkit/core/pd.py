@@ -50,12 +50,13 @@ from meshkit.core.forward import (
     Pair,
     PairResult,
     build_attempt,
+    capture,
     pool_refusal,
 )
 from meshkit.core.payload import RankBase, append_fields, rank_base
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
-from meshkit.errors import InvalidRequest, UnsupportedApiTopology, UpstreamError
+from meshkit.errors import UnsupportedApiTopology, UpstreamError
 
 __all__ = [
     "PD_APIS",
@@ -188,8 +189,8 @@ def pd_flow(
     lease = PairLease(p_leg.lease, d_leg.lease)
     logprobs = view.return_logprob and not view.stream
     if logprobs:
-        d_leg.read_body = "always"
-    p_leg.read_body = "always"
+        capture(d_leg, placer)
+    capture(p_leg, placer)
     result = yield Pair(p_leg, d_leg)
     p_result = result.prefill if isinstance(result, PairResult) else None
     _pool_refusal(lease, p_result, result)
@@ -202,8 +203,15 @@ def pd_flow(
         raise UpstreamError("the decode worker could not be reached")
     d_leg.lease = lease
     if logprobs and result.body is not None and (result.status or 0) < 400:
+        if result.truncated or (p_result is not None and p_result.truncated):
+            raise UpstreamError(
+                "a worker's answer with logprobs is over bounds.max_captured_body_bytes "
+                f"({placer.capture_limit} bytes); stream it, or raise the bound"
+            )
         merged = _merge_logprobs(p_result.body if p_result else None, result.body)
-        return LocalResponse(result.status or 200, _JSON, merged)
+        # Answered with the decode attempt: its worker is accounted, and the
+        # caller releases both legs' leases, as for a relayed answer.
+        d_leg.answer = LocalResponse(result.status or 200, _JSON, merged)
     return d_leg
 
 
@@ -225,8 +233,7 @@ def _vllm(
         b'"remote_block_ids":null,"remote_host":null,"remote_port":null}'
     )
     p_leg = _leg(placer, view, prefill, client_headers, method, base, members, 0)
-    p_leg.read_body = "always"
-    p_result = yield p_leg
+    p_result = yield capture(p_leg, placer)
     _pool_refusal(p_leg.lease, p_result)
     params: Any = None
     if not _failed(p_result) and p_result.body:
@@ -258,7 +265,7 @@ def _merge_logprobs(prefill_body: bytes | None, decode_body: bytes) -> bytes:
         decoded = msgspec.json.decode(decode_body)
         pre = msgspec.json.decode(prefill_body) if prefill_body else None
     except msgspec.DecodeError:
-        raise InvalidRequest("a worker returned a body that is not JSON") from None
+        raise UpstreamError("a worker's answer with logprobs is not JSON") from None
     if isinstance(decoded, list):
         pairs = list(zip(decoded, pre if isinstance(pre, list) else [], strict=False))
     else:

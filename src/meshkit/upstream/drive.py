@@ -44,7 +44,7 @@ from meshkit.core.forward import (
     PairResult,
     answered,
 )
-from meshkit.errors import RequestTooLarge
+from meshkit.errors import RequestTooLarge, UpstreamError
 from meshkit.upstream.base import AsyncExchange, SyncExchange, UpstreamFailure
 
 __all__ = [
@@ -63,9 +63,6 @@ __all__ = [
     "run_async",
     "run_sync",
 ]
-
-#: error and listing bodies read into memory are bounded (a worker is not trusted)
-MAX_CAPTURED_BODY = 1024 * 1024
 
 X = TypeVar("X")
 T = TypeVar("T")
@@ -133,13 +130,15 @@ def ended(gen: Generator[Y, S, X]) -> Generator[Y | Ended[X], S, None]:
     yield Ended(value)
 
 
-def _result(exchange: Any, body: bytes | None) -> tuple[AttemptResult, LocalResponse | None]:
+def _result(
+    exchange: Any, body: bytes | None, truncated: bool
+) -> tuple[AttemptResult, LocalResponse | None]:
     status = exchange.status
     if body is None:
         return answered(status), None
     headers = tuple((k, v) for k, v in served_headers(exchange.headers) if k != b"content-length")
     captured = LocalResponse(status, headers, body)
-    return AttemptResult(status=status, headers=headers, body=body), captured
+    return AttemptResult(status=status, headers=headers, body=body, truncated=truncated), captured
 
 
 def _wants_body(attempt: Attempt, status: int) -> bool:
@@ -147,13 +146,16 @@ def _wants_body(attempt: Attempt, status: int) -> bool:
     return mode == "always" or (mode == "errors" and status >= 400)
 
 
-def _captured(exchange: Any) -> Steps[tuple[AttemptResult, LocalResponse | None]]:
-    """The body an attempt asked for (bounded; a body cut short is empty), captured."""
+def _captured(exchange: Any, limit: int) -> Steps[tuple[AttemptResult, LocalResponse | None]]:
+    """The body an attempt asked for, captured: at most ``limit`` bytes (a longer one
+    is cut there and marked ``truncated``; one cut short by the worker is empty)."""
     try:
-        body = yield (READ, (exchange, MAX_CAPTURED_BODY))
+        body = yield (READ, (exchange, limit + 1))
     except UpstreamFailure:
         body = b""
-    return _result(exchange, body)
+    if len(body) > limit:
+        return _result(exchange, body[:limit], True)
+    return _result(exchange, body, False)
 
 
 def leg_steps(attempt: Attempt) -> Steps[AttemptResult]:
@@ -163,7 +165,7 @@ def leg_steps(attempt: Attempt) -> Steps[AttemptResult]:
     except UpstreamFailure as exc:
         return AttemptResult.failed(exc.failure)
     try:
-        return (yield from _captured(exchange))[0]
+        return (yield from _captured(exchange, attempt.read_limit))[0]
     finally:
         yield (CLOSE, exchange)
 
@@ -204,7 +206,7 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                     result = AttemptResult.failed(exc.failure)
                 else:
                     if _wants_body(attempt, exchange.status):
-                        result, captured = yield from _captured(exchange)
+                        result, captured = yield from _captured(exchange, attempt.read_limit)
                     else:
                         result = answered(exchange.status)
                 if companion is not None:
@@ -223,7 +225,14 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                 final: Attempt | LocalResponse = step.value
                 if isinstance(final, LocalResponse):
                     answer: Final[Any] = Answered(None, final)
+                elif final.answer is not None:
+                    answer = Answered(final, final.answer)  # the flow rewrote it
                 elif captured is not None:
+                    if result.truncated:
+                        raise UpstreamError(
+                            "a worker's answer is over bounds.max_captured_body_bytes "
+                            f"({final.read_limit} bytes)"
+                        )
                     answer = Answered(final, captured)
                 else:
                     answer, exchange = Relayed(final, exchange), None  # the caller's now
