@@ -241,3 +241,27 @@ def test_a_flow_can_answer_with_its_attempt_and_a_body_it_rewrote() -> None:
     assert got.attempt is attempt  # its lease is the caller's: accounted and released
     assert got.local.body == b"{}!"
     assert attempt.lease.abandoned == 0
+
+
+def test_a_pair_result_says_when_the_decode_body_was_cut() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from meshkit.core.forward import Pair, PairResult
+
+    prefill, decode = _attempt(), _attempt()
+    for leg in (prefill, decode):
+        leg.read_body, leg.read_limit = "always", 100
+    bodies = {id(prefill): b"p" * 10, id(decode): b"d" * 101}
+    seen: list[AttemptResult] = []
+
+    def flow() -> Generator[Any, AttemptResult, Any]:
+        seen.append((yield Pair(prefill, decode)))
+        return LocalResponse(200, (), b"done")
+
+    with ThreadPoolExecutor(1) as pool:
+        run_sync(flow_steps(flow()), lambda a: _Body(200, bodies[id(a)]), lambda: pool)
+    (result,) = seen
+    assert isinstance(result, PairResult)
+    assert result.truncated and result.body == b"d" * 100
+    assert result.prefill is not None and not result.prefill.truncated
+    assert result.prefill.body == b"p" * 10

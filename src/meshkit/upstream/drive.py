@@ -217,6 +217,7 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                         failure=result.failure,
                         headers=result.headers,
                         body=result.body,
+                        truncated=result.truncated,
                         prefill=prefill,
                     )
             step = steps.send(result)
