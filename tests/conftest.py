@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import meshkit
-from harness import MODE_CLASSES, MODES, Mode
+from harness import MODE_CLASSES, MODES, Mode, wait_until
 from meshkit import Mesh
 from meshkit.mock import MockConfig, MockWorkerThread
 from meshkit.testing.build import stale_files
@@ -51,6 +51,8 @@ def mock_factory() -> Iterator[Callable[..., MockWorkerThread]]:
 
 @pytest.fixture
 def mesh_factory() -> Iterator[Callable[..., Mesh]]:
+    """``mesh_factory(**config)``: a Mesh, closed after the test. Every mesh must be
+    settled by then (no lease held): a flow that forgets one fails its test here."""
     made: list[Mesh] = []
 
     def make(*args: Any, **kw: Any) -> Mesh:
@@ -60,8 +62,14 @@ def mesh_factory() -> Iterator[Callable[..., Mesh]]:
         return m
 
     yield make
-    for m in made:
-        m.close()
+    try:
+        for m in made:
+            assert wait_until(lambda m=m: m.total_load() == 0, timeout=3.0), (
+                f"a lease is still held after the test: {m.total_load()} in flight"
+            )
+    finally:
+        for m in made:
+            m.close()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
