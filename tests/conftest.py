@@ -13,6 +13,7 @@ from harness import MODE_CLASSES, MODES, Mode, wait_until
 from meshkit import Mesh
 from meshkit.mock import MockConfig, MockWorkerThread
 from meshkit.testing.build import stale_files
+from reliability.faultkit import settled, state_of
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshkit"
 
@@ -52,7 +53,8 @@ def mock_factory() -> Iterator[Callable[..., MockWorkerThread]]:
 @pytest.fixture
 def mesh_factory() -> Iterator[Callable[..., Mesh]]:
     """``mesh_factory(**config)``: a Mesh, closed after the test. Every mesh must be
-    settled by then (no lease held): a flow that forgets one fails its test here."""
+    settled by then (``faultkit.settled``: no load, lease or prepare job held): a
+    flow that forgets one fails its test here."""
     made: list[Mesh] = []
 
     def make(*args: Any, **kw: Any) -> Mesh:
@@ -64,8 +66,8 @@ def mesh_factory() -> Iterator[Callable[..., Mesh]]:
     yield make
     try:
         for m in made:
-            assert wait_until(lambda m=m: m.total_load() == 0, timeout=3.0), (
-                f"a lease is still held after the test: {m.total_load()} in flight"
+            assert wait_until(lambda m=m: settled(m), timeout=3.0), (
+                f"not settled after the test (a lease or a prepare job held): {state_of(m)}"
             )
     finally:
         for m in made:
