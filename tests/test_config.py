@@ -403,6 +403,18 @@ def test_in_flight_limits_are_always_finite() -> None:
     assert ei.value.key == "upstream.max_in_flight"
 
 
+@pytest.mark.parametrize("value", [0, -1])
+@pytest.mark.parametrize(
+    ("key", "default"), [("read_buffer_bytes", 1024 * 1024), ("max_cached_urls", 4096)]
+)
+def test_the_upstream_bounds_are_at_least_one(key: str, default: int, value: int) -> None:
+    assert getattr(MeshConfig.build().upstream, key) == default
+    assert getattr(MeshConfig.build(upstream={key: 7}).upstream, key) == 7
+    with pytest.raises(ConfigError) as ei:
+        MeshConfig.build(upstream={key: value})
+    assert ei.value.key == f"upstream.{key}"
+
+
 def test_in_flight_limits_explicit() -> None:
     up = MeshConfig.build(
         upstream={"max_in_flight": 10, "max_in_flight_per_worker": 0, "pool_limit": 2}

@@ -110,8 +110,17 @@ class UpstreamConfig:
     # per worker 0 = no per-worker limit (the global one still applies).
     max_in_flight_per_worker: int | None = None
     max_in_flight: int | None = None
+    # Unread bytes of one response held while its client reads slowly: reading from
+    # the worker pauses above it and resumes below a quarter of it (asyncio client).
+    read_buffer_bytes: int = 1024 * 1024
+    # Request URLs (a worker's, with the client's path and query) whose parse a
+    # client keeps; the cache starts over when full.
+    max_cached_urls: int = 4096
 
     def __post_init__(self) -> None:
+        for name in ("read_buffer_bytes", "max_cached_urls"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"upstream.{name}", "must be >= 1")
         if self.max_in_flight == 0:
             raise ConfigError(
                 "upstream.max_in_flight", "must be >= 1: requests in flight are always bounded"

@@ -29,12 +29,12 @@ import pytest
 
 from harness import wait_until
 from meshkit import Mesh, MeshMiddleware
+from meshkit.config import UpstreamConfig
 from meshkit.http1 import Framing, Unsendable, build_head, response_head
 from meshkit.server import build_gateway
 from meshkit.server.h1.conn import H1Conn
 from meshkit.server.h1.server import H1Server
 from meshkit.server.runner import GatewayThread
-from meshkit.upstream.fast import HIGH_WATER as relay_high_water
 from reliability.faultkit import assert_settled, is_anthropic_error, is_openai_error, metric_value
 from reliability.rawworker import TruncatingWorker
 
@@ -945,7 +945,7 @@ def test_a_slow_reader_gets_back_pressure_not_a_growing_buffer(gateway: Any) -> 
     high = served.call(lambda: transport.get_write_buffer_limits()[1])
     # The largest piece the relay hands over at once: what it buffers before it
     # pauses reading the worker, plus one read of the socket.
-    piece = relay_high_water + 256 * 1024
+    piece = UpstreamConfig().read_buffer_bytes + 256 * 1024
     sizes = []
     for _ in range(50):  # sampled while the client still reads nothing
         sizes.append(served.call(transport.get_write_buffer_size))

@@ -20,7 +20,7 @@ import uvloop
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
 from meshkit.upstream.base import UpstreamFailure
-from meshkit.upstream.fast import HIGH_WATER, FastUpstream
+from meshkit.upstream.fast import FastUpstream
 from upstreams import HOLD, OK, RawServer, attempt, ok_script, scripted, stall
 
 T = TypeVar("T")
@@ -79,7 +79,12 @@ def slow_ok(srv: RawServer, s: socket.socket, n: int, h: bytes, b: bytes) -> boo
     return True
 
 
-def test_large_body_flow_control(run: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+@pytest.mark.parametrize("bound", [64 * 1024, UpstreamConfig().read_buffer_bytes])
+def test_large_body_flow_control(
+    run: Callable[[Coroutine[Any, Any, None]], None], bound: int
+) -> None:
+    """Reading pauses past ``upstream.read_buffer_bytes`` unread bytes: what one
+    response holds is the bound plus at most one read of the socket."""
     size = 6 * 1024 * 1024
     payload = bytes(range(256)) * (size // 256)
 
@@ -89,12 +94,13 @@ def test_large_body_flow_control(run: Callable[[Coroutine[Any, Any, None]], None
 
     async def go() -> None:
         with RawServer(big) as srv:
-            up = FastUpstream()
+            up = FastUpstream(UpstreamConfig(read_buffer_bytes=bound))
             try:
                 ex = await up.asend(attempt(srv.url + "/big", b"{}"))
                 # nobody reads: reading pauses
                 assert await until(lambda: ex._conn is not None and ex._conn.paused)  # type: ignore[attr-defined]
-                assert ex._buffered <= HIGH_WATER + 512 * 1024  # type: ignore[attr-defined]
+                held = ex._buffered  # type: ignore[attr-defined]
+                assert bound < held <= bound + 256 * 1024, held  # asyncio reads 256 KiB at most
                 got = b"".join([c async for c in ex.chunks()])
                 assert got == payload
                 await ex.aclose()

@@ -62,9 +62,6 @@ __all__ = [
 Headers = list[tuple[bytes, bytes]]
 T = TypeVar("T")
 
-#: parsed request URLs a client keeps before it starts over (workers come and go)
-MAX_URLS = 4096
-
 
 class Request(Protocol):
     """What an upstream sends (:class:`~meshkit.core.forward.Attempt` is one)."""
@@ -223,9 +220,10 @@ def check_request(request: Request) -> None:
         raise unsendable() from None
 
 
-def remember(cache: dict[str, T], url: str, parsed: T) -> T:
-    """``cache[url] = parsed``, the cache cleared first when it is full."""
-    if len(cache) >= MAX_URLS:
+def remember(cache: dict[str, T], url: str, parsed: T, limit: int) -> T:
+    """``cache[url] = parsed``, the cache cleared first when it holds ``limit``
+    (``upstream.max_cached_urls``: workers come and go, queries are the client's)."""
+    if len(cache) >= limit:
         cache.clear()
     cache[url] = parsed
     return parsed

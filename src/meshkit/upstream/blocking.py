@@ -434,7 +434,7 @@ class BlockingUpstream(SyncUpstream):
                 if pool is None:
                     pool = self._pools[key] = _Pool(host, port)
             route = (pool, line)
-        return remember(self._routes, url, route)
+        return remember(self._routes, url, route, self.config.max_cached_urls)
 
 
 def _shut(sock: socket.socket) -> None:

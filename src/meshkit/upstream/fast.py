@@ -18,7 +18,8 @@ a 1 KiB proxy's samples (``benchmarks/RESULTS.notes.md``). What it cannot send
   cached per URL), written with the body by one ``writelines``; the response is
   parsed by :class:`~meshkit.http1.ResponseParser` into the protocol itself: no
   task or queue per request, the body a deque with one waiter; reading pauses
-  above :data:`HIGH_WATER` unread bytes and resumes below :data:`LOW_WATER`;
+  above ``upstream.read_buffer_bytes`` unread bytes and resumes below a quarter
+  of it (the most one response holds while its client reads slowly);
 * ``read_timeout_s`` bounds the worker's silence with one timer per connection,
   re-armed lazily from the last byte: none per chunk, none per request;
 * a connection is pooled again only when its response ended with keep-alive;
@@ -66,10 +67,7 @@ from meshkit.upstream.base import (
     unsendable,
 )
 
-__all__ = ["HIGH_WATER", "LOW_WATER", "FastUpstream"]
-
-HIGH_WATER = 1024 * 1024
-LOW_WATER = 256 * 1024
+__all__ = ["FastUpstream"]
 
 _NO_HEADERS: Headers = []
 
@@ -164,6 +162,7 @@ class FastUpstream(AsyncUpstream):
             per_limit=c.pool_limit_per_worker,
             idle_timeout=c.idle_timeout_s,
             read_timeout=c.read_timeout_s,
+            high_water=c.read_buffer_bytes,
         )
         return hub
 
@@ -177,7 +176,7 @@ class FastUpstream(AsyncUpstream):
             if pool is None:
                 pool = hub.pools[key] = Pool(hub, host, port)
             route = (pool, line)
-        return remember(self._routes, url, route)
+        return remember(self._routes, url, route, self.config.max_cached_urls)
 
     async def _acquire(self, pool: Pool, loop: asyncio.AbstractEventLoop, *, fresh: bool) -> Conn:
         """A connection of ``pool``: idle (unless ``fresh``), new, or after a wait."""
@@ -329,7 +328,7 @@ class Exchange:
                     q.clear()
                     self._buffered = 0
                 conn = self._conn
-                if conn is not None and conn.paused and self._buffered < LOW_WATER:
+                if conn is not None and conn.paused and self._buffered < conn.low_water:
                     conn.resume()
                 return data
             if self._done:
@@ -373,6 +372,7 @@ class Conn(asyncio.Protocol):
     __slots__ = (
         "_ex",
         "_feed",
+        "_high_water",
         "_last_io",
         "_on_timer",
         "_parser",
@@ -384,6 +384,7 @@ class Conn(asyncio.Protocol):
         "closed",
         "idle_since",
         "loop",
+        "low_water",
         "paused",
         "pooled",
         "transport",
@@ -395,6 +396,8 @@ class Conn(asyncio.Protocol):
         self.loop = hub.loop
         self._time = hub.loop.time
         self._timeout = hub.read_timeout
+        self._high_water = hub.high_water
+        self.low_water = hub.high_water // 4
         self._parser = ResponseParser(self)
         self._feed = self._parser.feed
         self._on_timer = self._fire  # bound once
@@ -555,7 +558,7 @@ class Conn(asyncio.Protocol):
             return
         ex._chunks.append(body)
         ex._buffered += len(body)
-        if ex._buffered > HIGH_WATER and not self.paused and self.transport is not None:
+        if ex._buffered > self._high_water and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
         if ex._waiter is not None:
@@ -594,6 +597,7 @@ class Hub:
 
     __slots__ = (
         "closed",
+        "high_water",
         "idle_timeout",
         "limit",
         "loop",
@@ -613,8 +617,10 @@ class Hub:
         per_limit: int,
         idle_timeout: float,
         read_timeout: float,
+        high_water: int,
     ) -> None:
         self.loop = loop
+        self.high_water = high_water  # unread bytes of one response before reading pauses
         self.limit = limit  # 0 = unbounded
         self.per_limit = per_limit
         self.idle_timeout = idle_timeout

@@ -212,7 +212,9 @@ class HttpcoreUpstream(SyncUpstream, AsyncUpstream):
         core_url = self.core.URL(
             scheme=scheme.encode(), host=host.encode(), port=port, target=target.encode()
         )
-        return remember(self._urls, url, (core_url, authority.encode()))
+        return remember(
+            self._urls, url, (core_url, authority.encode()), self.config.max_cached_urls
+        )
 
     @staticmethod
     def _head(resp: Any) -> tuple[int, Headers]:
