@@ -415,6 +415,14 @@ def test_the_upstream_bounds_are_at_least_one(key: str, default: int, value: int
     assert ei.value.key == f"upstream.{key}"
 
 
+@pytest.mark.parametrize("key", ["max_models_per_worker", "max_metrics_bytes"])
+def test_the_lifecycle_read_bounds_are_at_least_one(key: str) -> None:
+    assert getattr(MeshConfig.build(lifecycle={key: 9}).lifecycle, key) == 9
+    with pytest.raises(ConfigError) as ei:
+        MeshConfig.build(lifecycle={key: 0})
+    assert ei.value.key == f"lifecycle.{key}"
+
+
 def test_in_flight_limits_explicit() -> None:
     up = MeshConfig.build(
         upstream={"max_in_flight": 10, "max_in_flight_per_worker": 0, "pool_limit": 2}

@@ -201,11 +201,19 @@ class LifecycleConfig:
     require_tracking: bool = False
     # How often an unlabelled worker's GET /v1/models is read again (0: never read).
     models_interval_s: float = 60.0
+    # Model ids kept from one worker's list (a vLLM lists its LoRA adapters too); a
+    # longer list leaves the worker's models unknown (the engine decides).
+    max_models_per_worker: int = 4096
     # Read each engine's load (vLLM, SGLang and llama.cpp Prometheus gauges) with every probe, so
     # this router sees what the other routers put there too ("" = off).
     engine_metrics_path: str = "/metrics"
     # An engine's metrics text is read up to this many bytes (vLLM's are ~100 KiB).
     max_metrics_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_models_per_worker", "max_metrics_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"lifecycle.{name}", "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -90,3 +90,62 @@ def test_the_list_is_read_once_per_interval_and_never_at_zero(
     assert never.worker.stats.requests_total.get("/v1/models", 0) == 0
     assert slow.fleet.models_of(slow.workers[0]) == frozenset({"listed"})
     assert off.fleet.models_of(off.workers[0]) is None
+
+
+ADAPTERS = tuple(f"tenant-{i:03d}-lora" for i in range(200))
+
+
+@pytest.mark.parametrize("mode_name", ["asgi"])
+def test_a_long_adapter_list_is_learned_whole(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    """200 LoRA adapters in vLLM's card shape are ~85 KiB: the list is read up to
+    ``bounds.max_captured_body_bytes``, as the model-list fan-out reads it."""
+    base = mock_factory(name="lora", model="base", lora_adapters=ADAPTERS)
+    other = mock_factory(name="other", model="other")
+    mesh = mesh_factory(workers=[base.url, other.url], lifecycle=FAST)
+    mode = run_mode(mesh)
+    listed = mode.request("GET", "/v1/models")
+    assert len(listed.body) > 80 * 1024  # what a worker lists, merged
+    mesh.start_lifecycle()
+    assert wait_until(lambda: models_learned(mesh))
+    assert mesh.fleet.models_of(mesh.workers[0]) == frozenset({"base", *ADAPTERS})
+    for name in (ADAPTERS[0], ADAPTERS[-1]):
+        assert worker_of(mode, name) == (200, "lora")
+
+
+@pytest.mark.parametrize(
+    ("lifecycle", "bounds", "over"),
+    [
+        ({"max_models_per_worker": 100}, {}, "lifecycle.max_models_per_worker (100)"),
+        ({}, {"max_captured_body_bytes": 60_000}, "bounds.max_captured_body_bytes (60000 bytes)"),
+    ],
+    ids=["more-models", "more-bytes"],
+)
+@pytest.mark.parametrize("mode_name", ["asgi"])
+def test_a_list_over_a_bound_leaves_the_models_unknown(
+    mock_factory: Any,
+    mesh_factory: Any,
+    run_mode: Any,
+    caplog: Any,
+    lifecycle: dict[str, Any],
+    bounds: dict[str, Any],
+    over: str,
+) -> None:
+    """Part of a list is not the list: the adapters it left out would be refused on
+    that worker. Unknown, every model may go there (the engine decides), and the
+    log says which bound it passed."""
+    big = mock_factory(name="big", model="base", lora_adapters=ADAPTERS)
+    small = mock_factory(name="small", model="other")
+    mesh = mesh_factory(
+        workers=[big.url, small.url], lifecycle={**FAST, **lifecycle}, bounds=bounds
+    )
+    mode = run_mode(mesh)
+    caplog.set_level("WARNING", logger="meshkit.lifecycle")
+    mesh.start_lifecycle()
+    assert wait_until(lambda: mesh.fleet.models_of(mesh.workers[1]) == frozenset({"other"}))
+    assert wait_until(lambda: big.worker.stats.requests_total.get("/v1/models", 0) >= 1)
+    assert wait_until(lambda: any(over in r.getMessage() for r in caplog.records))
+    assert mesh.fleet.models_of(mesh.workers[0]) is None
+    assert worker_of(mode, ADAPTERS[-1]) == (200, "big")  # "other" does not list it
+    assert worker_of(mode, "other") in ((200, "big"), (200, "small"))

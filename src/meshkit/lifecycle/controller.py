@@ -65,8 +65,6 @@ log = logging.getLogger("meshkit.lifecycle")
 
 T = TypeVar("T")
 _MAX_BODY = 64 * 1024
-#: model ids kept from one worker's ``GET /v1/models``
-_MAX_MODELS = 1024
 #: workers whose last model-list read is remembered
 _MAX_TRACKED = 4096
 
@@ -421,8 +419,22 @@ class Lifecycle:
         """An unlabelled worker's models, from its own list (vLLM lists its LoRA
         adapters there too): requests for a model are then placed among the
         workers that serve it. A worker that does not answer keeps what it had."""
-        res = await self._call("GET", worker, "/v1/models", self.config.health_timeout_s)
+        limit = self.router.capture_limit
+        res = await self._call(
+            "GET", worker, "/v1/models", self.config.health_timeout_s, limit=limit + 1
+        )
         if res is None or res[0] != 200:
+            return
+        if len(res[1]) > limit:
+            # Part of a list is not the list: the models it would leave out would be
+            # refused on this worker. Unknown instead: the engine decides.
+            log.warning(
+                "the model list of %s is over bounds.max_captured_body_bytes (%d bytes); "
+                "its models are not known",
+                worker.url,
+                limit,
+            )
+            self.router.learn_models(worker.id, None)
             return
         try:
             data = json.loads(res[1]).get("data")
@@ -430,7 +442,18 @@ class Lifecycle:
             return
         if not isinstance(data, list):
             return
-        ids = [m.get("id") for m in data[:_MAX_MODELS] if isinstance(m, dict)]
+        most = self.config.max_models_per_worker
+        if len(data) > most:
+            log.warning(
+                "%s lists %d models, over lifecycle.max_models_per_worker (%d); "
+                "its models are not known",
+                worker.url,
+                len(data),
+                most,
+            )
+            self.router.learn_models(worker.id, None)
+            return
+        ids = [m.get("id") for m in data if isinstance(m, dict)]
         self.router.learn_models(
             worker.id, frozenset(i for i in ids if isinstance(i, str) and 0 < len(i) <= 512)
         )

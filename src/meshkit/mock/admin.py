@@ -128,13 +128,15 @@ class AdminHandlers:
         return self.app.json(req, {"version": VERSION})
 
     def models(self, req: Request) -> Reply:
+        cfg = self.app.config
         card = {
-            "id": self.app.config.model,
+            "id": cfg.model,
             "object": "model",
             "created": 0,
             "owned_by": "meshkit-mock",
         }
-        return self.app.json(req, {"object": "list", "data": [card]})
+        cards = [card, *(_adapter_card(name, cfg.model) for name in cfg.lora_adapters)]
+        return self.app.json(req, {"object": "list", "data": cards})
 
     # -- tokenizer ---------------------------------------------------------------
 
@@ -210,3 +212,31 @@ class AdminHandlers:
             return Delayed(delay, data, req.keep_alive, before=wake)
         wake()
         return data
+
+
+def _adapter_card(name: str, base: str) -> dict[str, Any]:
+    """A LoRA adapter as vLLM lists it (``ModelCard`` of its OpenAI protocol)."""
+    permission = {
+        "id": "modelperm-" + name.encode().hex()[:32].ljust(32, "0"),
+        "object": "model_permission",
+        "created": 0,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "vllm",
+        "root": f"/adapters/{name}",
+        "parent": base,
+        "max_model_len": None,
+        "permission": [permission],
+    }

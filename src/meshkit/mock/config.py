@@ -37,6 +37,9 @@ class MockConfig:
     """How a mock worker behaves. All latencies are in milliseconds."""
 
     model: str = "mock-model"
+    #: LoRA adapters listed after the model at ``GET /v1/models``, in vLLM's card
+    #: shape (``parent``, ``root``, a ``permission`` entry: ~420 bytes each).
+    lora_adapters: tuple[str, ...] = ()
     #: When set, API requests need ``Authorization: Bearer <key>`` or ``x-api-key: <key>``.
     api_key: str | None = None
     #: Subset of :data:`API_NAMES`; the other families answer 404. ``None`` = all.
