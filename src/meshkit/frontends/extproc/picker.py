@@ -61,8 +61,6 @@ __all__ = ["DESTINATION", "Answer", "Picker", "Route"]
 
 #: the header (and ``envoy.lb`` metadata key) that names the chosen endpoint (GIE)
 DESTINATION = b"x-gateway-destination-endpoint"
-#: a whole answer meshkit reads from workers itself (the model list)
-_MAX_ANSWER = 4 * 1024 * 1024
 
 #: what Envoy adds to every request: not the client's, so not held to its bounds
 _PROXY_ADDED = frozenset({b"x-request-id", b"x-forwarded-proto", b"x-envoy-expected-rq-timeout-ms"})
@@ -243,24 +241,18 @@ class Picker:
         return Route(endpoint, sets, removes)
 
     async def _answer_here(self, flow: ForwardFlow) -> Answer:
-        """A response meshkit builds itself (the model list, a local answer)."""
+        """A response meshkit builds itself (the model list, a local answer): those
+        flows end in a :class:`LocalResponse`, whose bytes the driver read up to
+        ``bounds.max_captured_body_bytes``, as in every other mode."""
         final = await drive_async(flow, self._send)
-        if isinstance(final, Answered):
-            local = final.local
-            assert self.view is not None
-            self.mesh.account_local(self.view, final.attempt, local)
-            return Answer(local.status, list(local.headers), local.body)
-        exchange = final.exchange
-        try:
-            body = await exchange.read(_MAX_ANSWER)
-        finally:
-            await exchange.aclose()
+        if not isinstance(final, Answered):  # pragma: no cover - not by construction
+            await final.exchange.aclose()
+            final.attempt.lease.abandon()
+            raise UpstreamError("a worker's answer was not one meshkit builds")
+        local = final.local
         assert self.view is not None
-        acct = self.mesh.account(self.view, final.attempt.lease, exchange.status)
-        acct.feed(body)
-        acct.end()
-        kept = [(k, v) for k, v in exchange.headers if k in (b"content-type",)]
-        return Answer(exchange.status, kept, body)
+        self.mesh.account_local(self.view, final.attempt, local)
+        return Answer(local.status, list(local.headers), local.body)
 
     # -- the response ---------------------------------------------------------------
 
