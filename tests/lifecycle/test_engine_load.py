@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx2
 
@@ -65,3 +66,35 @@ def test_a_router_sees_the_requests_another_router_holds(
     while others_on_a():  # the streams ended: the next report says so
         assert time.monotonic() < deadline, "a's load never came down"
         time.sleep(0.02)
+
+
+def test_metrics_over_their_bound_are_not_read_cut(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh], caplog: Any
+) -> None:
+    """``lifecycle.max_metrics_bytes``: a text over it is not parsed (a cut one may
+    end inside a gauge's value), and the log says so once; one within it is."""
+    worker = mock_factory(name="a")
+    # The text grows a little as the mock counts requests: a margin either side.
+    size = len(httpx2.get(worker.url + "/metrics").content)
+    big, small = size + 200, size // 2
+    caplog.set_level("WARNING", logger="meshkit.lifecycle")
+    meshes = {
+        limit: mesh_factory(
+            workers=[worker.url],
+            lifecycle={"health_interval_s": 0.05, "max_metrics_bytes": limit},
+        )
+        for limit in (big, small)
+    }
+    for mesh in meshes.values():
+        mesh.lifecycle.start()
+    probes = lambda: worker.worker.stats.requests_total.get("/metrics", 0)  # noqa: E731
+    deadline = time.monotonic() + 20
+    while "engine_load" not in meshes[big].router.describe(worker.url)[0] or probes() < 10:
+        assert time.monotonic() < deadline, "the metrics were never read"
+        time.sleep(0.02)
+    assert "engine_load" not in meshes[small].router.describe(worker.url)[0]
+    warned = [r.getMessage() for r in caplog.records if "max_metrics_bytes" in r.getMessage()]
+    assert warned == [
+        f"the metrics of {worker.url} are over lifecycle.max_metrics_bytes ({small} bytes); "
+        "its engine load is not read"
+    ]

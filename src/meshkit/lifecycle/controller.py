@@ -65,7 +65,7 @@ log = logging.getLogger("meshkit.lifecycle")
 
 T = TypeVar("T")
 _MAX_BODY = 64 * 1024
-#: workers whose last model-list read is remembered
+#: workers a table of the controller remembers (model-list reads, warnings given)
 _MAX_TRACKED = 4096
 
 
@@ -120,6 +120,8 @@ class Lifecycle:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: when each worker's model list was last read (loop time)
         self._models_at: dict[str, float] = {}
+        #: workers whose metrics were over max_metrics_bytes (warned once each)
+        self._too_long: set[str] = set()
         #: dns:// entries and the workers file (set by the Mesh; runs on this thread)
         self.discovery: Discovery | None = None
         #: the KV-event subscribers of workers that name a publisher
@@ -393,11 +395,22 @@ class Lifecycle:
             cfg = self.config
             path = cfg.engine_metrics_path
             path = path if path.startswith("/") else "/" + path
-            res = await self._call(
-                "GET", worker, path, cfg.health_timeout_s, limit=cfg.max_metrics_bytes
-            )
+            limit = cfg.max_metrics_bytes
+            res = await self._call("GET", worker, path, cfg.health_timeout_s, limit=limit + 1)
             if res is not None and res[0] == 200:
-                report = parse_metrics(res[1])
+                if len(res[1]) <= limit:
+                    report = parse_metrics(res[1])
+                elif worker.id not in self._too_long:
+                    # A cut text may end inside a gauge's value: no load, not a wrong one.
+                    if len(self._too_long) >= _MAX_TRACKED:
+                        self._too_long.clear()
+                    self._too_long.add(worker.id)
+                    log.warning(
+                        "the metrics of %s are over lifecycle.max_metrics_bytes (%d bytes); "
+                        "its engine load is not read",
+                        worker.url,
+                        limit,
+                    )
         self.router.engine_report(worker.id, report)
 
     def _models_due(self, worker: Worker) -> bool:
