@@ -185,3 +185,34 @@ def test_set_healthy_is_kept_apart_from_probes(mock_factory: Any, mesh_factory: 
     assert w.id in mesh.fleet.unhealthy  # the probes do not overrule the operator
     mesh.set_healthy(w, True)
     assert w.id not in mesh.fleet.unhealthy
+
+
+def test_hung_workers_do_not_starve_the_probes_of_healthy_ones(
+    mock_factory: Any, mesh_factory: Any
+) -> None:
+    """80 workers that take connections and never answer (a zone gone dark), one
+    that answers: every probe round asks all of them at once, each bounded by its
+    own timeout. No shared connection cap may queue the healthy worker's probe
+    behind the hung ones until it times out (a cap of 64 did)."""
+    import socket
+
+    hole = socket.socket()
+    hole.bind(("0.0.0.0", 0))
+    hole.listen(1024)  # connections complete in the backlog; nothing is ever read
+    port = hole.getsockname()[1]
+    good = mock_factory(name="good")
+    hung = [f"http://127.0.0.{i}:{port}" for i in range(2, 82)]
+    mesh = mesh_factory(
+        workers=[*hung, good.url],
+        lifecycle={**FAST, "health_timeout_s": 1.0, "engine_metrics_path": ""},
+    )
+    try:
+        mesh.start_lifecycle()
+        good_id = mesh.workers[-1].id
+        probes = lambda: good.worker.stats.requests_total.get("/health", 0)  # noqa: E731
+        # three rounds, each as long as the hung workers' timeout
+        assert wait_until(lambda: probes() >= 3, 20)
+        assert state_of(mesh, good_id) is State.READY
+        assert all(state_of(mesh, w.id) is not State.READY for w in mesh.workers[:-1])
+    finally:
+        hole.close()

@@ -284,9 +284,12 @@ class Lifecycle:
             self._up.set()
             return
         # Nothing pooled (idle_timeout_s=0): every call on a fresh connection, bounded
-        # by its own timeout rather than these.
+        # by its own timeout rather than these. No limit on connections in all: a
+        # probe round asks each worker once, a wake or sleep holds one per worker,
+        # so the fleet bounds them; a shared cap let a round of hung workers (or of
+        # long wakes) hold every slot, and the healthy ones' probes timed out queued.
         most = max(self.config.health_timeout_s, self.config.wake_timeout_s)
-        up = UpstreamConfig(most, most, pool_limit=64, idle_timeout_s=0)  # connect, read
+        up = UpstreamConfig(most, most, pool_limit=0, idle_timeout_s=0)  # connect, read
         from meshkit.upstream.select import async_upstream  # with the thread, not at import
 
         self._upstream = async_upstream(up)
