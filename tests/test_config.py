@@ -423,6 +423,17 @@ def test_the_lifecycle_read_bounds_are_at_least_one(key: str) -> None:
     assert ei.value.key == f"lifecycle.{key}"
 
 
+def test_the_extproc_message_limit_follows_the_body_bound_unless_set() -> None:
+    x = MeshConfig.build().extproc
+    assert x.max_message_bytes is None
+    assert x.message_limit(32 << 20) == (64 << 20) + (1 << 20)
+    assert x.message_limit(2**31) == 2**31 - 1  # gRPC's options are C ints
+    assert MeshConfig.build(extproc={"max_message_bytes": 5}).extproc.message_limit(1 << 30) == 5
+    with pytest.raises(ConfigError) as ei:
+        MeshConfig.build(extproc={"max_message_bytes": 0})
+    assert ei.value.key == "extproc.max_message_bytes"
+
+
 def test_in_flight_limits_explicit() -> None:
     up = MeshConfig.build(
         upstream={"max_in_flight": 10, "max_in_flight_per_worker": 0, "pool_limit": 2}

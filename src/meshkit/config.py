@@ -324,8 +324,21 @@ class ExtProcConfig:
     # Worker host names are looked up for Envoy (it needs IP literals) and kept this long.
     resolve_ttl_s: float = 30.0
     resolve_max: int = 4096
+    # The largest gRPC message taken from or given to Envoy: a BUFFERED body is one
+    # message. None: twice bounds.max_body_bytes and 1 MiB, so a body over that
+    # bound still reaches the picker and gets its 413 (gRPC's own default, 4 MiB,
+    # failed larger bodies with Envoy's empty 500).
+    max_message_bytes: int | None = None
+
+    def message_limit(self, max_body_bytes: int) -> int:
+        """``max_message_bytes``, or what it defaults to for ``bounds.max_body_bytes``."""
+        if self.max_message_bytes is not None:
+            return self.max_message_bytes
+        return min(2 * max_body_bytes + (1 << 20), 2**31 - 1)
 
     def __post_init__(self) -> None:
+        if self.max_message_bytes is not None and self.max_message_bytes < 1:
+            raise ConfigError("extproc.max_message_bytes", "must be >= 1")
         for name in ("max_streams", "resolve_max"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"extproc.{name}", "must be at least 1")

@@ -8,6 +8,7 @@ the bound on concurrent streams.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -210,6 +211,37 @@ def test_a_body_over_the_bound_is_413_in_both_modes(
             )
             assert chunked.status_code == 413, mode
     assert w.worker.stats.requests_total.get(PATH) is None
+
+
+def test_bodies_past_grpcs_default_message_size_pass_and_past_the_bound_are_413(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
+) -> None:
+    """A BUFFERED body is one gRPC message, gRPC refuses 4 MiB by default: the picker
+    takes up to ``extproc.max_message_bytes`` (twice ``bounds.max_body_bytes`` plus
+    1 MiB), so a 5 MiB chat passes in both modes and one over the body bound is
+    meshkit's 413, not Envoy's empty 500."""
+    w = mock_factory(name="w")
+    mesh = mesh_factory(
+        workers=[w.url], lifecycle={"probe": False}, bounds={"max_body_bytes": 6 << 20}
+    )
+    assert mesh.config.extproc.message_limit(6 << 20) == 13 << 20
+
+    def chat_of(mib: int) -> bytes:
+        text = "word " * ((mib << 20) // 5)
+        return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
+
+    five, seven = chat_of(5), chat_of(7)
+    assert 5 << 20 <= len(five) < 6 << 20 < 7 << 20 <= len(seven)
+    for mode in (FD, BUFFERED):
+        with through_envoy(mesh, mode) as url, httpx2.Client(trust_env=False) as http:
+            headers = {"content-type": "application/json"}
+            ok = http.post(url + PATH, content=five, headers=headers, timeout=60)
+            assert ok.status_code == 200, (mode, ok.status_code, ok.text[:200])
+            assert ok.headers["x-mock-worker"] == "w"
+            over = http.post(url + PATH, content=seven, headers=headers, timeout=60)
+            assert over.status_code == 413, (mode, over.status_code, over.text[:200])
+            assert over.json()["error"]["code"] == "request_too_large"
+    assert w.worker.stats.requests_total.get(PATH) == 2
 
 
 def test_a_client_that_leaves_mid_stream_releases_everything(

@@ -206,7 +206,15 @@ class ExtProcServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the port (``port = 0`` picks a free one)."""
-        server = grpc.aio.server(maximum_concurrent_rpcs=self.max_streams)
+        config = self.mesh.config
+        most = config.extproc.message_limit(config.bounds.max_body_bytes)
+        server = grpc.aio.server(
+            maximum_concurrent_rpcs=self.max_streams,
+            options=[
+                ("grpc.max_receive_message_length", most),
+                ("grpc.max_send_message_length", most),
+            ],
+        )
         pb_grpc.add_ExternalProcessorServicer_to_server(
             Processor(self.mesh, self.upstream, self.resolver), server
         )
