@@ -139,3 +139,27 @@ def test_a_prompt_over_max_tokenize_bytes_is_413_before_tokenizing(qwen_path: Pa
         assert mesh.prepare(match, _body("word " * 150), HEADERS).token_ids
     finally:
         mesh.close()
+
+
+def test_the_tokenize_bound_counts_the_text_not_an_image_beside_it(qwen_path: Path) -> None:
+    """``prepare.max_tokenize_bytes`` bounds what is tokenized: a short question
+    with a base64 image larger than the bound is routed by its text (the image is
+    a placeholder there), not refused; a text over the bound still is."""
+    mesh = _mesh(qwen_path, prepare={"max_tokenize_bytes": 1000, "workers": 1})
+    try:
+        match = mesh.resolve("POST", "/v1/chat/completions")
+        assert match is not None
+        image = "data:image/png;base64," + "QUJD" * 2000
+        parts = [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": image}},
+        ]
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": parts}]})
+        assert len(body) > 8000
+        view = mesh.prepare(match, body.encode(), HEADERS)
+        assert view.token_ids
+        long = [{"role": "user", "content": "word " * 300}]
+        with pytest.raises(RequestTooLarge):
+            mesh.prepare(match, json.dumps({"model": "m", "messages": long}).encode(), HEADERS)
+    finally:
+        mesh.close()

@@ -179,7 +179,7 @@ class Preparer:
         tok = self.tokenizers.get(view.model)
         if tok is None:
             return True
-        if len(view.body) > self._max_tokenize:
+        if len(view.body) > self._max_tokenize and self._text_over(view.routing_text):
             raise RequestTooLarge("the prompt is larger than prepare.max_tokenize_bytes allows")
         if not fast_only:
             view.token_ids = tok.prefix_ids(view.routing_text, n)
@@ -189,6 +189,13 @@ class Preparer:
             return False
         view.token_ids = ids
         return True
+
+    def _text_over(self, text: str) -> bool:
+        """Whether ``text`` is over ``prepare.max_tokenize_bytes``: what is tokenized,
+        not the body (a base64 image is a placeholder in the text)."""
+        from meshkit.prepare.jobs import text_bytes  # a big body only: off the hot path
+
+        return text_bytes(text, self._max_tokenize) > self._max_tokenize
 
     def _tokenize(self, match: Match, body: bytes) -> RequestView:
         """/v1/tokenize and /v1/detokenize answered by the mesh in the vLLM shapes."""
