@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+import openai
 import pytest
 
-from harness import wait_until
+from harness import AsyncTransportMode, TransportMode, wait_until
 from meshkit import Worker
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "disaggregate me"}]}
@@ -214,4 +216,39 @@ def test_a_failing_decode_leg_ends_cleanly_and_releases_both(
     r = mode.request("POST", "/v1/chat/completions", json=CHAT)
     assert r.status == 502
     assert r.json()["error"]["code"] == "upstream_error"
+    assert wait_until(lambda: mesh.total_load() == 0)
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_client_that_leaves_before_the_decode_answers_releases_both(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any, protocol: str
+) -> None:
+    """The client gives up while the decode leg waits for its head (the prefill leg
+    is done, for vLLM, and its lease held for the pair): both leases go back."""
+    prefill, decode = _pd(mock_factory, protocol)
+    decode.stop()
+    decode = mock_factory(
+        name="d", pd_role="decode", pd_protocol=protocol, api_key="dk", first_token_ms=1500
+    )
+    mesh = mesh_factory(workers=_workers(prefill, decode), pd={"protocol": protocol})
+    mode = run_mode(mesh)
+    if isinstance(mode, TransportMode):
+        pytest.skip("a blocking transport call cannot be left before its answer")
+    if isinstance(mode, AsyncTransportMode):
+        # The transport follows the [upstream] timeouts, not the SDK's: cancel.
+        client = mode.async_openai(max_retries=0)
+
+        async def go() -> None:
+            task = asyncio.ensure_future(client.chat.completions.create(**CHAT))
+            while not decode.worker.stats.requests_total.get("/v1/chat/completions"):
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        mode.run(go)
+    else:
+        with pytest.raises(openai.APITimeoutError):
+            mode.openai(max_retries=0, timeout=0.4).chat.completions.create(**CHAT)
+    assert decode.worker.stats.requests_total.get("/v1/chat/completions") == 1
     assert wait_until(lambda: mesh.total_load() == 0)

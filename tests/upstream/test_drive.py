@@ -265,3 +265,23 @@ def test_a_pair_result_says_when_the_decode_body_was_cut() -> None:
     assert result.truncated and result.body == b"d" * 100
     assert result.prefill is not None and not result.prefill.truncated
     assert result.prefill.body == b"p" * 10
+
+
+def test_a_pair_whose_prefill_leg_cannot_start_abandons_both_legs() -> None:
+    """Starting the prefill leg beside the decode leg may raise (the leg threads
+    shut down): the decode leg's lease is held by then and goes back too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from meshkit.core.forward import Pair
+
+    prefill, decode = _attempt(), _attempt()
+
+    def flow() -> Generator[Any, AttemptResult, Any]:
+        yield Pair(prefill, decode)
+        return LocalResponse(200, (), b"done")  # pragma: no cover - the leg fails first
+
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    with pytest.raises(RuntimeError):
+        run_sync(flow_steps(flow()), lambda a: pytest.fail("nothing is sent"), lambda: pool)
+    assert (prefill.lease.abandoned, decode.lease.abandoned) == (1, 1)

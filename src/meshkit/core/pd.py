@@ -249,13 +249,14 @@ def _vllm(
         raise UpstreamError("the prefill worker returned no kv_transfer_params")
     d_members = b'"kv_transfer_params":' + msgspec.json.encode(params)
     d_leg = _leg(placer, view, decode, client_headers, method, base, d_members, 1)
-    lease = PairLease(p_leg.lease, d_leg.lease)
+    # The decode attempt holds both leases from now on: whoever ends it (the driver
+    # on a cancellation, the caller after the answer) releases the prefill's too.
+    lease = d_leg.lease = PairLease(p_leg.lease, d_leg.lease)
     d_result = yield d_leg
     _pool_refusal(lease, d_result)
     if d_result.failure is not None:
         lease.release(ok=False)
         raise UpstreamError("the decode worker could not be reached")
-    d_leg.lease = lease
     return d_leg
 
 

@@ -195,8 +195,8 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                     # The prefill leg runs beside the decode leg (SGLang needs both
                     # sides connected for the KV handover); its body is read whole.
                     companion = step.prefill
+                    attempt = step = step.decode  # held from here: released if LEG raises
                     other = yield (LEG, companion)
-                    step = step.decode
                 attempt, exchange, captured = step, None, None
                 if attempt.delay_s > 0:
                     yield (SLEEP, attempt.delay_s)
