@@ -6,7 +6,9 @@ The WSGI middleware returns a response iterable and the client transports hand
 their library a byte stream; both are these two classes, which drive the core
 relay (:class:`~meshkit.core.relay.Relay`) with an upstream exchange's chunks.
 Their ``close()`` (which every WSGI server calls, also when the client went
-away, and every httpx response calls) settles the books exactly once.
+away, and every httpx response calls) settles the books exactly once; one that
+is collected unclosed (a middleware around meshkit's raised past the iterable, a
+client dropped a streamed response) settles them when it is collected.
 
 A body cut short that has no in-band way to say so (a plain JSON answer) raises
 ``cut()``'s exception when one is given (the client transports raise their
@@ -16,6 +18,7 @@ iterable simply ends, and the server's framing tells the client.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from meshkit.core.relay import Relay
@@ -75,8 +78,16 @@ class SyncRelayStream:
             raise self._cut()
 
     def close(self) -> None:
-        self._exchange.close()
+        # The books first: an exchange whose close raises must not keep the lease.
         self._relay.close()
+        self._exchange.close()
+
+    def __del__(self) -> None:
+        # Collected unclosed (a host's middleware raised past the iterable, a
+        # client never closed its response): the lease and the connection go back.
+        if not self._relay.finished:
+            with contextlib.suppress(Exception):
+                self.close()
 
 
 class AsyncRelayStream:
@@ -108,5 +119,15 @@ class AsyncRelayStream:
             raise self._cut()
 
     async def aclose(self) -> None:
-        await self._exchange.aclose()
         self._relay.close()
+        await self._exchange.aclose()
+
+    def __del__(self) -> None:
+        # Collected unclosed: the lease goes back here; the connection on its own
+        # loop (``drop``), since a collection may run on any thread.
+        if not self._relay.finished:
+            with contextlib.suppress(Exception):
+                self._relay.close()
+                drop = getattr(self._exchange, "drop", None)
+                if drop is not None:
+                    drop()

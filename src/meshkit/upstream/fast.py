@@ -347,6 +347,13 @@ class Exchange:
         self._chunks.clear()
         self._buffered = 0
 
+    def drop(self) -> None:
+        """:meth:`abandon` from any thread, on the connection's loop (a relayed
+        body collected unclosed: the garbage collector may run anywhere)."""
+        conn = self._conn
+        if conn is not None and not conn.loop.is_closed():
+            conn.loop.call_soon_threadsafe(self.abandon)
+
     def abandon(self) -> None:
         """Close the connection unless the response already ended (then it is
         pooled again, possibly serving another request: not ours to touch)."""
