@@ -21,6 +21,7 @@ import pytest
 from harness import EXTPROC, free_port, wait_until
 from meshkit import Mesh, Worker
 from meshkit.mock import MockWorkerThread
+from upstreams import RawServer, stall
 
 if not EXTPROC:
     pytest.skip("needs grpcio and an envoy binary (the test extra)", allow_module_level=True)
@@ -242,6 +243,25 @@ def test_bodies_past_grpcs_default_message_size_pass_and_past_the_bound_are_413(
             assert over.status_code == 413, (mode, over.status_code, over.text[:200])
             assert over.json()["error"]["code"] == "request_too_large"
     assert w.worker.stats.requests_total.get(PATH) == 2
+
+
+def test_a_reset_while_the_picker_asks_who_owns_a_response_releases_the_question(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
+) -> None:
+    """A follow-up whose ``previous_response_id`` this process does not know: the
+    picker asks the workers itself, each question holding a lease. The client
+    leaves while one worker never answers (Envoy resets the stream): that
+    question's lease goes back and its connection closes."""
+    with RawServer(stall) as hung:
+        w = mock_factory(name="w")
+        mesh = mesh_factory(workers=[hung.url, w.url], lifecycle={"probe": False})
+        body = {"model": "m", "input": "hi", "previous_response_id": "resp_nobody0001"}
+        with through_envoy(mesh, FD) as url:
+            with pytest.raises(httpx2.TimeoutException):
+                httpx2.post(url + "/v1/responses", json=body, timeout=0.5, trust_env=False)
+            assert len(hung.requests) == 1  # the question reached it
+            assert wait_until(lambda: mesh.total_load() == 0)
+            assert wait_until(lambda: hung.eofs == 1)
 
 
 def test_a_client_that_leaves_mid_stream_releases_everything(

@@ -198,7 +198,12 @@ class Picker:
                 ready = await step.waiter.wait_async(step.deadline_s)
                 step = flow.send(AttemptResult.held(ready))
             else:  # where a referenced response or conversation lives: asked by meshkit
-                step = flow.send(await run_async(leg_steps(step), self._send))
+                try:
+                    asked = await run_async(leg_steps(step), self._send)
+                except BaseException:
+                    step.lease.abandon()  # Envoy reset the stream meanwhile (a cancel)
+                    raise
+                step = flow.send(asked)
         if not isinstance(step, Attempt):  # pragma: no cover - pairs are refused above
             raise UpstreamError("no single worker for this request")
         self.attempt = step
