@@ -155,23 +155,31 @@ def test_messages_and_responses_are_refused_on_a_pd_fleet(
     assert err.get("code", err.get("type")) in ("unsupported_api_topology", "invalid_request_error")
 
 
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 def test_a_failing_leg_ends_cleanly_and_releases_both(
-    mock_factory: Any, mesh_factory: Any, run_mode: Any
+    mock_factory: Any, mesh_factory: Any, run_mode: Any, protocol: str
 ) -> None:
-    prefill = mock_factory(name="p", pd_role="prefill", error_rate=1.0, fail_status=500)
-    decode = mock_factory(name="d", pd_role="decode")
+    prefill = mock_factory(
+        name="p", pd_role="prefill", pd_protocol=protocol, error_rate=1.0, fail_status=500
+    )
+    decode = mock_factory(name="d", pd_role="decode", pd_protocol=protocol)
     mesh = mesh_factory(
         workers=[
             Worker(prefill.url, labels={"mesh.role": "prefill"}),
             Worker(decode.url, labels={"mesh.role": "decode"}),
-        ]
+        ],
+        pd={"protocol": protocol},
     )
     mode = run_mode(mesh)
     r = mode.request("POST", "/v1/chat/completions", json=CHAT)
     assert r.status == 500
+    assert r.headers["x-mock-worker"] == "p"  # the prefill worker's own answer
     assert wait_until(lambda: mesh.total_load() == 0)
     failures = mesh.metrics.registry.get_sample_value("mesh_pd_bootstrap_failures_total")
     assert failures == 1.0
+    # counted as any relayed error, and blamed on the worker that failed
+    sample = {"api": "chat", "status": "500"}
+    assert mesh.metrics.registry.get_sample_value("mesh_router_requests_total", sample) == 1.0
 
 
 def test_disconnect_mid_stream_releases_both_leases(

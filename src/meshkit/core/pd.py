@@ -157,10 +157,18 @@ def _failed(result: AttemptResult | None) -> bool:
     return result is None or result.failure is not None or (result.status or 0) >= 400
 
 
-def _error_of(result: AttemptResult | None, leg: str) -> LocalResponse:
-    if result is not None and result.status is not None and result.body is not None:
-        return LocalResponse(result.status, result.headers, result.body)
-    raise UpstreamError(f"the {leg} worker could not be reached")
+def _answered_by_prefill(
+    p_leg: Attempt, lease: Lease | PairLease, result: AttemptResult | None
+) -> Attempt:
+    """The prefill worker's error as the request's answer, returned with its attempt
+    (holding ``lease``): the caller accounts it (the request's metrics count it as
+    any relayed error) and releases the lease, with the error's verdict."""
+    if result is None or result.status is None or result.body is None:
+        lease.release(ok=False)
+        raise UpstreamError("the prefill worker could not be reached")
+    p_leg.lease = lease
+    p_leg.answer = LocalResponse(result.status, result.headers, result.body)
+    return p_leg
 
 
 def pd_flow(
@@ -196,8 +204,7 @@ def pd_flow(
     _pool_refusal(lease, p_result, result)
     if _failed(p_result):
         placer.pd_event("bootstrap_failure")
-        lease.release(ok=False)
-        return _error_of(p_result, "prefill")
+        return _answered_by_prefill(p_leg, lease, p_result)
     if result.failure is not None:
         lease.release(ok=False)
         raise UpstreamError("the decode worker could not be reached")
@@ -243,9 +250,9 @@ def _vllm(
             params = None
     if params is None:
         placer.pd_event("bootstrap_failure")
-        p_leg.lease.release(ok=False)
         if _failed(p_result):
-            return _error_of(p_result, "prefill")
+            return _answered_by_prefill(p_leg, p_leg.lease, p_result)
+        p_leg.lease.release(ok=False)
         raise UpstreamError("the prefill worker returned no kv_transfer_params")
     d_members = b'"kv_transfer_params":' + msgspec.json.encode(params)
     d_leg = _leg(placer, view, decode, client_headers, method, base, d_members, 1)
