@@ -584,3 +584,26 @@ def test_a_lease_weighs_the_prompt_part_the_engine_does_not_hold() -> None:
     assert uncached_weight(fleet, ca, v) == 64
     v.prompt_ids = None  # no token ids: the estimate as it is
     assert uncached_weight(fleet, ca, v) == 256
+
+
+def test_the_eligibility_cache_has_room_for_every_model_the_fleet_names() -> None:
+    """300 LoRA adapters listed by a worker: each model's eligible workers are
+    computed once, not again every few requests as with a fixed 256 entries; names
+    no worker lists (clients make them up) still start the cache over at 256."""
+    from meshkit.core.workers import DERIVED_BASE, DERIVED_PER_MODEL
+
+    lora, other = W("lora"), W("other", model="base")
+    fleet = Fleet([lora, other])
+    assert fleet.derived_limit == DERIVED_BASE + DERIVED_PER_MODEL * 1
+    adapters = frozenset(f"adapter-{i}" for i in range(300))
+    assert fleet.learn(lora.id, adapters)
+    assert fleet.derived_limit == DERIVED_BASE + DERIVED_PER_MODEL * 301
+    for name in sorted(adapters):
+        assert configured_for(fleet, view(CHAT, {"model": name})) == [lora]
+    kept = dict(fleet.derived)
+    assert len(kept) == 300  # nothing was dropped on the way
+    for name in sorted(adapters):
+        configured_for(fleet, view(CHAT, {"model": name}))
+    assert all(fleet.derived[k] is kept[k] for k in kept)  # each computed once
+    fleet.learn(lora.id, None)  # the list is gone: back to the base
+    assert fleet.derived_limit == DERIVED_BASE + DERIVED_PER_MODEL * 1

@@ -76,8 +76,6 @@ def configured_for(fleet: Fleet, view: RequestView, role: str = "regular") -> li
 # how a worker serves a request's model: by label or any model, by its own list,
 # or maybe (unlabelled, and its list does not name it or is not known yet)
 _SERVES, _LISTS, _MAY = 0, 1, 2
-#: entries of Fleet.derived kept per fleet version (clients choose model names)
-_MAX_DERIVED = 256
 _Serving = tuple[tuple[Worker, tuple[Candidate, ...]], ...]
 
 
@@ -107,7 +105,7 @@ def _serving(fleet: Fleet, api: Api, model: str | None, role: str) -> _Serving:
             tagged.append(((w, fleet.candidates_of(w)), tag))
         skip = _MAY if any(tag == _LISTS for _, tag in tagged) else -1
         got = tuple(entry for entry, tag in tagged if tag != skip)
-        if len(fleet.derived) >= _MAX_DERIVED:
+        if len(fleet.derived) >= fleet.derived_limit:
             fleet.derived.clear()
         fleet.derived[key] = got
     return got

@@ -252,6 +252,25 @@ def candidates_for(worker: Worker) -> tuple[Candidate, ...]:
     return (Candidate(worker),)
 
 
+#: ``Fleet.derived`` entries for model names no worker names (clients choose them)
+DERIVED_BASE = 256
+#: and per model name the workers name (an entry per API and role asked for it)
+DERIVED_PER_MODEL = 4
+
+
+def derived_limit(workers: Iterable[Worker], learned: Mapping[str, frozenset[str]]) -> int:
+    """How many eligibility lists placement keeps: a fleet that names more models
+    (a vLLM lists its LoRA adapters) gets room for all of them, or its lookups
+    would start over on every few requests (45x slower at 300 models, 64 workers)."""
+    names: set[str] = set()
+    for w in workers:
+        if w.models:
+            names.update(w.models)
+    for listed in learned.values():
+        names.update(listed)
+    return DERIVED_BASE + DERIVED_PER_MODEL * len(names)
+
+
 class Fleet:
     """Workers, their candidates, and in-flight load per candidate (no locking).
 
@@ -300,6 +319,8 @@ class Fleet:
         #: what callers derive from the workers alone (placement's eligibility
         #: lists), cleared when they change; workers are not mutated once added
         self.derived: dict[object, Any] = {}
+        #: entries ``derived`` keeps before it starts over (see :func:`derived_limit`)
+        self.derived_limit = DERIVED_BASE
         #: the models unlabelled workers listed when probed (bounded per worker)
         self.learned: dict[str, frozenset[str]] = {}
         for w in workers:
@@ -421,6 +442,7 @@ class Fleet:
             self.learned[worker_id] = models
         self.version += 1
         self.derived.clear()
+        self.derived_limit = derived_limit(self._workers.values(), self.learned)
         return True
 
     def candidates_of(self, worker: Worker) -> tuple[Candidate, ...]:
@@ -430,6 +452,7 @@ class Fleet:
         self.candidates = tuple(c for cs in self._by_worker.values() for c in cs)
         self.version += 1
         self.derived.clear()
+        self.derived_limit = derived_limit(self._workers.values(), self.learned)
 
     def admits(self, worker: Worker) -> bool:
         """Whether ``worker`` may take one more request under both admission limits."""
