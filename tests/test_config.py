@@ -434,6 +434,13 @@ def test_the_extproc_message_limit_follows_the_body_bound_unless_set() -> None:
     assert ei.value.key == "extproc.max_message_bytes"
 
 
+def test_sync_leg_threads_are_at_least_one() -> None:
+    assert MeshConfig.build().pd.sync_leg_threads == 32
+    with pytest.raises(ConfigError) as ei:
+        MeshConfig.build(pd={"sync_leg_threads": 0})
+    assert ei.value.key == "pd.sync_leg_threads"
+
+
 def test_in_flight_limits_explicit() -> None:
     up = MeshConfig.build(
         upstream={"max_in_flight": 10, "max_in_flight_per_worker": 0, "pool_limit": 2}

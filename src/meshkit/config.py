@@ -223,6 +223,13 @@ class PdConfig:
     protocol: str = "sglang"  # "sglang": concurrent legs; "vllm": kv_transfer_params
     prefill_policy: str = "cache_aware"
     decode_policy: str = "power_of_two"
+    # Threads that run SGLang's prefill legs beside the decode legs for sync callers
+    # (WSGI, MeshTransport): more pairs at once wait for one, their decode leg sent.
+    sync_leg_threads: int = 32
+
+    def __post_init__(self) -> None:
+        if self.sync_leg_threads < 1:
+            raise ConfigError("pd.sync_leg_threads", "must be >= 1")
 
 
 @dataclass(frozen=True)

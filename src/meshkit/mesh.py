@@ -54,8 +54,6 @@ from meshkit.types import Headers
 __all__ = ["Mesh"]
 
 _MODELS = Api.MODELS
-#: threads that run the prefill legs of sync callers (SGLang's concurrent legs)
-_PD_LEG_THREADS = 32
 
 
 def _worker_id(worker: Worker | str) -> str:
@@ -281,7 +279,8 @@ class Mesh:
                 legs = self._legs
                 if legs is None:
                     legs = self._legs = ThreadPoolExecutor(
-                        max_workers=_PD_LEG_THREADS, thread_name_prefix="meshkit-pd-leg"
+                        max_workers=self.config.pd.sync_leg_threads,
+                        thread_name_prefix="meshkit-pd-leg",
                     )
         return legs
 

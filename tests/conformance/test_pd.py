@@ -260,3 +260,41 @@ def test_a_client_that_leaves_before_the_decode_answers_releases_both(
             mode.openai(max_retries=0, timeout=0.4).chat.completions.create(**CHAT)
     assert decode.worker.stats.requests_total.get("/v1/chat/completions") == 1
     assert wait_until(lambda: mesh.total_load() == 0)
+
+
+@pytest.mark.parametrize("mode_name", ["transport", "wsgi"])
+def test_sync_callers_run_at_most_sync_leg_threads_prefill_legs(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    """``pd.sync_leg_threads`` bounds the SGLang prefill legs a sync caller runs at
+    once; the others wait for a thread, and every request is answered."""
+    import threading
+
+    prefill = mock_factory(name="p", pd_role="prefill", first_token_ms=200)
+    decode = mock_factory(name="d", pd_role="decode")
+    mesh = mesh_factory(
+        workers=[
+            Worker(prefill.url, labels={"mesh.role": "prefill"}),
+            Worker(decode.url, labels={"mesh.role": "decode"}),
+        ],
+        pd={"sync_leg_threads": 2},
+    )
+    mode = run_mode(mesh)
+    statuses: list[int] = []
+    most = 0
+    threads = [
+        threading.Thread(
+            target=lambda: statuses.append(
+                mode.request("POST", "/v1/chat/completions", json=CHAT).status
+            )
+        )
+        for _ in range(6)
+    ]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        most = max(most, prefill.worker.stats.in_flight)
+        threading.Event().wait(0.005)
+    assert statuses == [200] * 6
+    assert most == 2
+    assert prefill.worker.stats.requests_total.get("/v1/chat/completions") == 6
