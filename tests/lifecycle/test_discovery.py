@@ -5,6 +5,7 @@ they fail, leases kept across a label change, admin-added workers left alone."""
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,37 @@ def test_the_addresses_of_one_entry_are_bounded(mesh_factory: Callable[..., Mesh
     sources = mesh.lifecycle.discovery.sources  # type: ignore[union-attr]
     sources.set_addresses("svc", ["10.0.0.3", "10.0.0.1", "10.0.0.2"])
     assert [w.url for w in sources.desired()] == ["http://10.0.0.1:80", "http://10.0.0.2:80"]
+
+
+def test_addresses_past_the_bound_are_said_once(
+    mesh_factory: Callable[..., Mesh],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A headless Service with more pods than ``discovery.max_addresses``: the
+    pods past the bound get no traffic from any router, and the log says so."""
+    real = socket.getaddrinfo
+    asked: list[str] = []
+
+    def lookup(host: Any, *args: Any, **kw: Any) -> Any:
+        if host != "svc.test":
+            return real(host, *args, **kw)
+        asked.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (f"10.0.0.{i}", 0)) for i in (3, 1, 2)]
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    caplog.set_level(logging.WARNING, "meshkit.discovery")
+    mesh = mesh_factory(
+        workers=["dns://svc.test:80"], discovery={"max_addresses": 2}, lifecycle=FAST
+    )
+    mesh.start_lifecycle()
+    assert wait_until(lambda: len(asked) >= 3)  # several rounds
+    assert _urls(mesh) == ["http://10.0.0.1:80", "http://10.0.0.2:80"]
+    lines = [r.getMessage() for r in caplog.records if "max_addresses" in r.getMessage()]
+    assert lines == [
+        "dns://svc.test resolves to 3 addresses; discovery.max_addresses "
+        "makes workers of the first 2"
+    ]
 
 
 def test_a_missing_workers_file_fails_at_start(tmp_path: Path) -> None:

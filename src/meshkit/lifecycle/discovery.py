@@ -83,6 +83,8 @@ class Discovery:
             self._stamp = _stamp(self.file)
             self.sources.set_file(*load_workers_file(self.file, self.cfg.max_file_bytes))
         self._failing: dict[str, str] = {}
+        #: names with more addresses than discovery.max_addresses -> what was said
+        self._cut: dict[str, str] = {}
         self._next_lookup = 0.0
         self._poke: asyncio.Event | None = None
         self.apply()
@@ -188,8 +190,24 @@ class Discovery:
             addresses = [str(info[4][0]) for info in infos]
             self._recover("dns:" + name, f"dns://{name} resolves again")
             self.sources.set_addresses(name, addresses)
+            self._cut_addresses(name, len(set(addresses)))
 
         await asyncio.gather(*(one(n) for n in names))
+
+    def _cut_addresses(self, name: str, found: int) -> None:
+        """Say once (until it changes) that a name has more addresses than become
+        workers: the ones past the bound get no traffic from any router."""
+        most = self.cfg.max_addresses
+        if found <= most:
+            self._cut.pop(name, None)
+            return
+        message = (
+            f"dns://{name} resolves to {found} addresses; discovery.max_addresses "
+            f"makes workers of the first {most}"
+        )
+        if self._cut.get(name) != message:
+            self._cut[name] = message
+            log.warning("%s", message)
 
     def _fail(self, key: str, kind: str, message: str) -> None:
         self.router.metrics.discovery_failures.labels(kind).inc()
