@@ -205,8 +205,8 @@ class RouterMetrics:
         )
         self.stream_overflows = Counter(
             "mesh_router_stream_overflows",
-            "Worker streams with an SSE event over bounds.max_sse_line_bytes "
-            "(relayed, no longer parsed for usage and TTFT)",
+            "Worker answers with an SSE event, or a whole body, over "
+            "bounds.max_sse_line_bytes (relayed, no longer parsed for usage and TTFT)",
             ["api"],
             registry=r,
         )
