@@ -165,8 +165,9 @@ class Routed:
         relay = self.relay
         if relay is not None:
             relay.close()  # closing the books releases the lease (once)
+        elif final.attempt is not None:
+            # Idempotent: a no-op when accounting released it already. Before the
+            # close below, which awaits (and may be cancelled) and may raise.
+            final.attempt.lease.release(ok=self.responded)
         if isinstance(final, Relayed):
             await final.exchange.aclose()
-        if relay is None and final.attempt is not None:
-            # Idempotent: a no-op when accounting released it already.
-            final.attempt.lease.release(ok=self.responded)

@@ -245,15 +245,16 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                 exchange = None
     except BaseException:
         # The flow owns its leases until it returns; an error or a cancellation
-        # in between must not leak the current attempt's.
-        if other is not None:
-            yield (CANCEL, other)
-        if exchange is not None:
-            yield (CLOSE, exchange)
+        # in between must not leak the current attempt's. Released first: the
+        # cancel and close below are I/O, which may raise or be cancelled again.
         if attempt is not None:
             attempt.lease.abandon()
         if companion is not None:
             companion.lease.abandon()
+        if other is not None:
+            yield (CANCEL, other)
+        if exchange is not None:
+            yield (CLOSE, exchange)
         raise
     finally:
         if not done:
