@@ -53,6 +53,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 _DROP_SERVED = HOP_BY_HOP | {b"date"}
+_DROP_BODILESS = _DROP_SERVED | {b"content-length"}
 # The rank header is meshkit's to set (DP-rank append), never the client's.
 _DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-data-parallel-rank"}
 _CREDENTIALS = frozenset({b"authorization", b"x-api-key", b"api-key"})
@@ -150,6 +151,12 @@ def response_headers(upstream: Iterable[tuple[bytes, bytes]]) -> Headers:
     return _kept(upstream, HOP_BY_HOP)
 
 
-def served_headers(upstream: Iterable[tuple[bytes, bytes]]) -> Headers:
-    """:func:`response_headers` for a response a server writes (it adds its own date)."""
+def served_headers(upstream: Iterable[tuple[bytes, bytes]], status: int = 200) -> Headers:
+    """:func:`response_headers` for a response a server writes (it adds its own date).
+
+    A response that has no body (1xx, 204, 304) loses a worker's ``content-length``:
+    RFC 9110 forbids it on a 204, and a host server that frames by it (uvicorn)
+    would wait for a body that never comes."""
+    if status < 200 or status in (204, 304):
+        return _kept(upstream, _DROP_BODILESS)
     return _kept(upstream, _DROP_SERVED)

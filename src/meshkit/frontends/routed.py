@@ -117,7 +117,7 @@ class Routed:
                 mesh.account(view, final.attempt.lease, exchange.status), view
             )
             self.started = True
-            await down.start(exchange.status, served_headers(exchange.headers))
+            await down.start(exchange.status, served_headers(exchange.headers, exchange.status))
             data = exchange.whole()
             if data is not None:
                 # The common small answer, all here with its head: one write, no

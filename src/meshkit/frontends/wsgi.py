@@ -163,7 +163,8 @@ class MeshWSGIMiddleware:
         lease = final.attempt.lease
         acct = mesh.account(view, lease, exchange.status)
         start_response(
-            _status_line(exchange.status), _str_headers(served_headers(exchange.headers))
+            _status_line(exchange.status),
+            _str_headers(served_headers(exchange.headers, exchange.status)),
         )
         return SyncRelayStream(exchange, Relay(acct, view))
 
