@@ -157,6 +157,6 @@ def served_headers(upstream: Iterable[tuple[bytes, bytes]], status: int = 200) -
     A response that has no body (1xx, 204, 304) loses a worker's ``content-length``:
     RFC 9110 forbids it on a 204, and a host server that frames by it (uvicorn)
     would wait for a body that never comes."""
-    if status < 200 or status in (204, 304):
-        return _kept(upstream, _DROP_BODILESS)
-    return _kept(upstream, _DROP_SERVED)
+    if status >= 200 and status != 204 and status != 304:
+        return _kept(upstream, _DROP_SERVED)
+    return _kept(upstream, _DROP_BODILESS)
