@@ -453,3 +453,18 @@ def test_prompts_the_worker_holds_do_not_make_a_live_publisher_silent(
             time.sleep(0.05)
         assert_trusted(mesh, url)
         assert kv.blocks_of(url) == stored  # nothing new was stored: every one a hit
+
+
+def test_deeply_nested_msgpack_is_a_bad_payload_not_a_dead_subscriber(pub: Publisher) -> None:
+    """~1,000 nested arrays in a kilobyte made the decoder raise RecursionError, which
+    killed the subscriber (in a replay reply, again at every restart). It is a bad
+    payload: counted, the worker's entries dropped, later batches indexed."""
+    with mesh_for(pub) as mesh:
+        connected(mesh, pub)
+        pub.send(b"\x91" * 5000 + b"\xc0")  # fixarray(1) nested 5000 deep
+        errors = lambda: mesh.metrics.registry.get_sample_value(  # noqa: E731
+            "mesh_kv_errors_total", {"worker": URL}
+        )
+        until(lambda: errors() == 1, "the error")
+        pub.store([7], None, [7, 7, 7, 7])
+        until(lambda: holds(mesh, [7, 7, 7, 7]) == 4, "a later batch")

@@ -162,6 +162,10 @@ def decode_batch(payload: bytes) -> Batch:
         raw = _DECODE.decode(payload)
     except msgspec.DecodeError as exc:
         raise KvEventError(f"not msgpack: {exc}") from None
+    except RecursionError:
+        # ~1,000 nested arrays in a kilobyte: not a batch, and not a reason for the
+        # subscriber to die (in a replay reply it would again at every restart).
+        raise KvEventError("msgpack nested too deeply for a KV-event batch") from None
     if isinstance(raw, dict):
         ts, events, rank = (
             raw.get("ts"),
