@@ -488,13 +488,17 @@ class Router:
                 self._changed()
             return removed
 
-    def kv_apply(self, worker_id: str, batches: Sequence[Batch]) -> bool:
+    def kv_apply(self, worker_id: str, batches: Sequence[Batch], source: str | None = None) -> bool:
         """KV-event batches of ``worker_id`` into the index (the subscriber calls
         this with at most ``kv.apply_batch`` at a time). True when the worker's
-        publisher had been silent until now (see :meth:`kv_silent`)."""
+        publisher had been silent until now (see :meth:`kv_silent`).
+
+        :param source: the publisher they came from: batches of one the worker no
+            longer names (its entry was replaced, the old subscriber not stopped
+            yet) are dropped, or they would outlive the change in the index."""
         with self._lock:
             worker = self.fleet.get(worker_id)
-            if worker is None:
+            if worker is None or (source is not None and worker.kv_events != source):
                 return False
             kv, group = self.fleet.kv, self.fleet.kv_group(worker)
             for batch in batches:

@@ -468,3 +468,27 @@ def test_deeply_nested_msgpack_is_a_bad_payload_not_a_dead_subscriber(pub: Publi
         until(lambda: errors() == 1, "the error")
         pub.store([7], None, [7, 7, 7, 7])
         until(lambda: holds(mesh, [7, 7, 7, 7]) == 4, "a later batch")
+
+
+def test_a_worker_given_another_publisher_keeps_nothing_of_the_old_one() -> None:
+    """Its entry replaced (a workers file or DNS change names another publisher):
+    the old subscriber runs on until the next sync, and what it still applied
+    stayed in the index for good. Batches of a publisher the worker no longer
+    names are dropped."""
+    old, new = Publisher(replay=False), Publisher(replay=False)
+    try:
+        with mesh_for(old) as mesh:
+            connected(mesh, old)
+            old.store([1], None, [1, 1, 1, 1])
+            until(lambda: holds(mesh, [1, 1, 1, 1]) == 4, "the old publisher's block")
+            assert mesh.router.replace(Worker(URL, kv_events=new.endpoint))
+            assert holds(mesh, [1, 1, 1, 1]) == 0
+            for i in range(10):  # the old subscriber is still connected meanwhile
+                old.store([100 + i], None, [2, 2, 2, i])
+                time.sleep(0.02)
+            connected(mesh, new)  # the new subscriber's batches arrive
+            assert all(holds(mesh, [2, 2, 2, i]) == 0 for i in range(10))
+            assert holds(mesh, [1, 1, 1, 1]) == 0
+    finally:
+        old.close()
+        new.close()

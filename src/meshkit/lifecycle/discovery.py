@@ -245,8 +245,8 @@ class Discovery:
         for wid in change.remove:
             self.leaving.add(wid)
             self.lifecycle.spawn(self._retire(wid))
-        if change.add:
-            self.lifecycle.kick()
+        if change.add or change.update:
+            self.lifecycle.kick()  # probes and KV subscribers follow at once
         log.info("fleet: %s", change.summary())
         return change
 

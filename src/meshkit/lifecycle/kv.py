@@ -187,7 +187,8 @@ class KvSubscribers:
                 got = await self._replay(replay, 0, _ALL)
                 if got is not None:
                     for i in range(0, len(got[1]), self.config.apply_batch):
-                        self.router.kv_apply(worker_id, got[1][i : i + self.config.apply_batch])
+                        chunk = got[1][i : i + self.config.apply_batch]
+                        self.router.kv_apply(worker_id, chunk, endpoint)
                     metrics.kv_batches.labels(worker_id).inc(len(got[1]))
                     # From here on a batch the SUB missed while joining is a gap.
                     expected, window = got[0] + len(got[1]), True
@@ -226,7 +227,7 @@ class KvSubscribers:
                     batches.append(frame.batch)
                     expected = seq + 1
                 if batches:
-                    if self.router.kv_apply(worker_id, batches):
+                    if self.router.kv_apply(worker_id, batches, endpoint):
                         metrics.kv_silent.labels(worker_id).set(0)
                         log.info("kv events: %s publishes again", worker_id)
                     metrics.kv_batches.labels(worker_id).inc(len(batches))
