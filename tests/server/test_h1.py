@@ -639,6 +639,30 @@ def test_a_chunked_request_body_is_read_whole(gateway: Any) -> None:
     assert_settled(mesh)
 
 
+@pytest.mark.parametrize("endless", ["value", "name"])
+def test_an_endless_trailer_field_is_refused_at_the_head_bound(gateway: Any, endless: str) -> None:
+    """The trailer section is held by the parser until its line ends: counted
+    against the head bound (with the chunk framing), it is a 431, not a buffer that
+    grows with every byte the client sends."""
+    served, worker, mesh = gateway()
+    raw = Raw(served.url)
+    start = b"X-A: " if endless == "value" else b"X"
+    raw.send(
+        b"POST %s HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n%s"
+        % (PATH.encode(), start)
+    )
+    sent = 0
+    with contextlib.suppress(OSError):  # the server closes once it refused
+        while sent < 64 * 1024 * 1024:
+            raw.send(b"a" * 65536)
+            sent += 65536
+    r = raw.response()
+    assert r.status == 431, r.status
+    assert sent < 8 * 1024 * 1024  # refused long before: the bound is a few hundred KiB
+    assert worker.worker.stats.requests_total.get(PATH) is None
+    assert_settled(mesh)
+
+
 def test_trailer_fields_are_never_merged_into_the_head(gateway: Any) -> None:
     """A proxy in front checks the head; a trailer could carry what it removed."""
     served, worker, _ = gateway()
@@ -985,6 +1009,14 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
         return
     if path == "/no-response":
         return
+    if path == "/longer":  # more than its own content-length: a response smuggled after
+        head = [(b"content-length", b"5")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": b"hello", "more_body": True})
+        extra = b"HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nINJECTED"
+        await send({"type": "http.response.body", "body": extra, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return
     body = b"ok " + path.encode()
     head = [(b"content-length", str(len(body)).encode()), (b"content-type", b"text/plain")]
     await send({"type": "http.response.start", "status": 200, "headers": head})
@@ -996,6 +1028,59 @@ def app_server(mock_factory: Any, mesh_of: Any, serve: Any) -> tuple[Served, Mes
     worker = mock_factory(name="w")
     mesh = mesh_of(worker.url)
     return serve(MeshMiddleware(_app, mesh=mesh), keep_alive_s=60.0), mesh
+
+
+def test_a_body_longer_than_its_length_is_cut_and_the_connection_closed(
+    app_server: Any,
+) -> None:
+    """A host app that writes past its own content-length: the bytes after it would
+    be read by a pipelining client as the next answer. They are cut, and the
+    connection closes after the declared body."""
+    app, _ = app_server
+    raw = Raw(app.url)
+    raw.send(request("GET", "/longer") + request("GET", "/second"))
+    r = raw.response()
+    assert (r.status, r.body) == (200, b"hello")
+    assert raw.closed()  # the pipelined request is never answered by the injected bytes
+
+
+def test_a_client_that_never_reads_stops_its_pipelined_requests(gateway: Any) -> None:
+    """Requests pipelined one after another on a connection whose client reads
+    nothing: each answer waits until the client drained the previous ones, so the
+    write buffer stays at its bound plus one answer and the worker is not asked for
+    more (before, every request was answered into an ever larger buffer)."""
+    served, worker, mesh = gateway(output_tokens=20_000)  # answers of ~170 KB
+    raw = Raw(served.url, rcvbuf=4096, timeout=60)
+    one = request("POST", PATH, chat(max_tokens=20_000))
+    raw.sock.settimeout(0.5)
+    sent = 0
+    with contextlib.suppress(OSError):  # the server stopped reading: sends block
+        for _ in range(60):
+            raw.send(one)
+            sent += 1
+            threading.Event().wait(0.01)
+    conn = served.conn_of(raw)
+    assert conn is not None
+    transport = conn.transport
+    assert transport is not None
+    assert wait_until(lambda: bool(served.call(lambda: conn.write_paused)), 30)
+    high = served.call(lambda: transport.get_write_buffer_limits()[1])
+    asked = api_requests(worker)
+    for _ in range(20):  # sampled while the client still reads nothing
+        size = served.call(transport.get_write_buffer_size)
+        assert size <= high + 256 * 1024, (size, high)  # the bound and one answer
+        threading.Event().wait(0.02)
+    assert api_requests(worker) == asked < sent  # nothing more was asked meanwhile
+    raw.sock.settimeout(60)
+    statuses = []
+    with contextlib.suppress(EOFError):  # reading now: every answer arrives, in order
+        while len(statuses) < sent:
+            statuses.append(raw.response().status)
+    # ... up to the pipelining bound's refusal, when the queue filled meanwhile
+    ok = statuses.count(200)
+    assert statuses[:ok] == [200] * ok and statuses[ok:] in ([], [503])
+    assert ok == api_requests(worker) > asked
+    assert_settled(mesh)
 
 
 def test_head_answers_carry_no_body(gateway: Any, app_server: Any) -> None:

@@ -153,6 +153,7 @@ class H1Conn(asyncio.Protocol):
         # seen here. Bounded like a head of endless lines (on_header).
         self._in_head = True
         self._head_bytes = 0
+        self._framing_bytes = 0
         self._head_limit = 2 * self.max_head + 65536
         # the request being answered, and those parsed behind it
         self.queue: deque[Request] = deque()
@@ -205,6 +206,10 @@ class H1Conn(asyncio.Protocol):
             return
         if self._in_head:
             self._head_bytes += len(data)
+        else:
+            # What is not body: chunk framing and the trailer section, which
+            # httptools keeps whole until its line ends (an endless one grew).
+            self._framing_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -219,8 +224,16 @@ class H1Conn(asyncio.Protocol):
         except httptools.HttpParserError:
             self._refuse(InvalidRequest("malformed HTTP request"))
         else:
-            if self._in_head and self._head_bytes > self._head_limit:
-                self._refuse(self._head_error())
+            if self._in_head:
+                if self._head_bytes > self._head_limit:
+                    self._refuse(self._head_error())
+            elif self._framing_bytes > self._head_limit + self._body_size:
+                self._refuse(
+                    HeadersTooLarge(
+                        "the request's chunk framing and trailer fields are over "
+                        f"{self._head_limit} bytes more than its body"
+                    )
+                )
 
     def _upgrade_asked(self) -> None:
         """The request just parsed asks for a protocol upgrade (or is a CONNECT).
@@ -341,6 +354,7 @@ class H1Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
+        self._framing_bytes -= len(body)
         if self._body_size > self.max_body:
             # Checked while the body streams in, before it is all buffered.
             raise _Refused(RequestTooLarge(f"request body is over {self.max_body} bytes"))
@@ -353,6 +367,7 @@ class H1Conn(asyncio.Protocol):
             raise _Refused(Unavailable(self._over_pipelined()))
         self._in_head = True
         self._head_bytes = 0
+        self._framing_bytes = 0
         parts = self._body
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         parser = self.parser
@@ -521,9 +536,15 @@ class H1Conn(asyncio.Protocol):
             return
         transport = self.transport
         assert transport is not None
-        self.remaining -= len(data)
         if self.framing == Framing.CHUNKED:
             data = chunk(data)
+        else:
+            if len(data) > self.remaining and self.framing == Framing.LENGTH:
+                # More than the head declared (or any body on a 204): what follows
+                # would be read as the next response. Cut, and close after it.
+                self.keep_alive = False
+                data = data[: max(self.remaining, 0)]
+            self.remaining -= len(data)
         if self.pending:
             transport.writelines((self.pending, data))
             self.pending = b""
@@ -556,6 +577,10 @@ class H1Conn(asyncio.Protocol):
             transport.writelines(out)
         if self.framing == Framing.CLOSE:
             self.keep_alive = False
+        if self.write_paused:
+            # The next pipelined request starts after this one: not before the
+            # client read this answer (one that never reads would grow the buffer).
+            await self._drain()
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
         if self.closed:
@@ -573,6 +598,8 @@ class H1Conn(asyncio.Protocol):
             transport.write(head)
         else:
             transport.writelines((head, body))
+        if self.write_paused:
+            await self._drain()  # as in end()
 
     async def _drain(self) -> None:
         while self.write_paused and not self.closed:
