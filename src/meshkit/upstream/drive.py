@@ -195,7 +195,8 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                     # The prefill leg runs beside the decode leg (SGLang needs both
                     # sides connected for the KV handover); its body is read whole.
                     companion = step.prefill
-                    attempt = step = step.decode  # held from here: released if LEG raises
+                    step = step.decode
+                    attempt = step  # held from here: released if LEG raises
                     other = yield (LEG, companion)
                 attempt, exchange, captured = step, None, None
                 if attempt.delay_s > 0:
@@ -243,7 +244,7 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
             if exchange is not None:
                 yield (CLOSE, exchange)
                 exchange = None
-    except BaseException:
+    except BaseException as exc:
         # The flow owns its leases until it returns; an error or a cancellation
         # in between must not leak the current attempt's. Released first: the
         # cancel and close below are I/O, which may raise or be cancelled again.
@@ -251,14 +252,18 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
             attempt.lease.abandon()
         if companion is not None:
             companion.lease.abandon()
-        if other is not None:
-            yield (CANCEL, other)
-        if exchange is not None:
-            yield (CLOSE, exchange)
-        raise
+        error = exc
     finally:
         if not done:
             steps.close()
+    # Not inside the handler: a compiled generator that yields there (entered by
+    # throw(), resumed by send()) crashed the interpreter that delegated to it
+    # (an async transport's request cancelled during a SGLang pair).
+    if other is not None:
+        yield (CANCEL, other)
+    if exchange is not None:
+        yield (CLOSE, exchange)
+    raise error
 
 
 # -- the two loops ----------------------------------------------------------------------
