@@ -164,10 +164,16 @@ def leg_steps(attempt: Attempt) -> Steps[AttemptResult]:
         exchange = yield (SEND, attempt)
     except UpstreamFailure as exc:
         return AttemptResult.failed(exc.failure)
+    # The close is yielded after the handler, not in a finally: see flow_steps.
+    error: BaseException | None = None
     try:
-        return (yield from _captured(exchange, attempt.read_limit))[0]
-    finally:
-        yield (CLOSE, exchange)
+        result = (yield from _captured(exchange, attempt.read_limit))[0]
+    except BaseException as exc:
+        error = exc
+    yield (CLOSE, exchange)
+    if error is not None:
+        raise error
+    return result
 
 
 def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
