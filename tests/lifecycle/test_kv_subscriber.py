@@ -492,3 +492,27 @@ def test_a_worker_given_another_publisher_keeps_nothing_of_the_old_one() -> None
     finally:
         old.close()
         new.close()
+
+
+def test_a_restart_right_after_the_first_replay_is_seen_as_one() -> None:
+    """The first replay brought batches 0-4; before any live batch the engine
+    restarts (numbers from 0 again, an empty cache). Its batches 0-4 are not the
+    replayed ones (another ts): the worker's entries start afresh, where they were
+    skipped as copies and the old blocks stayed matched for good."""
+    pub = Publisher(replay=True)
+    try:
+        for i in range(5):
+            pub.store([1 + i], None if i == 0 else i, [1, 1, 1, i], publish=False)
+        with mesh_for(pub) as mesh:
+            until(lambda: holds(mesh, [1, 1, 1, 0]) == 4, "the replayed blocks")
+            pub.kept.clear()  # the restart: numbers from 0, nothing cached
+            pub.seq = 0
+            deadline = time.monotonic() + 20
+            while not holds(mesh, [2, 2, 2, 2]):  # until the SUB hears the new engine
+                assert time.monotonic() < deadline, "the restarted publisher was never heard"
+                pub.store([900 + pub.seq], None, [2, 2, 2, 2])
+                time.sleep(0.05)
+            assert holds(mesh, [1, 1, 1, 0]) == 0
+            assert gaps(mesh, "restart") == 1
+    finally:
+        pub.close()

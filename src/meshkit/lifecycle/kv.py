@@ -178,8 +178,9 @@ class KvSubscribers:
         sub.connect(endpoint)
         log.info("kv events: subscribed to %s for %s", endpoint, worker_id)
         expected: int | None = None
-        #: batches the first replay brought: their live copies may still arrive
-        window = False
+        #: batches the first replay brought (number -> its ts): their live copies
+        #: may still arrive; one with another ts is a restarted publisher's
+        window: dict[int, float] = {}
         try:
             if replay is not None:
                 # Subscribed first, then asked: what the publisher stored before
@@ -191,7 +192,8 @@ class KvSubscribers:
                         self.router.kv_apply(worker_id, chunk, endpoint)
                     metrics.kv_batches.labels(worker_id).inc(len(got[1]))
                     # From here on a batch the SUB missed while joining is a gap.
-                    expected, window = got[0] + len(got[1]), True
+                    expected = got[0] + len(got[1])
+                    window = {got[0] + i: b.ts for i, b in enumerate(got[1])}
                     self.router.kv_attach(worker_id)
             while True:
                 messages = [await sub.recv_multipart(copy=True)]
@@ -209,13 +211,13 @@ class KvSubscribers:
                         metrics.kv_errors.labels(worker_id).inc()
                         batches.clear()
                         self.router.kv_clear(worker_id)
-                        expected, window = None, False
+                        expected, window = None, {}
                         continue
                     if frame.batch is None:
                         continue
                     seq = frame.seq
                     if expected is not None and seq < expected:
-                        if window:
+                        if window.get(seq) == frame.batch.ts:
                             continue  # already applied from the first replay
                         metrics.kv_gaps.labels(worker_id, "restart").inc()
                         log.info("kv events: %s restarted its publisher", worker_id)
@@ -223,7 +225,7 @@ class KvSubscribers:
                         self.router.kv_clear(worker_id)
                     elif expected is not None and seq > expected:
                         await self._gap(worker_id, replay, batches, expected, seq)
-                    window = False
+                    window = {}
                     batches.append(frame.batch)
                     expected = seq + 1
                 if batches:
