@@ -72,7 +72,8 @@ def two(mock_factory: Any, spawn: Any) -> Any:
 
 
 def test_every_process_serves_and_health_says_how_many(two: Any) -> None:
-    assert processes_seen(two.url) == {0, 1}
+    # one shared accept queue: a run of fresh connections may reach one child only
+    assert wait_until(lambda: processes_seen(two.url, 20) == {0, 1}, timeout=60)
     h = fresh(two.url).json()
     assert (h["processes"], h["processes_up"]) == (2, 2)
     for _ in range(20):
@@ -113,7 +114,7 @@ def test_a_killed_child_is_restarted_and_queued_requests_do_not_fail(two: Any) -
         for t in threads:
             t.join(30)
     assert failures == []
-    assert processes_seen(two.url) == {0, 1}
+    assert wait_until(lambda: processes_seen(two.url, 20) == {0, 1}, timeout=60)
     err = "".join(two.stderr)
     assert "exited with code -9" in err and "restarting" in err
 
