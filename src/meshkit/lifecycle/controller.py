@@ -120,8 +120,8 @@ class Lifecycle:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: when each worker's model list was last read (loop time)
         self._models_at: dict[str, float] = {}
-        #: workers whose metrics were over max_metrics_bytes (warned once each)
-        self._too_long: set[str] = set()
+        #: (what, worker) a warning was given for (each is said once)
+        self._warned: set[tuple[str, str]] = set()
         #: dns:// entries and the workers file (set by the Mesh; runs on this thread)
         self.discovery: Discovery | None = None
         #: the KV-event subscribers of workers that name a publisher
@@ -403,18 +403,26 @@ class Lifecycle:
             if res is not None and res[0] == 200:
                 if len(res[1]) <= limit:
                     report = parse_metrics(res[1])
-                elif worker.id not in self._too_long:
-                    # A cut text may end inside a gauge's value: no load, not a wrong one.
-                    if len(self._too_long) >= _MAX_TRACKED:
-                        self._too_long.clear()
-                    self._too_long.add(worker.id)
-                    log.warning(
+                else:  # a cut text may end inside a gauge's value: no load, not a wrong one
+                    self._warn_once(
+                        "metrics",
+                        worker,
                         "the metrics of %s are over lifecycle.max_metrics_bytes (%d bytes); "
                         "its engine load is not read",
-                        worker.url,
                         limit,
                     )
         self.router.engine_report(worker.id, report)
+
+    def _warn_once(self, what: str, worker: Worker, message: str, *args: object) -> None:
+        """Log ``message % (worker.url, *args)`` the first time only: a bound a
+        worker's answer passes is passed again at every read."""
+        key = (what, worker.id)
+        if key in self._warned:
+            return
+        if len(self._warned) >= _MAX_TRACKED:
+            self._warned.clear()
+        self._warned.add(key)
+        log.warning(message, worker.url, *args)
 
     def _models_due(self, worker: Worker) -> bool:
         """At the first good probe, then every ``models_interval_s``: lists change
@@ -444,10 +452,11 @@ class Lifecycle:
         if len(res[1]) > limit:
             # Part of a list is not the list: the models it would leave out would be
             # refused on this worker. Unknown instead: the engine decides.
-            log.warning(
+            self._warn_once(
+                "models",
+                worker,
                 "the model list of %s is over bounds.max_captured_body_bytes (%d bytes); "
                 "its models are not known",
-                worker.url,
                 limit,
             )
             self.router.learn_models(worker.id, None)
@@ -460,10 +469,11 @@ class Lifecycle:
             return
         most = self.config.max_models_per_worker
         if len(data) > most:
-            log.warning(
+            self._warn_once(
+                "models",
+                worker,
                 "%s lists %d models, over lifecycle.max_models_per_worker (%d); "
                 "its models are not known",
-                worker.url,
                 len(data),
                 most,
             )

@@ -198,13 +198,12 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                 exchange = captured = None
             else:
                 if isinstance(step, Pair):
+                    companion, step = step.prefill, step.decode
+                attempt, exchange, captured = step, None, None  # held: released on errors
+                if companion is not None:
                     # The prefill leg runs beside the decode leg (SGLang needs both
                     # sides connected for the KV handover); its body is read whole.
-                    companion = step.prefill
-                    step = step.decode
-                    attempt = step  # held from here: released if LEG raises
                     other = yield (LEG, companion)
-                attempt, exchange, captured = step, None, None
                 if attempt.delay_s > 0:
                     yield (SLEEP, attempt.delay_s)
                 try:
