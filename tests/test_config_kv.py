@@ -56,6 +56,8 @@ def test_a_new_publisher_is_a_change_to_apply() -> None:
         {"max_blocks_per_model": 0},
         {"match_tokens": 0},
         {"apply_batch": 0},
+        {"apply_blocks": 0},
+        {"max_lora_names": 0},
         {"receive_hwm": 0},
         {"replay_timeout_s": 0.0},
         {"silence_s": -1.0},
@@ -66,3 +68,12 @@ def test_kv_bounds_are_checked(values: dict[str, float]) -> None:
     with pytest.raises(ConfigError) as info:
         KvConfig(**values)  # type: ignore[arg-type]
     assert info.value.key == "kv." + next(iter(values))
+
+
+def test_the_kv_bounds_reach_the_index() -> None:
+    from meshkit import Mesh
+
+    mesh = Mesh(
+        workers=["http://127.0.0.1:9"], kv={"max_lora_names": 3, "max_blocks_per_model": 77}
+    )
+    assert (mesh.router.fleet.kv.max_loras, mesh.router.fleet.kv.max_blocks) == (3, 77)

@@ -272,8 +272,14 @@ class KvConfig:
     match_tokens: int = 32768
     # A gap is replayed from the publisher's replay endpoint within this, or forgotten.
     replay_timeout_s: float = 2.0
-    # Batches applied under one hold of the routing lock (the rest wait their turn).
+    # Batches read from the socket before they are applied (in apply_blocks pieces).
     apply_batch: int = 64
+    # Blocks applied under one hold of the routing lock: a batch (or one event) with
+    # more is applied in pieces, placement running between them.
+    apply_blocks: int = 4096
+    # LoRA adapter names remembered from events (a request naming one is matched on
+    # its adapter's blocks); an adapter seen past this is not matched.
+    max_lora_names: int = 4096
     # Messages ZeroMQ queues for a subscriber that falls behind (then it drops: a gap).
     receive_hwm: int = 100_000
     # A worker placed on whose publisher then sends nothing for this long is matched on
@@ -281,7 +287,14 @@ class KvConfig:
     silence_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("max_blocks_per_model", "match_tokens", "apply_batch", "receive_hwm"):
+        for name in (
+            "max_blocks_per_model",
+            "match_tokens",
+            "apply_batch",
+            "apply_blocks",
+            "max_lora_names",
+            "receive_hwm",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"kv.{name}", "must be at least 1")
         if not self.replay_timeout_s > 0:

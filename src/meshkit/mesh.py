@@ -132,7 +132,12 @@ class Mesh:
             self.tokenizers.register(model, path)
         router = self.router
         self.preparer = Preparer(
-            config, self.pool, self.tokenizers, lambda: router.policy, lambda: router.kv_sizes
+            config,
+            self.pool,
+            self.tokenizers,
+            lambda: router.policy,
+            lambda: router.kv_sizes,
+            lambda model: router.fleet.kv.root(model),
         )
         self.retry = RetryPolicy(
             max_attempts=max(1, config.upstream.max_attempts),

@@ -157,6 +157,7 @@ class Router:
             max_in_flight_per_worker=up.in_flight_limit_per_worker,
             kv_max_blocks=config.kv.max_blocks_per_model,
             kv_silence_s=config.kv.silence_s,
+            kv_max_loras=config.kv.max_lora_names,
         )
         opts = config.policies.get(config.policy, {}) if isinstance(config.policy, str) else {}
         self.policy = create_policy(config.policy, opts)
@@ -490,7 +491,7 @@ class Router:
 
     def kv_apply(self, worker_id: str, batches: Sequence[Batch], source: str | None = None) -> bool:
         """KV-event batches of ``worker_id`` into the index (the subscriber calls
-        this with at most ``kv.apply_batch`` at a time). True when the worker's
+        this with at most ``kv.apply_blocks`` blocks at a time). True when the worker's
         publisher had been silent until now (see :meth:`kv_silent`).
 
         :param source: the publisher they came from: batches of one the worker no

@@ -43,6 +43,8 @@ class VllmStored(VllmEvent, tag="BlockStored"):
     lora_name: str | None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class VllmRemoved(VllmEvent, tag="BlockRemoved"):

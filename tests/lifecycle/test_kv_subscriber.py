@@ -516,3 +516,41 @@ def test_a_restart_right_after_the_first_replay_is_seen_as_one() -> None:
             assert gaps(mesh, "restart") == 1
     finally:
         pub.close()
+
+
+def test_a_long_batch_or_a_replayed_gap_is_applied_in_bounded_pieces(pub: Publisher) -> None:
+    """``kv.apply_blocks`` bounds what one hold of the routing lock applies: one
+    event of 600 blocks, and (with replay) a gap of 5 batches replayed at once."""
+    w = Worker(URL, kv_events=pub.endpoint, kv_replay=pub.replay_endpoint)
+    mesh = Mesh(
+        workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv={"apply_blocks": 50}
+    )
+    holds_per_call: list[int] = []
+    apply = mesh.router.kv_apply
+
+    def counted(worker_id: str, batches: Any, source: str | None = None) -> bool:
+        holds_per_call.append(sum(len(e.block_hashes) for b in batches for e in b.events))
+        return apply(worker_id, batches, source)
+
+    mesh.router.kv_apply = counted  # type: ignore[method-assign]
+    mesh.lifecycle.start()
+    with mesh:
+        connected(mesh, pub)
+        tokens = list(range(1, 600 * BLOCK + 1))
+        pub.store(list(range(1, 601)), None, tokens)
+        until(lambda: holds(mesh, tokens) == len(tokens), "the long chain")
+        head = tokens[-BLOCK:]
+        for i in range(5):  # missed by the SUB: a gap of 5 batches of 100 blocks
+            more = [t + 1000 * (i + 1) for t in tokens[: 100 * BLOCK]]
+            hashes = list(range(1000 * (i + 1), 1000 * (i + 1) + 100))
+            pub.store(hashes, 600 if i == 0 else 1000 * i + 99, more, publish=False)
+            head += more
+        pub.store([9999], 1000 * 5 + 99, [7] * BLOCK)
+        if pub.replay_endpoint is not None:
+            until(lambda: gaps(mesh, "replayed") == 1, "the replayed gap")
+            chained = tokens + head[BLOCK:] + [7] * BLOCK
+            until(lambda: holds(mesh, chained) == len(chained), "the replayed chain")
+        else:
+            until(lambda: gaps(mesh, "cleared") == 1, "the forgotten gap")
+        assert max(holds_per_call) <= 50
+        assert sum(1 for n in holds_per_call if n == 50) >= 12  # the 600 blocks, cut

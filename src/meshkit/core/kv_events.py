@@ -27,6 +27,13 @@ order). Both are accepted. Events:
   ``block_size``, ``lora_id``, ``medium``, ``lora_name`` (then optional
   ``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``, ...); a hash is an int
   or bytes (``ExternalBlockHash``);
+* ``extra_keys``: per block, the keys vLLM hashes with its tokens
+  (``kv_cache_utils.generate_block_hash_extra_keys``): the LoRA adapter's name,
+  then multimodal identifiers, the request's ``cache_salt`` (first block) and
+  prompt-embedding digests. Only the LoRA name can be known from a request's
+  text, so a block with any of the others is marked *salted*
+  (:attr:`BlockStored.salted`): no request is matched on it. vLLM releases that
+  name an adapter by ``lora_id`` only salt every block of it the same way;
 * ``BlockRemoved``: ``block_hashes``, ``medium`` (then ``group_idx``);
 * ``AllBlocksCleared``: nothing.
 
@@ -54,6 +61,7 @@ __all__ = [
     "decode_frames",
     "decode_replay",
     "replay_request",
+    "split",
 ]
 
 BlockHash = int | bytes
@@ -71,6 +79,7 @@ _STORED_FIELDS = (
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
 )
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
@@ -88,6 +97,11 @@ class BlockStored:
     lora_name: str | None = None
     medium: str | None = None
     group_idx: int | None = None
+    #: indices of the blocks hashed with keys a request's text cannot give
+    #: (multimodal, cache salt, prompt embeddings; see the module docstring)
+    salted: tuple[int, ...] = ()
+    #: the engine's ``kv_cache_spec_kind`` of the block's group, if it says
+    kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +135,76 @@ class Frame:
     topic: bytes | None
     seq: int
     batch: Batch | None
+
+
+def split(batches: Sequence[Batch], max_blocks: int) -> list[list[Batch]]:
+    """``batches`` cut into runs of at most ``max_blocks`` blocks each (an event
+    without blocks counts one), applied one after another to the same effect.
+
+    A ``BlockStored`` longer than that is cut too: each piece hangs from the last
+    block of the one before, as the engine's next event would. The subscriber
+    applies one run per hold of the routing lock, so no batch, however large,
+    holds placement up for longer than ``max_blocks`` blocks take.
+    """
+    limit = max(1, max_blocks)
+    runs: list[list[Batch]] = []
+    run: list[Batch] = []
+    room = limit
+    for batch in batches:
+        events: list[Event] = []
+        for event in batch.events:
+            for piece in _pieces(event, limit):
+                weight = _weight(piece)
+                if weight > room:
+                    if events:
+                        run.append(Batch(batch.ts, tuple(events), batch.dp_rank))
+                        events = []
+                    if run:
+                        runs.append(run)
+                    run, room = [], limit
+                events.append(piece)
+                room -= weight
+        if events:
+            run.append(Batch(batch.ts, tuple(events), batch.dp_rank))
+    if run:
+        runs.append(run)
+    return runs
+
+
+def _weight(event: Event) -> int:
+    if isinstance(event, AllBlocksCleared):
+        return 1
+    return len(event.block_hashes) or 1
+
+
+def _pieces(event: Event, limit: int) -> list[Event]:
+    if isinstance(event, AllBlocksCleared) or len(event.block_hashes) <= limit:
+        return [event]
+    hashes = event.block_hashes
+    if isinstance(event, BlockRemoved):
+        return [
+            BlockRemoved(hashes[i : i + limit], event.medium, event.group_idx)
+            for i in range(0, len(hashes), limit)
+        ]
+    size = event.block_size
+    if len(event.token_ids) != size * len(hashes):
+        return [event]  # malformed: the index counts it whole
+    out: list[Event] = []
+    for i in range(0, len(hashes), limit):
+        out.append(
+            BlockStored(
+                hashes[i : i + limit],
+                event.parent_block_hash if i == 0 else hashes[i - 1],
+                event.token_ids[i * size : (i + limit) * size],
+                size,
+                event.lora_name,
+                event.medium,
+                event.group_idx,
+                tuple(j - i for j in event.salted if i <= j < i + limit),
+                event.kind,
+            )
+        )
+    return out
 
 
 def replay_request(start_seq: int) -> bytes:
@@ -228,6 +312,26 @@ def _opt_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _salted(extra: Any, lora: str | None, lora_id: int | None, n: int) -> tuple[int, ...]:
+    """The blocks whose extra keys hold more than the LoRA name (module docstring)."""
+    if lora is None and lora_id is not None:
+        return tuple(range(n))  # an adapter named by number only: never matched
+    if extra is None:
+        return ()
+    if not isinstance(extra, list):
+        raise KvEventError("extra_keys must be a list (one entry per block) or nil")
+    out = []
+    for i, keys in enumerate(extra[:n]):
+        if keys is None:
+            continue
+        if not isinstance(keys, list):
+            raise KvEventError("an extra_keys entry must be an array or nil")
+        rest = keys[1:] if lora is not None and keys and keys[0] == lora else keys
+        if rest:
+            out.append(i)
+    return tuple(out)
+
+
 def _event(raw: Any) -> Event | None:
     tagged = _fields(raw, _STORED_FIELDS)
     if tagged is None:
@@ -242,14 +346,18 @@ def _event(raw: Any) -> Event | None:
         tokens = _tokens(tokens)
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise KvEventError("block_size must be a positive integer")
+        hashes = _hashes(f.get("block_hashes"))
+        lora = _opt_str(f.get("lora_name"))
         return BlockStored(
-            _hashes(f.get("block_hashes")),
+            hashes,
             parent,
             tuple(tokens),
             size,
-            _opt_str(f.get("lora_name")),
+            lora,
             _opt_str(f.get("medium")),
             _opt_int(f.get("group_idx")),
+            _salted(f.get("extra_keys"), lora, _opt_int(f.get("lora_id")), len(hashes)),
+            _opt_str(f.get("kv_cache_spec_kind")),
         )
     if tag == "BlockRemoved":
         if isinstance(raw, list):  # its own field order, not BlockStored's

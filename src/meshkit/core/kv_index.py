@@ -37,6 +37,27 @@ group, that looked like a silent publisher and dropped the hot roots (and one
 silent publisher among reporting ones was never found). What is dropped or left
 out is counted (:attr:`KvIndex.evicted`).
 
+What a request can be matched on, and so what is indexed, is a block of a
+prompt's tokens on the engine's GPU, in a group whose attention keeps the whole
+prefix, chained from the root of the model the request names:
+
+* **LoRA adapters**: vLLM hashes an adapter's blocks with its name, so the same
+  tokens under an adapter and under the base model are different blocks. An
+  adapter's chain starts from a root of its own (:func:`lora_root`); a request
+  whose ``model`` is an adapter name the index has seen in events is keyed from
+  it (:meth:`KvIndex.root`), any other from :data:`ROOT`.
+* **Salted blocks** (multimodal inputs, a ``cache_salt``, prompt embeddings; see
+  :mod:`meshkit.core.kv_events`) get keys no request's tokens produce: a prompt
+  with image A is never matched on image B's placeholder tokens.
+* **Other media** (``medium`` other than ``"GPU"``: an offloading connector's CPU
+  tier) are not indexed: their stores and removals name the same engine hashes as
+  the GPU's, and a CPU-tier removal must not drop a block the GPU holds.
+* **Groups of partial attention** (``kv_cache_spec_kind`` sliding window, Mamba,
+  chunked local...: hybrid models publish one group per kind) drop old blocks as
+  a matter of course; their stores and removals are not indexed, and the group
+  numbers they use are remembered so their removals (which carry no kind) are
+  skipped too.
+
 A ``BlockStored`` whose parent the index does not know (left out, or stored before
 meshkit subscribed) cannot be chained and is skipped: it is counted
 (:attr:`KvIndex.unchained`). A worker's block size is learnt from its events; a
@@ -53,18 +74,31 @@ Pure: the subscriber feeds it decoded batches, under the router's lock.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
 from meshkit.core.kv_events import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored
 
-__all__ = ["ROOT", "KvIndex", "chain"]
+__all__ = ["ROOT", "KvIndex", "chain", "lora_root"]
 
 #: the parent key of a prompt's first block
 ROOT = 0
 _MASK64 = (1 << 64) - 1
 #: candidate sets whose masks are remembered (cleared when a block size or a bit changes)
 _MAX_MASKS = 256
+#: a salted block's key: ``(parent, _SALT, *tokens)`` is one longer than any
+#: unsalted block's tuple, so no request's tokens give it
+_SALT = -2
+#: the media a request is matched on (None: an engine that does not say)
+_MATCHED_MEDIA = frozenset({None, "GPU"})
+#: ``kv_cache_spec_kind`` values whose groups keep a prompt's whole prefix
+#: (vLLM's ``KVCacheSpecKind``; "unknown" kept: better a match than none)
+_WHOLE_PREFIX = frozenset(
+    {None, "full_attention", "mla_attention", "sink_full_attention", "unknown"}
+)
+#: partial-attention group numbers remembered per worker (engines have a handful)
+_MAX_GROUPS = 64
 
 
 def _key(parent: int, tokens: Sequence[int]) -> int:
@@ -74,9 +108,17 @@ def _key(parent: int, tokens: Sequence[int]) -> int:
     return hash((parent, *tokens))
 
 
+def lora_root(name: str) -> int:
+    """The root an adapter's chains start from: the same in every process (a str's
+    ``hash`` is seeded per process), never :data:`ROOT`."""
+    digest = hashlib.blake2b(name.encode(), digest_size=8, person=b"meshkit-lora").digest()
+    return (int.from_bytes(digest, "big") >> 3) | 1
+
+
 def chain(token_ids: Sequence[int], block_size: int, parent: int = ROOT) -> list[int]:
     """The keys of the full blocks of ``token_ids`` (a partial last block has none,
-    as engines cache only full blocks)."""
+    as engines cache only full blocks), from ``parent`` (:data:`ROOT`, or an
+    adapter's :func:`lora_root`)."""
     keys = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = _key(parent, token_ids[start : start + block_size])
@@ -93,11 +135,13 @@ def _h64(h: BlockHash) -> int:
 
 
 class _Worker:
-    __slots__ = ("bit", "block_size", "crowded", "entries", "group")
+    __slots__ = ("bit", "block_size", "crowded", "entries", "group", "partial")
 
     def __init__(self, bit: int, group: str) -> None:
         self.bit = bit
         self.group = group
+        #: the engine's groups of partial attention (their events are not indexed)
+        self.partial: set[int] = set()
         self.block_size: int | None = None
         #: new blocks that found no room since its engine last reported a removal
         self.crowded = 0
@@ -110,10 +154,15 @@ class KvIndex:
     """The blocks each worker holds (see the module docstring).
 
     :param max_blocks: entries per group (model).
+    :param max_loras: adapter names remembered (:meth:`root`); an adapter seen
+        past it is not matched.
     """
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, max_loras: int = 4096) -> None:
         self.max_blocks = max(1, max_blocks)
+        self.max_loras = max(0, max_loras)
+        #: the adapter names seen in events (replaced, not changed: read off the lock)
+        self.lora_names: frozenset[str] = frozenset()
         self._workers: dict[str, _Worker] = {}
         #: workers per group (a worker's share of the budget is max_blocks / this)
         self._peers: dict[str, int] = {}
@@ -155,6 +204,10 @@ class KvIndex:
         # An engine that holds a prefix's last block holds the blocks before it.
         return not (self._holders.get(own[-1], 0) >> w.bit) & 1
 
+    def root(self, model: str | None) -> int:
+        """The root of ``model``'s chains: its adapter's, if events named it one."""
+        return lora_root(model) if model is not None and model in self.lora_names else ROOT
+
     def sizes(self) -> frozenset[int]:
         """The block sizes in use (prepare computes a request's keys for each)."""
         return frozenset(s.block_size for s in self._workers.values() if s.block_size)
@@ -184,6 +237,8 @@ class KvIndex:
             if isinstance(event, BlockStored):
                 self._stored(w, event)
             elif isinstance(event, BlockRemoved):
+                if event.medium not in _MATCHED_MEDIA or event.group_idx in w.partial:
+                    continue
                 # The publisher reports what it drops (held here or not): no fallback.
                 w.crowded = 0
                 entries = w.entries
@@ -248,6 +303,12 @@ class KvIndex:
             w.crowded = 0
 
     def _stored(self, w: _Worker, event: BlockStored) -> None:
+        if event.medium not in _MATCHED_MEDIA:
+            return
+        if event.kind not in _WHOLE_PREFIX:
+            if event.group_idx is not None and len(w.partial) < _MAX_GROUPS:
+                w.partial.add(event.group_idx)
+            return
         size = event.block_size
         if w.block_size != size:
             if w.block_size is not None:
@@ -261,7 +322,7 @@ class KvIndex:
         entries = w.entries
         held = None if event.parent_block_hash is None else _h64(event.parent_block_hash)
         if held is None:
-            parent = ROOT
+            parent = ROOT if event.lora_name is None else self._lora(event.lora_name)
         else:
             known = entries.get(held)
             if known is None:
@@ -273,8 +334,10 @@ class KvIndex:
         holders = self._holders
         bit = 1 << w.bit
         tokens = event.token_ids
+        salted: frozenset[int] | tuple[()] = frozenset(event.salted) if event.salted else ()
         for i, h in enumerate(hashes):
-            parent = _key(parent, tokens[i * size : (i + 1) * size])
+            block = tokens[i * size : (i + 1) * size]
+            parent = hash((parent, _SALT, *block)) if i in salted else _key(parent, block)
             old = entries.get(h)
             if old == parent:
                 continue  # stored again: it keeps its place (its children are newer)
@@ -290,6 +353,11 @@ class KvIndex:
                 self._sizes[w.group] += 1
             entries[h] = parent
             holders[parent] = holders.get(parent, 0) | bit
+
+    def _lora(self, name: str) -> int:
+        if name not in self.lora_names and len(self.lora_names) < self.max_loras:
+            self.lora_names = self.lora_names | {name}
+        return lora_root(name)
 
     def _room(self, w: _Worker, fresh: int, parent: int | None, own: list[int]) -> int:
         """How many of ``fresh`` new blocks ``w`` takes, making room for them.
@@ -338,6 +406,7 @@ class KvIndex:
         token_ids: Sequence[int],
         worker_ids: Iterable[str],
         keys: Mapping[int, Sequence[int]] | None = None,
+        model: str | None = None,
     ) -> dict[str, int]:
         """Per worker, how many leading tokens of ``token_ids`` it holds (0: none,
         or no events from it).
@@ -345,6 +414,8 @@ class KvIndex:
         :param keys: the prompt's block keys per block size, when computed already
             (prepare does, off the lock); else they are computed block by block,
             only while some worker still holds the prefix.
+        :param model: the request's model: the keys computed here start from its
+            :meth:`root` (prepare's did).
         """
         ids = tuple(worker_ids)
         out = dict.fromkeys(ids, 0)
@@ -367,7 +438,7 @@ class KvIndex:
                 if alive:
                     self._search(out, known, alive, 1, len(known), size)
                 continue
-            parent = ROOT
+            parent = self.root(model)
             n = 0
             for n, start in enumerate(range(0, len(token_ids) - size + 1, size), 1):
                 parent = _key(parent, token_ids[start : start + size])

@@ -301,5 +301,5 @@ def uncached_weight(fleet: Fleet, cand: Candidate, view: RequestView) -> int:
     kv = fleet.kv
     if not kv.covers(wid):
         return weight
-    held = kv.match(ids, (wid,), view.kv_keys).get(wid, 0)
+    held = kv.match(ids, (wid,), view.kv_keys, view.model).get(wid, 0)
     return weight - weight * min(held, len(ids)) // len(ids)

@@ -288,10 +288,11 @@ class Fleet:
         max_in_flight_per_worker: int = 0,
         kv_max_blocks: int = 1_000_000,
         kv_silence_s: float = 60.0,
+        kv_max_loras: int = 4096,
     ) -> None:
         self._workers: dict[str, Worker] = {}
         #: the blocks workers with KV events hold (fed by the subscribers)
-        self.kv = KvIndex(kv_max_blocks)
+        self.kv = KvIndex(kv_max_blocks, kv_max_loras)
         #: publishers that went quiet while requests were placed on their workers
         self.kv_silence = KvSilence(kv_silence_s)
         #: per worker id: the engine's last load report, and the requests other

@@ -6,7 +6,9 @@ One task per worker that names a publisher (``Worker(kv_events=...)``), on the
 lifecycle thread's loop: a ZeroMQ SUB socket connected to the engine's publisher
 (all topics), each message decoded (:mod:`meshkit.core.kv_events`) and applied to
 the fleet's :class:`~meshkit.core.kv_index.KvIndex` under the routing lock, at most
-``kv.apply_batch`` batches per hold so a burst never stalls placement.
+``kv.apply_blocks`` blocks per hold (a bigger batch, a replayed gap, even one long
+event is applied in pieces, the loop turning between them) so a burst never
+stalls placement for longer than one piece takes.
 
 Sequence numbers grow by one per batch; what breaks that is handled so the index
 never claims a block the engine may have dropped:
@@ -48,6 +50,7 @@ from meshkit.core.kv_events import (
     decode_frames,
     decode_replay,
     replay_request,
+    split,
 )
 from meshkit.core.workers import Worker
 from meshkit.errors import ConfigError
@@ -187,9 +190,7 @@ class KvSubscribers:
                 # (or while) meshkit joined is not missed, even on an idle engine.
                 got = await self._replay(replay, 0, _ALL)
                 if got is not None:
-                    for i in range(0, len(got[1]), self.config.apply_batch):
-                        chunk = got[1][i : i + self.config.apply_batch]
-                        self.router.kv_apply(worker_id, chunk, endpoint)
+                    await self._apply(worker_id, got[1], endpoint)
                     metrics.kv_batches.labels(worker_id).inc(len(got[1]))
                     # From here on a batch the SUB missed while joining is a gap.
                     expected = got[0] + len(got[1])
@@ -229,12 +230,22 @@ class KvSubscribers:
                     batches.append(frame.batch)
                     expected = seq + 1
                 if batches:
-                    if self.router.kv_apply(worker_id, batches, endpoint):
+                    if await self._apply(worker_id, batches, endpoint):
                         metrics.kv_silent.labels(worker_id).set(0)
                         log.info("kv events: %s publishes again", worker_id)
                     metrics.kv_batches.labels(worker_id).inc(len(batches))
         finally:
             sub.close(linger=0)
+
+    async def _apply(self, worker_id: str, batches: list[Batch], endpoint: str) -> bool:
+        """``batches`` into the index, at most ``kv.apply_blocks`` blocks per hold of
+        the routing lock. True when the worker's publisher had been silent."""
+        heard = False
+        for i, run in enumerate(split(batches, self.config.apply_blocks)):
+            if i:
+                await asyncio.sleep(0)  # the routing lock is free between pieces
+            heard = self.router.kv_apply(worker_id, run, endpoint) or heard
+        return heard
 
     async def _gap(
         self, worker_id: str, replay: str | None, batches: list[Batch], start: int, end: int

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from meshkit.core.endpoints import Api, Match, Op
-from meshkit.core.kv_index import chain
+from meshkit.core.kv_index import ROOT, chain
 from meshkit.core.requests import LocalResponse, RequestView, check_media, parse_request
 from meshkit.errors import InvalidRequest, RequestTooLarge
 
@@ -63,9 +63,11 @@ class Preparer:
         tokenizers: TokenizerRegistry,
         policy: Callable[[], Policy],
         kv_sizes: Callable[[], frozenset[int]] = frozenset,
+        kv_root: Callable[[str | None], int] = lambda model: ROOT,
     ) -> None:
         self.pool = pool
         self._kv_sizes = kv_sizes
+        self._kv_root = kv_root
         self._match_tokens = config.kv.match_tokens
         self.tokenizers = tokenizers
         self._policy = policy
@@ -158,7 +160,8 @@ class Preparer:
                 return
         ids = ids[: self._match_tokens]
         view.prompt_ids = ids
-        view.kv_keys = {size: chain(ids, size) for size in sizes}
+        root = self._kv_root(view.model)  # a LoRA adapter's blocks chain from its own
+        view.kv_keys = {size: chain(ids, size, root) for size in sizes}
 
     def _parse(self, match: Match, body: bytes) -> RequestView:
         needs = self._policy().needs

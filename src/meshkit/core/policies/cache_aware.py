@@ -251,7 +251,7 @@ class CacheAware(BasePolicy):
         if ids and kv is not None:
             covered = [c.worker.id for c in cands if kv.covers(c.worker.id)]
             if covered:
-                by_events = kv.match(ids, covered, ctx.view.kv_keys)
+                by_events = kv.match(ids, covered, ctx.view.kv_keys, ctx.view.model)
         tree = self._trees.get(ctx.view.model or "")
         by_text: dict[str, int] = {}
         if text and tree is not None and len(by_events) < len(cands):

@@ -111,4 +111,4 @@ def _held(ctx: PlacementContext) -> dict[str, int]:
     if not ids or kv is None:
         return {}
     covered = [c.worker.id for c in ctx.candidates if kv.covers(c.worker.id)]
-    return kv.match(ids, covered, ctx.view.kv_keys) if covered else {}
+    return kv.match(ids, covered, ctx.view.kv_keys, ctx.view.model) if covered else {}
