@@ -281,7 +281,12 @@ class KvConfig:
     # its adapter's blocks); an adapter seen past this is not matched.
     max_lora_names: int = 4096
     # Messages ZeroMQ queues for a subscriber that falls behind (then it drops: a gap).
-    receive_hwm: int = 100_000
+    # vLLM keeps 10,000 batches for replay: a subscriber further behind cannot be
+    # caught up anyway. What one subscriber may queue: receive_hwm x max_message_bytes.
+    receive_hwm: int = 10_000
+    # A message over this drops the publisher's connection (libzmq's MAXMSGSIZE); the
+    # subscriber starts again, the worker's entries rebuilt (replayed, or from new events).
+    max_message_bytes: int = 16 * 1024 * 1024
     # A worker placed on whose publisher then sends nothing for this long is matched on
     # the approximate tree until it publishes again (kv_silence.py says why); 0: never.
     silence_s: float = 60.0
@@ -293,6 +298,7 @@ class KvConfig:
             "apply_batch",
             "apply_blocks",
             "max_lora_names",
+            "max_message_bytes",
             "receive_hwm",
         ):
             if getattr(self, name) < 1:

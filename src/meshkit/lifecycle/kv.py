@@ -26,6 +26,10 @@ never claims a block the engine may have dropped:
   stored before meshkit subscribed, even on an idle engine, are known;
 * a payload that does not decode counts ``mesh_kv_errors_total`` and is treated
   as a gap (its events are lost);
+* a message over ``kv.max_message_bytes``: libzmq drops the connection and does
+  not connect again, so the dropped connection ends the task (its monitor says
+  so) and it is started again like one that failed; together with
+  ``kv.receive_hwm`` this bounds what a publisher can make a subscriber queue;
 * a worker that leaves the fleet, or names another publisher, has its task
   cancelled and its entries dropped (:meth:`Fleet.remove` / ``Fleet.replace``).
 
@@ -172,12 +176,20 @@ class KvSubscribers:
 
     async def _follow(self, worker_id: str, endpoint: str, replay: str | None) -> None:
         import zmq
+        import zmq.asyncio
 
         metrics = self.router.metrics
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # libzmq drops a connection that sent a message over MAXMSGSIZE and does
+        # not connect again: the task ends, and sync() starts a new subscription.
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         sub.connect(endpoint)
         log.info("kv events: subscribed to %s for %s", endpoint, worker_id)
         expected: int | None = None
@@ -197,8 +209,14 @@ class KvSubscribers:
                     window = {got[0] + i: b.ts for i, b in enumerate(got[1])}
                     self.router.kv_attach(worker_id)
             while True:
-                messages = [await sub.recv_multipart(copy=True)]
-                # What else is queued already, up to one lock hold's worth.
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    raise ConnectionError(
+                        "the publisher's connection was dropped (it went away, or sent a "
+                        f"message over kv.max_message_bytes = {self.config.max_message_bytes})"
+                    )
+                messages: list[list[bytes]] = []
+                # What is queued already, up to one read's worth.
                 while len(messages) < self.config.apply_batch and (
                     sub.getsockopt(zmq.EVENTS) & zmq.POLLIN
                 ):
@@ -235,6 +253,8 @@ class KvSubscribers:
                         log.info("kv events: %s publishes again", worker_id)
                     metrics.kv_batches.labels(worker_id).inc(len(batches))
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
 
     async def _apply(self, worker_id: str, batches: list[Batch], endpoint: str) -> bool:
@@ -272,6 +292,7 @@ class KvSubscribers:
 
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         first: int | None = None
         got: list[Batch] = []
         try:
