@@ -714,6 +714,29 @@ def test_expect_100_continue(gateway: Any) -> None:
     assert api_requests(worker) == 1
 
 
+def test_a_pipelined_expect_100_continue_gets_its_100_when_its_turn_comes(gateway: Any) -> None:
+    """A request asking for a 100 behind one still running: its 100 follows the
+    answer before it (a 100 first would be read as that request's answer), and its
+    client, which waits for it, then sends the body. It used to idle out."""
+    served, worker, _ = gateway(output_tokens=3, per_token_ms=50.0)
+    body = chat()
+    raw = Raw(served.url)
+    raw.send(request("POST", PATH, body))
+    raw.send(request("POST", PATH, body, headers=(("Expect", "100-continue"),))[: -len(body)])
+    assert raw.response().status == 200
+    interim = raw.response()
+    assert interim.status == 100 and interim.headers == []
+    raw.send(body)
+    assert raw.response().status == 200
+    assert api_requests(worker) == 2
+    # A client that sends its body without waiting gets no 100 after the fact.
+    raw.send(request("POST", PATH, body))
+    raw.send(request("POST", PATH, body, headers=(("Expect", "100-continue"),)))
+    assert [raw.response().status for _ in range(2)] == [200, 200]
+    raw.send(request("GET", "/health", b""))
+    assert raw.response().status == 200
+
+
 # -- refusals ---------------------------------------------------------------------------------
 
 _H = b"Host: gw\r\n"

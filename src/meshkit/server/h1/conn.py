@@ -148,6 +148,9 @@ class H1Conn(asyncio.Protocol):
         self._raw_path = b""
         self._query = b""
         self._refused = False  # stop parsing: an answer and a close are on their way
+        # The request being parsed asked for a 100 while another ran: it is sent
+        # when the connection turns idle (its client waits for it to send the body).
+        self._continue = False
         # Bytes received since the head being parsed began: httptools buffers a
         # header line whole before any callback, so a line that never ends is only
         # seen here. Bounded like a head of endless lines (on_header).
@@ -268,6 +271,7 @@ class H1Conn(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._continue = False
         self._url = b""
         self._headers = []
         self._size = 0
@@ -333,8 +337,11 @@ class H1Conn(asyncio.Protocol):
                     raise _Refused(RequestTooLarge(f"request body is over {self.max_body} bytes"))
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect = True
-        if expect and self.transport is not None and not self.queue and self.task is None:
-            self.transport.write(_CONTINUE)
+        if expect and self.transport is not None:
+            if not self.queue and self.task is None:
+                self.transport.write(_CONTINUE)
+            else:
+                self._continue = True  # after the requests before it (_finish)
 
     def on_chunk_header(self) -> None:
         # Called for chunked bodies only (the others pay nothing); acts once per
@@ -366,6 +373,7 @@ class H1Conn(asyncio.Protocol):
             # (a read of tiny requests would otherwise queue thousands).
             raise _Refused(Unavailable(self._over_pipelined()))
         self._in_head = True
+        self._continue = False  # its body came without the 100
         self._head_bytes = 0
         self._framing_bytes = 0
         parts = self._body
@@ -502,6 +510,10 @@ class H1Conn(asyncio.Protocol):
             nxt = self.queue.popleft()
             self.queued_bytes -= len(nxt.body)
             self._start(nxt)
+        elif self._continue and self.transport is not None:
+            # The request behind waited for its 100 until this one was answered.
+            self._continue = False
+            self.transport.write(_CONTINUE)
         if self.read_paused and not self._queue_full() and self.transport is not None:
             self.read_paused = False
             self.transport.resume_reading()
