@@ -83,6 +83,18 @@ class Publisher:
         self.ctx.destroy(linger=0)
 
 
+class ApplyStandin:
+    """The router as the subscribers see it, its ``kv_apply`` replaced (a stand-in,
+    not a patch: a compiled Router's methods are fixed)."""
+
+    def __init__(self, router: Any, kv_apply: Callable[..., Any]) -> None:
+        self.router = router
+        self.kv_apply = kv_apply
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.router, name)
+
+
 def until(check: Callable[[], bool], what: str) -> None:
     """Wait for ``check``: the subscriber runs on the lifecycle thread."""
     deadline = time.monotonic() + 20
@@ -236,25 +248,15 @@ def test_a_subscriber_that_fails_is_started_again(pub: Publisher) -> None:
     with mesh_for(pub) as mesh:
         connected(mesh, pub)
         failed: list[bool] = []
+        router = mesh.router
 
-        class FailsOnce:
-            """The router, as the subscribers see it, with one bug in applying
-            (a stand-in, not a patch: a compiled Router's methods are fixed)."""
+        def fails_once(*args: Any) -> None:
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("a bug in applying")
+            router.kv_apply(*args)
 
-            def __init__(self, router: Any) -> None:
-                self.router = router
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(self.router, name)
-
-            def kv_apply(self, *args: Any) -> None:
-                if not failed:
-                    failed.append(True)
-                    raise RuntimeError("a bug in applying")
-                self.router.kv_apply(*args)
-
-        subscribers = mesh.lifecycle.kv
-        subscribers.router = FailsOnce(subscribers.router)  # type: ignore[assignment]
+        mesh.lifecycle.kv.router = ApplyStandin(router, fails_once)  # type: ignore[assignment]
         pub.store([5], None, [5, 6, 7, 8])
         until(lambda: bool(failed), "the failure")
         # Started again on the next sync: what follows is applied.
@@ -526,22 +528,13 @@ def test_a_long_batch_or_a_replayed_gap_is_applied_in_bounded_pieces(pub: Publis
         workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv={"apply_blocks": 50}
     )
     holds_per_call: list[int] = []
+    router = mesh.router
 
-    class Counting:
-        """The router as the subscribers see it, counting the blocks of each hold
-        (a stand-in, not a patch: a compiled Router's methods are fixed)."""
+    def counted(worker_id: str, batches: Any, source: str | None = None) -> bool:
+        holds_per_call.append(sum(len(e.block_hashes) for b in batches for e in b.events))
+        return bool(router.kv_apply(worker_id, batches, source))
 
-        def __init__(self, router: Any) -> None:
-            self.router = router
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.router, name)
-
-        def kv_apply(self, worker_id: str, batches: Any, source: str | None = None) -> bool:
-            holds_per_call.append(sum(len(e.block_hashes) for b in batches for e in b.events))
-            return bool(self.router.kv_apply(worker_id, batches, source))
-
-    mesh.lifecycle.kv.router = Counting(mesh.router)  # type: ignore[assignment]
+    mesh.lifecycle.kv.router = ApplyStandin(router, counted)  # type: ignore[assignment]
     mesh.lifecycle.start()
     with mesh:
         connected(mesh, pub)
