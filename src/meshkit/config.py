@@ -276,7 +276,7 @@ class KvConfig:
     apply_batch: int = 64
     # Blocks applied under one hold of the routing lock: a batch (or one event) with
     # more is applied in pieces, placement running between them.
-    apply_blocks: int = 4096
+    apply_blocks: int = 1024
     # LoRA adapter names remembered from events (a request naming one is matched on
     # its adapter's blocks); an adapter seen past this is not matched.
     max_lora_names: int = 4096
