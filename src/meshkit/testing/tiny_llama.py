@@ -1,4 +1,5 @@
-"""Write a tiny random-weight Llama for a real vLLM: ``python tiny_llama.py TOKENIZER DIR``.
+"""Write a tiny random-weight Llama for a real vLLM: ``python tiny_llama.py TOKENIZER DIR``
+(and ``--lora NAME=DIR ...``: a random LoRA adapter of it per name, in PEFT's layout).
 
 Run as a script by the vLLM environment's interpreter (it needs torch and
 transformers, which meshkit does not depend on; :mod:`meshkit.testing.vllm` runs
@@ -47,5 +48,37 @@ def main(tokenizer: Path, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=1))
 
 
+def lora(out: Path, rank: int = 8) -> None:
+    """A random LoRA adapter of the model above (q_proj and v_proj of each layer), as
+    PEFT saves one: vLLM's ``--lora-modules NAME=DIR`` loads it."""
+    import torch
+    from safetensors.torch import save_file  # type: ignore[import-not-found]
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(1)
+    tensors = {}
+    for layer in range(2):
+        for proj in ("q_proj", "v_proj"):
+            at = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{at}.lora_A.weight"] = torch.randn(rank, 128) * 0.01
+            tensors[f"{at}.lora_B.weight"] = torch.randn(128, rank) * 0.01
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["q_proj", "v_proj"],
+        "base_model_name_or_path": "tiny",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
+
+
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]))
+    for spec in sys.argv[4:] if sys.argv[3:4] == ["--lora"] else ():
+        lora(Path(spec.split("=", 1)[1]))

@@ -65,6 +65,8 @@ class VllmServer:
         None: what ``VLLM_CPU_KVCACHE_SPACE`` = 1 GiB holds).
     :param pub_host: the host of the events endpoint vLLM is given (``*`` binds).
     :param max_model_len: prompt and answer, in tokens (the cache must hold one).
+    :param loras: LoRA adapter names to serve beside the model (random adapters of
+        it, ``--enable-lora --lora-modules``); a request names one as its model.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class VllmServer:
         pub_host: str = "*",
         max_model_len: int = 8192,
         start_timeout_s: float = 600.0,
+        loras: tuple[str, ...] = (),
     ) -> None:
         self.python = python
         self.tokenizer = Path(tokenizer)
@@ -87,6 +90,7 @@ class VllmServer:
         self.pub_host = pub_host
         self.max_model_len = max_model_len
         self.start_timeout_s = start_timeout_s
+        self.loras = loras
         self.url = self.events = self.replay = ""
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -108,8 +112,13 @@ class VllmServer:
         if probe.returncode:
             raise VllmUnavailable(f"{self.python} cannot import vllm")
         model = self.workdir / "model"
-        if not (model / "config.json").exists():
+        adapters = {name: self.workdir / f"lora-{name}" for name in self.loras}
+        if not (model / "config.json").exists() or not all(
+            (a / "adapter_config.json").exists() for a in adapters.values()
+        ):
             run = [self.python, str(TINY_LLAMA), str(self.tokenizer), str(model)]
+            if adapters:
+                run += ["--lora", *(f"{n}={a}" for n, a in adapters.items())]
             subprocess.run(run, check=True, capture_output=True)  # noqa: S603
         port, pub, rep = _free_port(), _free_port(), _free_port()
         kv = {
@@ -129,6 +138,9 @@ class VllmServer:
         ]
         if self.cache_blocks is not None:
             argv += ["--num-gpu-blocks-override", str(self.cache_blocks)]
+        if adapters:
+            argv += ["--enable-lora", "--max-lora-rank", "8", "--lora-modules"]
+            argv += [f"{n}={a}" for n, a in adapters.items()]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(  # noqa: S603
