@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from meshkit.accounting import Accounting
 from meshkit.core.credentials import header_changes
-from meshkit.core.endpoints import Api, Match
+from meshkit.core.endpoints import Api, Match, shape_for_path
 from meshkit.core.forward import Attempt, AttemptResult, Failure, ForwardFlow, Hold
 from meshkit.core.relay import Relay
 from meshkit.core.requests import RequestView, head_error
@@ -139,6 +139,10 @@ class Picker:
         self.headers = kept
         path, _, query = target.decode("latin-1").partition("?")
         self.path, self.query = path, query
+        # A refusal before the endpoint is known (404, 405) is in the shape of the
+        # API the path belongs to, as the HTTP modes answer it (Anthropic's under
+        # /v1/messages).
+        self._shape = shape_for_path(path)
         try:
             match = self.match = self.mesh.resolve(self.method, path)
             if match is not None:
