@@ -17,12 +17,14 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx2
 import pytest
 
 from conformance.test_parity import seen
 from extproc.scriptworker import Scripted, ScriptWorker
 from harness import EXTPROC, MODE_CLASSES, Mode, wait_until
 from meshkit import Mesh, Worker
+from upstreams import RawServer, reset
 
 if not EXTPROC:
     pytest.skip("needs grpcio and an envoy binary (the test extra)", allow_module_level=True)
@@ -395,3 +397,57 @@ def test_expect_100_continue_is_answered_alike(mock_factory: Any, mesh_factory: 
         assert refused["gateway"] == (status, False, refused["extproc"][2])
         assert refused["extproc"][0] == status  # Envoy sent its 100 first (interim True)
     assert wait_until(lambda: mesh.total_load() == 0)
+
+
+# -- a worker that fails -----------------------------------------------------------------------
+
+
+def _head_then_reset(srv: RawServer, s: socket.socket, n: int, head: bytes, body: bytes) -> bool:
+    """A worker that sends its response head and dies at once (an RST)."""
+    s.sendall(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    reset(s)
+    return False
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Envoy answers a worker that resets right after its head with its own "
+    "text/plain 502 ('upstream connect error or disconnect/reset before headers. "
+    "reset reason: protocol error'), a local reply that never reaches the picker "
+    "(no response_headers message, or one after the picker already passed the "
+    "worker's 200): only Envoy's local_reply_config could put it in the API's shape",
+)
+def test_a_worker_that_dies_after_its_head_is_answered_in_the_apis_shape(
+    mesh_factory: Any,
+) -> None:
+    """What the client gets is the API's own: a 200 whose stream ends in meshkit's
+    error event, or a reset (a worker that broke mid-stream, documented), or
+    meshkit's 502 ``upstream_error`` in JSON; never Envoy's text/plain reply."""
+    with RawServer(_head_then_reset) as worker:
+        mesh = mesh_factory(
+            workers=[Worker(worker.url)],
+            lifecycle={"probe": False, "breaker_failures": 1000},
+            upstream={"max_attempts": 1},
+        )
+
+        def answers(m: Mode) -> list[tuple[int, str, bytes]]:
+            out = []
+            for _ in range(10):  # Envoy sees the head, or not, by the RST's timing
+                try:
+                    r = m.request("POST", "/v1/chat/completions", json={**CHAT, "stream": True})
+                except httpx2.TransportError:
+                    continue  # Envoy reset the client's stream: documented
+                out.append((r.status, r.headers.get("content-type", ""), r.body))
+            return out
+
+        for mode, replies in in_both(mesh, answers).items():
+            for status, ctype, body in replies:
+                if status == 200:
+                    assert ctype == "text/event-stream", (mode, body)
+                    assert b"upstream_error" in body.rsplit(b"data: ", 1)[-1], (mode, body)
+                else:
+                    assert (status, ctype) == (502, "application/json"), (mode, status, body)
+                    assert json.loads(body)["error"]["code"] == "upstream_error"
+        assert wait_until(lambda: mesh.total_load() == 0)
