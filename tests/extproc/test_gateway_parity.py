@@ -33,7 +33,8 @@ COMPARED = ("gateway", "extproc")
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 MESSAGES = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 JSON = {"content-type": "application/json"}
-PATH_B = b"/v1/chat/completions"
+PATH = "/v1/chat/completions"
+PATH_B = PATH.encode()
 #: what a client acts on, with ``allow`` (a 405's) beside test_parity's list
 MATTER = ("allow",)
 
@@ -282,6 +283,56 @@ def test_answers_of_several_mib_alike(mock_factory: Any, mesh_factory: Any) -> N
     size, tail, counted = agreed(in_both(mesh, streamed))
     assert size > 3 << 20 and tail.endswith(b"data: [DONE]\n\n") and counted == 20_000
     assert requests_total(mesh) == {("chat", "200"): 4}
+
+
+def test_a_client_that_leaves_mid_stream_settles_alike(
+    mock_factory: Any, mesh_factory: Any
+) -> None:
+    mock = mock_factory(name="slow", per_token_ms=50.0, output_tokens=100)
+    mesh = mesh_factory(workers=[Worker(mock.url)], lifecycle={"probe": False})
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+
+    def leave(m: Mode) -> tuple[int, bool, bool]:
+        left = mock.worker.stats.disconnects
+        with (
+            httpx2.Client(trust_env=False) as c,
+            c.stream("POST", m.base_url + PATH, json=body) as r,
+        ):
+            chunks = r.iter_raw()  # kept: a dropped iterator closes the response
+            next(chunks)
+            held = mesh.total_load()
+        settled = wait_until(lambda: mesh.total_load() == 0)
+        # the worker's connection closes too: it stops generating
+        told = wait_until(lambda: mock.worker.stats.disconnects == left + 1)
+        return held, settled, told
+
+    assert agreed(in_both(mesh, leave)) == (1, True, True)
+    assert requests_total(mesh) == {("chat", "cancelled"): 2}
+    assert metric(mesh, "mesh_router_client_disconnects_total") == 2
+
+
+def test_responses_follow_ups_alike(mock_factory: Any, mesh_factory: Any) -> None:
+    """A follow-up goes to the worker that holds its response; one to an id no
+    worker knows is the same answer (after the same questions to the workers)."""
+    mocks = [mock_factory(name=f"r{i}") for i in range(3)]
+    mesh = mesh_factory(workers=[Worker(m.url) for m in mocks], lifecycle={"probe": False})
+
+    def follow(m: Mode) -> tuple[list[bool], Any]:
+        first = m.request("POST", "/v1/responses", json={"model": "m", "input": "hi"})
+        rid, owner = first.json()["id"], first.headers["x-mock-worker"]
+        same = []
+        for stream in (False, True, False):
+            ask = {"model": "m", "input": "more", "previous_response_id": rid, "stream": stream}
+            same.append(
+                m.request("POST", "/v1/responses", json=ask).headers["x-mock-worker"] == owner
+            )
+        unknown = {"model": "m", "input": "more", "previous_response_id": "resp_nobody0001"}
+        return same, answer(m, "POST", "/v1/responses", json=unknown)
+
+    same, (status, _, raw) = agreed(in_both(mesh, follow))
+    assert same == [True, True, True]
+    assert status >= 400 and json.loads(raw)["error"]["code"]
+    assert wait_until(lambda: mesh.total_load() == 0)
 
 
 # -- request framing -------------------------------------------------------------------------
