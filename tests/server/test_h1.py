@@ -714,6 +714,23 @@ def test_expect_100_continue(gateway: Any) -> None:
     assert api_requests(worker) == 1
 
 
+def test_a_head_request_refused_at_its_head_gets_no_body(gateway: Any) -> None:
+    """HEAD of an inference path is a 405 refused while the head is read: its answer
+    is a head alone (RFC 9110 §9.3.2), and the next request on the connection is
+    read as a request, not after a stray body."""
+    served, _, _ = gateway()
+    raw = Raw(served.url)
+    raw.send(request("HEAD", "/v1/models") + request("HEAD", PATH))
+    first = raw.response("HEAD")
+    assert first.status == 405 and first.closes
+    assert raw.closed()  # a refusal closes the connection: nothing after the head
+    raw = Raw(served.url)
+    raw.send(request("HEAD", PATH))
+    r = raw.response("HEAD")
+    assert r.status == 405
+    assert raw.closed()
+
+
 def test_a_pipelined_expect_100_continue_gets_its_100_when_its_turn_comes(gateway: Any) -> None:
     """A request asking for a 100 behind one still running: its 100 follows the
     answer before it (a 100 first would be read as that request's answer), and its

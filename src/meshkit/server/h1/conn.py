@@ -399,7 +399,8 @@ class H1Conn(asyncio.Protocol):
         """Answer ``error`` in turn, then close: the rest of the input is not read."""
         self._refused = True
         req = Request(
-            method="",
+            # the head's method, once parsed: a refused HEAD is answered without a body
+            method="" if self._in_head else self._method,
             path="",
             raw_path=b"",
             query=b"",
