@@ -497,3 +497,34 @@ def test_no_zmq_without_kv_events() -> None:
         "assert 'zmq' not in sys.modules, 'zmq imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_lora_adapters_blocks_are_its_own_as_in_vllm(
+    spawn: Callable[..., MockWorkerThread],
+    http: httpx.Client,
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """As vLLM 0.32 does (tests/core/fixtures/vllm-0.32/published-lora.bin): a prompt
+    under adapter ``ad1`` is other blocks than the same prompt under the base model
+    (no hit between them), published with ``lora_name``, ``lora_id`` and the name
+    as each block's ``extra_keys``."""
+    from meshkit.core.kv_events import BlockStored, decode_batch
+
+    m = spawn(lora_adapters=("ad1",))
+    sub = subscribe(ctx, m.kv_events_endpoint)
+    prompt = words("w", 40)  # 2 full blocks
+    base = post(http, m, chat(prompt))
+    _, _, plain = receive(sub)
+    adapter = post(http, m, {**chat(prompt), "model": "ad1"})
+    _, _, raw = receive(sub)
+    assert base["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert adapter["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # not a hit
+    stored = only(raw, "BlockStored")
+    assert (stored["lora_name"], stored["lora_id"]) == ("ad1", 1)
+    assert stored["extra_keys"] == [["ad1"], ["ad1"]]
+    assert stored["token_ids"] == only(plain, "BlockStored")["token_ids"]
+    assert set(stored["block_hashes"]).isdisjoint(only(plain, "BlockStored")["block_hashes"])
+    (event,) = decode_batch(msgspec.msgpack.encode(raw)).events
+    assert isinstance(event, BlockStored) and event.lora_name == "ad1" and event.salted == ()
+    again = post(http, m, {**chat(prompt), "model": "ad1"})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # its own hit

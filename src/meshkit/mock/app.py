@@ -304,16 +304,22 @@ class MockApp:
         )
         cache = self.cache
         if cache is not None and not isinstance(prompt, int):
-            hashes = cache.block_hashes(prompt)
+            lora = t.model if t.model in self.config.lora_adapters else None
+            hashes = cache.block_hashes(prompt, lora)
             t.cached_tokens = cache.lookup(hashes, p)
-            self._remember(cache, prompt, hashes, t)
+            self._remember(cache, prompt, hashes, t, lora)
         stats = self.stats
         stats.prompt_tokens_total += p
         stats.cached_tokens_total += t.cached_tokens
         return t
 
     def _remember(
-        self, cache: PrefixCache, prompt: Sequence[Token], hashes: list[int], t: Turn
+        self,
+        cache: PrefixCache,
+        prompt: Sequence[Token],
+        hashes: list[int],
+        t: Turn,
+        lora: str | None,
     ) -> None:
         """The turn's blocks into the cache as an engine's would go: held while it
         runs (``cache_holds_running``), and the answer's with them (``cache_outputs``)."""
@@ -321,14 +327,14 @@ class MockApp:
         keys, tokens = hashes, prompt
         if cfg.cache_outputs and t.output_tokens > 0:
             tokens = [*prompt, *self._output_tokens(t)]
-            keys = cache.block_hashes(tokens)
+            keys = cache.block_hashes(tokens, lora)
         if not cfg.cache_holds_running:
-            cache.insert(keys, tokens)
+            cache.insert(keys, tokens, lora)
             return
         then = (keys, tokens) if keys is not hashes else None  # stored when the hold ends
         n_tokens = t.prompt_tokens + t.output_tokens
         run_s = self.total_delay(t)  # (before the wait is known: the run alone)
-        t.queued_s = cache.admit(hashes, prompt, n_tokens, run_s, then=then)
+        t.queued_s = cache.admit(hashes, prompt, n_tokens, run_s, then=then, lora=lora)
 
     def _output_tokens(self, t: Turn) -> list[Token]:
         """The generated text as the next turn's prompt will hold it: the engine

@@ -90,6 +90,8 @@ class _Request:
     #: How long it runs once started.
     seconds: float
     then: _Store | None
+    #: the LoRA adapter it runs under (its blocks are the adapter's own)
+    lora: str | None = None
 
 
 class PrefixCache:
@@ -131,6 +133,7 @@ class PrefixCache:
         #: Where KV events go (``None`` = not tracked).
         self.events = events
         self.hasher = EngineHasher()
+        self._lora_ids: dict[str, int] = {}
 
     def reseed(self) -> None:
         """Draw a new engine-hash seed (a restarted engine); clear first."""
@@ -160,6 +163,7 @@ class PrefixCache:
         seconds: float,
         *,
         then: _Store | None = None,
+        lora: str | None = None,
     ) -> float:
         """A request of ``n_tokens`` (prompt and output) whose full prompt blocks are
         ``hashes`` (cut from ``tokens``) runs for ``seconds`` once its blocks fit beside
@@ -174,11 +178,11 @@ class PrefixCache:
         now = self._clock()
         self._expire(now)  # (the same instant: the walk below must see nothing past due)
         extra = max(-(-n_tokens // self.block_size) - len(hashes), 0)
-        request = _Request(tuple(hashes), tokens, extra, seconds, then)
+        request = _Request(tuple(hashes), tokens, extra, seconds, then, lora)
         start = self._start_time(request, now)
         if start <= now:
             self._begin(request, now)
-            self._store(request.keys, tokens)
+            self._store(request.keys, tokens, lora)
             return 0.0
         self._tail = start
         self._waiting += 1
@@ -242,7 +246,7 @@ class PrefixCache:
             if kind == _START:
                 self._waiting -= 1
                 self._begin(request, when)
-                self._store(request.keys, request.tokens)
+                self._store(request.keys, request.tokens, request.lora)
                 continue
             self._extra -= request.extra
             for h in reversed(request.keys):
@@ -254,7 +258,7 @@ class PrefixCache:
                 if h in lru:
                     lru.move_to_end(h)
             if request.then is not None:
-                self._store(*request.then)
+                self._store(*request.then, request.lora)
 
     def _make_room(self) -> list[tuple[int, int | None]]:
         """Evict least recently used blocks no running request holds until the cache
@@ -273,11 +277,12 @@ class PrefixCache:
                     break
         return [(key, lru.pop(key)) for key in victims]
 
-    def block_hashes(self, tokens: Sequence[Token]) -> list[int]:
-        """Cumulative hashes of the full blocks of ``tokens``."""
+    def block_hashes(self, tokens: Sequence[Token], lora: str | None = None) -> list[int]:
+        """Cumulative hashes of the full blocks of ``tokens`` (under LoRA adapter
+        ``lora``: other blocks than the base model's, as in vLLM)."""
         bs = self.block_size
         hashes: list[int] = []
-        parent = 0
+        parent = 0 if lora is None else hash(("lora", lora))
         for start in range(0, len(tokens) - bs + 1, bs):
             parent = hash((parent, tuple(tokens[start : start + bs])))
             hashes.append(parent)
@@ -296,7 +301,12 @@ class PrefixCache:
             hits += 1
         return hits * self.block_size
 
-    def insert(self, hashes: Sequence[int], tokens: Sequence[Token] | None = None) -> None:
+    def insert(
+        self,
+        hashes: Sequence[int],
+        tokens: Sequence[Token] | None = None,
+        lora: str | None = None,
+    ) -> None:
         """Insert (or refresh) ``hashes``, evicting least recently used blocks.
 
         With an event sink, ``tokens`` (the prompt the hashes were cut from) name the
@@ -305,12 +315,14 @@ class PrefixCache:
         if self.capacity_blocks == 0:
             return
         self._expire()
-        self._store(hashes, tokens)
+        self._store(hashes, tokens, lora)
 
-    def _store(self, hashes: Sequence[int], tokens: Sequence[Token] | None) -> None:
+    def _store(
+        self, hashes: Sequence[int], tokens: Sequence[Token] | None, lora: str | None = None
+    ) -> None:
         sink = self.events
         if sink is not None and tokens is not None:
-            self._insert_reporting(hashes, tokens, sink)
+            self._insert_reporting(hashes, tokens, sink, lora)
             return
         lru = self._lru
         for h in reversed(hashes):
@@ -321,7 +333,7 @@ class PrefixCache:
                 self._make_room()
 
     def _insert_reporting(
-        self, hashes: Sequence[int], tokens: Sequence[Token], sink: EventSink
+        self, hashes: Sequence[int], tokens: Sequence[Token], sink: EventSink, lora: str | None
     ) -> None:
         lru = self._lru
         bs = self.block_size
@@ -340,7 +352,7 @@ class PrefixCache:
             else:
                 block = token_ids(tokens[i * bs : (i + 1) * bs])
                 ids[i] = block
-                parent = self.hasher(parent, block)
+                parent = self.hasher(parent, block, lora)
             engine.append(parent)
         evicted: list[tuple[int, int | None]] = []
         added: set[int] = set()
@@ -378,14 +390,20 @@ class PrefixCache:
                         parent_block_hash=engine[first - 1] if first > 0 else None,
                         token_ids=block_ids,
                         block_size=bs,
-                        lora_id=None,
+                        lora_id=None if lora is None else self._lora_id(lora),
                         medium=MEDIUM,
-                        lora_name=None,
+                        lora_name=lora,
+                        # vLLM: each block's extra keys, the adapter's name first
+                        extra_keys=None if lora is None else [[lora]] * len(run),
                     )
                 )
                 run = []
         if events:
             sink(events)
+
+    def _lora_id(self, name: str) -> int:
+        """vLLM numbers adapters from 1 as it loads them."""
+        return self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
 
     def clear(self) -> None:
         """Drop every block (reported as ``AllBlocksCleared`` when events are on)."""

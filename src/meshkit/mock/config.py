@@ -38,7 +38,9 @@ class MockConfig:
 
     model: str = "mock-model"
     #: LoRA adapters listed after the model at ``GET /v1/models``, in vLLM's card
-    #: shape (``parent``, ``root``, a ``permission`` entry: ~420 bytes each).
+    #: shape (``parent``, ``root``, a ``permission`` entry: ~420 bytes each). A
+    #: request naming one is cached as vLLM caches it: in blocks of its own (no hit
+    #: on the base model's), published with ``lora_name`` and ``extra_keys``.
     lora_adapters: tuple[str, ...] = ()
     #: When set, API requests need ``Authorization: Bearer <key>`` or ``x-api-key: <key>``.
     api_key: str | None = None

@@ -155,8 +155,12 @@ class EngineHasher:
     def __init__(self, seed: bytes | None = None) -> None:
         self.seed = os.urandom(16) if seed is None else seed
 
-    def __call__(self, parent: int | None, token_ids: Sequence[int]) -> int:
-        digest = blake2b(_encode_ids((parent, token_ids)), key=self.seed, digest_size=8).digest()
+    def __call__(
+        self, parent: int | None, token_ids: Sequence[int], lora: str | None = None
+    ) -> int:
+        # vLLM hashes a LoRA adapter's name with each of its blocks (extra_keys)
+        parts = (parent, token_ids) if lora is None else (parent, token_ids, (lora,))
+        digest = blake2b(_encode_ids(parts), key=self.seed, digest_size=8).digest()
         return int.from_bytes(digest, "big")
 
 
