@@ -46,6 +46,12 @@ Workloads
   grows to ~3.5k tokens), C=8.
 - ``one-off``: unique single-turn prompts, no sharing, C=8 (only balance matters;
   the bound is ~0 so there is no ratio).
+- ``lora`` (only when named in ``--workloads``; mock fleet): four LoRA adapters of the model,
+  Zipf 1.1 over them, every conversation under ONE system prompt, C=8. The engines
+  cache each adapter's blocks apart (vLLM hashes the adapter's name with each
+  block; the mock does too), so the shared prompt is four prefixes, not one: a
+  router that matched it across adapters would send requests to engines that
+  hold another adapter's copy.
 
 Metrics
 -------
@@ -110,6 +116,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "tests", "prepare", "data", "tiny")
 BLOCK = 16
 MODEL = "tiny"
+#: the adapters of the ``lora`` workload (every mock worker serves all of them)
+LORAS = ("ad0", "ad1", "ad2", "ad3")
 CONFIGS = ("cache_aware+events", "cache_aware", "prefix_hash", "round_robin")
 #: seconds without any answer before a run is abandoned
 STALL_S = 60.0
@@ -137,6 +145,7 @@ class Conversation:
     tenant: int  # -1: no shared system prompt
     system: str | None
     users: list[str]
+    model: str = MODEL
 
 
 @dataclass(slots=True)
@@ -215,6 +224,22 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
     n = int(300 * scale)
     convs = [Conversation(i, -1, None, [_text(rng, rng.randrange(1000, 3600))]) for i in range(n)]
     out.append(Workload("one-off", 8, convs, f"{n} unique prompts"))
+
+    # (d) LoRA adapters under one shared system prompt (only when asked for)
+    if "lora" in args.workloads:
+        shared = "You are the support assistant. " + _text(rng, 3000)
+        weights = _zipf(len(LORAS), args.zipf)
+        target = int(300 * scale)
+        convs = []
+        total = 0
+        while total < target:
+            a = rng.choices(range(len(LORAS)), weights)[0]
+            turns = min(6, 1 + int(rng.expovariate(1 / 1.2)), target - total)
+            users = [_text(rng, rng.randrange(150, 500)) for _ in range(turns)]
+            convs.append(Conversation(len(convs), a, shared, users, LORAS[a]))
+            total += turns
+        note = f"{len(LORAS)} adapters, Zipf {args.zipf}, one system prompt"
+        out.append(Workload("lora C=8", 8, convs, note))
     return [w for w in out if not args.workloads or w.name.split()[0] in args.workloads]
 
 
@@ -349,6 +374,7 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
                 output_tokens=cfg["output_tokens"],
                 cache_holds_running=cfg["vllm_cache"],
                 cache_outputs=cfg["vllm_cache"],
+                lora_adapters=LORAS,
             )
         )
         for i in range(cfg["workers"])
@@ -640,10 +666,12 @@ class Bound:
         hit = total = 0
         for body, reply in served:
             ids = self.prompt_ids(body)
-            hashes = cache.block_hashes(ids)
+            lora = body["model"] if body["model"] in LORAS else None  # blocks of its own
+            hashes = cache.block_hashes(ids, lora)
             hit += cache.lookup(hashes, len(ids))
             if outputs and reply:  # the prompt's blocks and the answer's after them
-                hashes = cache.block_hashes(ids + self.tok.encode(reply, add_special_tokens=False))
+                more = self.tok.encode(reply, add_special_tokens=False)
+                hashes = cache.block_hashes(ids + more, lora)
             cache.insert(hashes)
             total += len(ids)
         return hit / total if total else 0.0
@@ -826,7 +854,7 @@ def drive(
         t = turn_of[conv.cid]
         msgs = history[conv.cid]
         msgs.append({"role": "user", "content": conv.users[t]})
-        body = {"model": MODEL, "messages": list(msgs), "max_tokens": 64}
+        body = {"model": conv.model, "messages": list(msgs), "max_tokens": 64}
         bodies[(conv.cid, t)] = body
         tasks.put(((conv.cid, t), body))
         in_flight += 1
@@ -1145,7 +1173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--routers", default="1,4", help="router process counts, e.g. 1,4")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--workloads", default="", help="zipf,conversations,one-off (default all)")
+    ap.add_argument(
+        "--workloads", default="", help="zipf,conversations,one-off (default all), lora"
+    )
     ap.add_argument("--tenants", type=int, default=12)
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument(
