@@ -184,6 +184,45 @@ def test_a_restarted_publisher_clears_the_worker(pub: Publisher) -> None:
         assert holds(mesh, [1, 2, 3, 4]) == 0
 
 
+def test_a_restarted_engine_whose_counter_ran_past_ours_is_still_a_restart(
+    pub: Publisher,
+) -> None:
+    """The engine process restarts (its PUB socket goes away and comes back on the
+    same port) and has published more batches than meshkit saw before meshkit
+    hears the first: by its sequence alone that is a gap, which a replay of the new
+    engine's batches would fill, the old engine's blocks kept. The dropped
+    connection says restart: the old entries go."""
+    with mesh_for(pub) as mesh:
+        connected(mesh, pub)
+        pub.store([1], None, [1, 2, 3, 4])
+        until(lambda: holds(mesh, [1, 2, 3, 4]) == 4, "the block")
+        pub.pub.close(linger=0)  # the engine process ends
+        pub.pub = pub.ctx.socket(zmq.PUB)
+        pub.pub.setsockopt(zmq.LINGER, 0)
+        bound = False
+        for _ in range(100):  # the port comes free at once, or nearly
+            try:
+                pub.pub.bind(pub.endpoint)
+                bound = True
+                break
+            except zmq.ZMQError:
+                time.sleep(0.05)
+        assert bound
+        # The new engine counts from 0 and, before meshkit hears it, has published
+        # (and kept for replay) past the number meshkit expects next.
+        ahead = pub.seq + 20
+        pub.seq = 0
+        pub.kept.clear()
+        while pub.seq < ahead:
+            pub.store([pub.seq + 300], None, [6, 6, 6, pub.seq], publish=False)
+        deadline = time.monotonic() + 20
+        while not holds(mesh, [5, 5, 5, 5]):
+            assert time.monotonic() < deadline, "the new engine's blocks never arrived"
+            pub.store([pub.seq + 700], None, [5, 5, 5, 5])
+            time.sleep(0.1)
+        assert holds(mesh, [1, 2, 3, 4]) == 0
+
+
 def test_a_bad_payload_drops_the_workers_entries(pub: Publisher) -> None:
     with mesh_for(pub) as mesh:
         connected(mesh, pub)

@@ -20,7 +20,10 @@ never claims a block the engine may have dropped:
   cannot fill the gap, the worker's entries are dropped and rebuilt from the
   events that follow (``mesh_kv_gaps_total{outcome="cleared"}``);
 * **a restart** (the sequence goes back: the engine came back, its cache empty):
-  the worker's entries are dropped;
+  the worker's entries are dropped. An engine process that ended drops the
+  connection too, which ends the task (below): its entries go even when the new
+  engine's counter ran past the old one's before meshkit heard it (by numbers
+  alone a gap, which a replay of the new engine's batches would "fill");
 * **subscribing**: with a replay endpoint, what the publisher still buffers is
   replayed at once (their live copies arriving after are skipped), so blocks
   stored before meshkit subscribed, even on an idle engine, are known;
