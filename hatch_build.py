@@ -60,6 +60,7 @@ COMPILED = (
     "src/meshkit/core/credentials.py",
     "src/meshkit/core/endpoints.py",
     "src/meshkit/core/forward.py",
+    "src/meshkit/core/kv_index.py",
     "src/meshkit/core/lifecycle.py",
     "src/meshkit/core/payload.py",
     "src/meshkit/core/placement.py",
