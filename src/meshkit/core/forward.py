@@ -57,7 +57,7 @@ from typing import Protocol
 from meshkit.core.credentials import request_headers
 from meshkit.core.endpoints import Api, Op
 from meshkit.core.payload import RankBase, rank_base, with_rank
-from meshkit.core.requests import LocalResponse, RequestView
+from meshkit.core.requests import LocalResponse, RequestView, Timeouts
 from meshkit.core.workers import Candidate, Tls
 from meshkit.errors import (
     MeshError,
@@ -275,6 +275,7 @@ class Attempt:
         "probe",
         "read_body",
         "read_limit",
+        "timeout",
         "url",
     )
 
@@ -291,6 +292,7 @@ class Attempt:
         history: list[tuple[str, AttemptResult]] | None = None,
         read_body: str = "never",
         probe: bool = False,
+        timeout: Timeouts | None = None,
     ) -> None:
         self.number = number
         self.candidate = candidate
@@ -312,6 +314,8 @@ class Attempt:
         #: a question to a worker (where a referenced response lives), never the
         #: answer: a front end that does not send attempts itself (ext-proc) sends these
         self.probe = probe
+        #: the client's own timeouts (its request's, :attr:`RequestView.timeout`)
+        self.timeout = timeout
 
     def __repr__(self) -> str:
         return f"Attempt(number={self.number}, {self.method} {self.url})"
@@ -384,6 +388,7 @@ def build_attempt(
         url=cand.worker.url + view.match.path + query,
         headers=headers,
         body=body,
+        timeout=view.timeout,
     )
 
 

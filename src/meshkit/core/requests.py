@@ -51,6 +51,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "LocalResponse",
     "RequestView",
+    "Timeouts",
     "check_head",
     "check_media",
     "head_error",
@@ -79,6 +80,35 @@ class LocalResponse:
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
+
+
+class Timeouts:
+    """A client's own timeouts, in seconds, where they are tighter than
+    ``[upstream]``'s (None: ``[upstream]``'s applies), and httpcore's ``timeout``
+    extension with the bounds in force: what a client transport's request carries
+    to the upstream clients (:mod:`meshkit.upstream.timeouts` makes it).
+
+    ``connect`` bounds the wait for a pooled connection and the connect together,
+    as ``connect_timeout_s`` does; ``read`` and ``write`` are held against
+    ``read_timeout_s`` (meshkit's write bound, as httpcore's).
+    """
+
+    __slots__ = ("connect", "extensions", "read", "write")
+
+    def __init__(
+        self,
+        connect: float | None,
+        read: float | None,
+        write: float | None,
+        extensions: dict[str, dict[str, float | None]],
+    ) -> None:
+        self.connect = connect
+        self.read = read
+        self.write = write
+        self.extensions = extensions
+
+    def __repr__(self) -> str:
+        return f"Timeouts(connect={self.connect}, read={self.read}, write={self.write})"
 
 
 class RequestView:
@@ -111,6 +141,7 @@ class RequestView:
         "routing_key",
         "routing_text",
         "stream",
+        "timeout",
         "token_ids",
     )
 
@@ -178,6 +209,9 @@ class RequestView:
         self.extra: dict[str, Any] = {} if extra is None else extra
         #: the worker ids this request may go to (a proxy's subset hint); None: any
         self.only = only
+        #: the client's own timeouts, tighter than ``[upstream]``'s (a client
+        #: transport sets them); every attempt carries them
+        self.timeout: Timeouts | None = None
 
     def __repr__(self) -> str:
         # Never the body, the routing text or the ids: a prompt must not reach a log.
