@@ -21,6 +21,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,6 +41,7 @@ from meshkit.upstream.blocking import BlockingUpstream
 from meshkit.upstream.fast import FastUpstream
 from meshkit.upstream.httpcore_pools import HttpcoreUpstream
 from meshkit.upstream.select import async_upstream, sync_upstream
+from meshkit.upstream.timeouts import ClientTimeout, client_timeouts
 from upstreams import (
     CHAT,
     CHUNKED_SSE,
@@ -557,13 +559,15 @@ def test_a_stalled_head_is_timeout(client: Callable[..., Client]) -> None:
         assert srv.accepts == 1  # a timeout is not resent: the worker may be working
 
 
-def test_a_stalled_body_is_protocol(client: Callable[..., Client]) -> None:
+def test_a_stalled_body_is_timeout(client: Callable[..., Client]) -> None:
+    """Silence after the head is the read timeout too (a client transport raises its
+    library's ReadTimeout for it, as a direct connection), not a broken body."""
     first = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + ch(b"first")
     with RawServer(held(first, rest=b"")) as srv:
         up = client(read_timeout_s=0.2)
         ex = up.send(attempt(srv.url + "/hold", b"{}"))
         got: list[bytes] = []
-        assert failing(lambda: got.extend(ex.chunks())) is Failure.PROTOCOL
+        assert failing(lambda: got.extend(ex.chunks())) is Failure.TIMEOUT
         assert got == [b"first"]
         ex.close()
         srv.gate.set()  # the script reads on, and meets the client's close
@@ -699,5 +703,59 @@ def test_a_pool_wait_is_bounded_and_is_pool(client: Callable[..., Client]) -> No
         srv.gate.set()
         assert b"".join(busy.chunks()) == b"abcd"
         busy.close()
+        assert collect(up, attempt(srv.url + "/x", b"{}"))[2] == b"ok"
+        assert srv.accepts == 1
+
+
+# -- the client's own timeouts (a client transport's request) --------------------------
+
+
+def _bound(url: str, read: float) -> Any:
+    """An attempt carrying a client's read bound, tighter than the fixture's HANG_S."""
+    a = attempt(url, b"{}")
+    a.timeout = client_timeouts(UpstreamConfig(read_timeout_s=HANG_S), {"read": read})
+    assert a.timeout is not None
+    return a
+
+
+def timing_out(fn: Callable[[], Any]) -> str:
+    with pytest.raises(ClientTimeout) as info:
+        fn()
+    return info.value.phase
+
+
+def test_the_clients_read_bound_times_a_stalled_head(client: Callable[..., Client]) -> None:
+    with RawServer(stall) as srv:
+        up = client()
+        assert timing_out(lambda: up.send(_bound(srv.url + "/x", 0.2))) == "read"
+        assert wait_until(lambda: srv.eofs == 1)  # the worker sees the client leave
+        assert srv.accepts == 1  # never resent
+
+
+def test_the_clients_read_bound_times_a_stalled_body(client: Callable[..., Client]) -> None:
+    first = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + ch(b"first")
+    with RawServer(held(first, rest=b"")) as srv:
+        up = client()
+        ex = up.send(_bound(srv.url + "/hold", 0.2))
+        got: list[bytes] = []
+        assert timing_out(lambda: got.extend(ex.chunks())) == "read"
+        assert got == [b"first"]
+        ex.close()
+        srv.gate.set()
+        assert wait_until(lambda: srv.eofs == 1)
+
+
+def test_the_clients_bound_ends_with_its_request(client: Callable[..., Client]) -> None:
+    """A connection that served a bound request serves the next one, without a
+    bound, on ``[upstream]``'s timeouts again (it is not the client's any more)."""
+
+    def script(srv: RawServer, s: socket.socket, n: int, h: bytes, b: bytes) -> bool:
+        if n == 1:
+            time.sleep(0.5)  # past the first request's bound, well within HANG_S
+        return ok_script(srv, s, n, h, b)
+
+    with RawServer(script) as srv:
+        up = client()
+        assert collect(up, _bound(srv.url + "/x", 0.2))[2] == b"ok"
         assert collect(up, attempt(srv.url + "/x", b"{}"))[2] == b"ok"
         assert srv.accepts == 1

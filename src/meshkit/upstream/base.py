@@ -16,7 +16,11 @@ picks one, so what follows is written here once and every client behaves alike:
   one table: httpcore, httpcore2, httpx and httpx2 share their exception class
   names (httpx's ``map_httpcore_exceptions`` relies on it too), and the fast
   clients' outcome codes (:data:`HEAD_RESET`, ...) are keys of the same table.
-  From ``chunks()`` (after the head) any failure is ``Failure.PROTOCOL``.
+  From ``chunks()`` (after the head) the worker's silence past the read timeout
+  is ``Failure.TIMEOUT``, any other failure ``Failure.PROTOCOL``.
+* **A client's own timeouts** (``request.timeout``, set by the client transports
+  where tighter than ``[upstream]``'s) bound the attempt instead; one that fires
+  raises :class:`~meshkit.upstream.timeouts.ClientTimeout`.
 * **Resend once**: a connection closed or reset before any response byte is most
   often a pooled keep-alive the worker was closing as the request arrived
   (SGLang closes idle ones after 5 s), a request it never applied, which RFC 9112
@@ -45,6 +49,7 @@ from meshkit.errors import InvalidRequest
 from meshkit.http1 import NO_CONTENT, Unsendable, build_head, http_origin
 
 if TYPE_CHECKING:
+    from meshkit.core.requests import Timeouts
     from meshkit.core.workers import Tls
 
 __all__ = [
@@ -78,6 +83,10 @@ class Request(Protocol):
     @property
     def body(self) -> bytes: ...
 
+    @property
+    def timeout(self) -> Timeouts | None:
+        """The client's own timeouts (None: ``[upstream]``'s)."""
+
 
 class Call(NamedTuple):
     """A :class:`Request` of meshkit's own (a probe, a sibling's question), not a
@@ -88,6 +97,7 @@ class Call(NamedTuple):
     headers: list[tuple[bytes, bytes]]
     body: bytes = b""
     tls: Tls | None = None
+    timeout: Timeouts | None = None
 
 
 class UpstreamFailure(Exception):

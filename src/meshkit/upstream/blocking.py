@@ -15,7 +15,10 @@ httpcore and h11 costs ~200 µs of CPU, one on a blocking socket parsed by
   :data:`JOIN_LIMIT` in one ``sendall``; :class:`~meshkit.http1.ResponseParser`
   parses into the connection;
 * ``read_timeout_s`` is the socket's timeout (sends included, as httpcore's read
-  and write timeouts);
+  and write timeouts). A request with the client's own timeouts
+  (:mod:`~meshkit.upstream.timeouts`) sends under its write bound and reads under
+  its read bound; the socket keeps them until a request without them (or with
+  others) takes it, so one client's requests change nothing once set;
 * a socket is pooled again only when its response ended with keep-alive;
   ``close()`` before the end closes it.
 
@@ -33,6 +36,7 @@ from collections.abc import Iterator
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Failure
+from meshkit.core.requests import Timeouts
 from meshkit.http1 import (
     PARSE_ERRORS,
     Headers,
@@ -56,6 +60,7 @@ from meshkit.upstream.base import (
     remember,
     unsendable,
 )
+from meshkit.upstream.timeouts import ClientTimeout
 
 __all__ = ["JOIN_LIMIT", "BlockingUpstream"]
 
@@ -82,11 +87,24 @@ class _Pool:
 class _Conn:
     """One keep-alive socket, and the sink of its response parser."""
 
-    __slots__ = ("_feed", "_poll", "ex", "idle_since", "parser", "pool", "reusable", "sock")
+    __slots__ = (
+        "_feed",
+        "_poll",
+        "bounded",
+        "ex",
+        "idle_since",
+        "parser",
+        "pool",
+        "reusable",
+        "sock",
+        "timeout",
+    )
 
-    def __init__(self, pool: _Pool, sock: socket.socket) -> None:
+    def __init__(self, pool: _Pool, sock: socket.socket, timeout: float | None) -> None:
         self.pool = pool
         self.sock = sock
+        self.timeout = timeout  # the socket's
+        self.bounded = False  # it has a client's own timeout, not [upstream]'s
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self.parser = ResponseParser(self)
@@ -99,6 +117,11 @@ class _Conn:
         """Whether the idle socket has something to read: the worker closed it, or
         sent bytes nobody asked for. Either way it answers no request any more."""
         return bool(self._poll.poll(0))
+
+    def set_timeout(self, timeout: float | None) -> None:
+        if timeout != self.timeout:
+            self.sock.settimeout(timeout)
+            self.timeout = timeout
 
     # -- reading ---------------------------------------------------------------------
 
@@ -128,7 +151,10 @@ class _Conn:
         """One read of ``ex``'s body; False when it broke (what came before is kept)."""
         try:
             data = self.sock.recv(READ_SIZE)
-        except OSError:  # TimeoutError included: silence after the head
+        except TimeoutError:  # silence after the head
+            ex.stalled = True
+            return False
+        except OSError:
             return False
         if not data:
             if not ends_with_connection(ex.headers):
@@ -176,11 +202,23 @@ class _Conn:
 class _Exchange:
     """A response being read from one socket (a :class:`SyncExchange`)."""
 
-    __slots__ = ("_conn", "_upstream", "done", "headed", "headers", "pending", "status")
+    __slots__ = (
+        "_conn",
+        "_upstream",
+        "bounds",
+        "done",
+        "headed",
+        "headers",
+        "pending",
+        "stalled",
+        "status",
+    )
 
-    def __init__(self, upstream: BlockingUpstream, conn: _Conn) -> None:
+    def __init__(self, upstream: BlockingUpstream, conn: _Conn, bounds: Timeouts | None) -> None:
         self._upstream = upstream
         self._conn: _Conn | None = conn
+        self.bounds = bounds
+        self.stalled = False  # the body failed for the worker's silence
         self.headed = False
         self.done = False
         self.status = 0
@@ -204,7 +242,7 @@ class _Exchange:
                 return
             conn = self._conn
             if conn is None:
-                raise UpstreamFailure(Failure.PROTOCOL)
+                raise self._broken()
             if not conn.read_body(self):
                 self.close()  # then the chunks that came first, then the failure
 
@@ -225,6 +263,13 @@ class _Exchange:
         conn, self._conn = self._conn, None
         if conn is not None:
             self._upstream._release(conn)
+
+    def _broken(self) -> Exception:
+        if not self.stalled:
+            return UpstreamFailure(Failure.PROTOCOL)
+        if self.bounds is not None and self.bounds.read is not None:
+            return ClientTimeout("read")
+        return UpstreamFailure(Failure.TIMEOUT)
 
 
 class BlockingUpstream(SyncUpstream):
@@ -266,15 +311,19 @@ class BlockingUpstream(SyncUpstream):
         if body and len(body) <= JOIN_LIMIT:
             head, body = head + body, b""
         head_only = method == "HEAD"
-        conn, reused = self._take(pool)
+        bounds = request.timeout
+        conn, reused = self._take(pool, bounds)
         while True:
-            ex = _Exchange(self, conn)
+            ex = _Exchange(self, conn, bounds)
             conn.ex = ex
             parser = conn.parser
             parser.waiting = True
             parser.head_only = head_only
             try:
-                code = self._exchange(conn, ex, head, body)
+                if bounds is None and not conn.bounded:
+                    code = self._exchange(conn, ex, head, body)
+                else:
+                    code = self._bounded(conn, ex, head, body, bounds)
             except BaseException:
                 conn.ex = None
                 self._drop(conn)
@@ -292,7 +341,7 @@ class BlockingUpstream(SyncUpstream):
             if error is not None:
                 raise error
             reused = False
-            conn, _ = self._take(pool, fresh=True)
+            conn, _ = self._take(pool, bounds, fresh=True)
 
     def close(self) -> None:
         """Close the idle sockets (busy ones close when their exchange ends) and
@@ -325,9 +374,40 @@ class BlockingUpstream(SyncUpstream):
             return HEAD_RESET
         return conn.read_head(ex)
 
-    def _take(self, pool: _Pool, *, fresh: bool = False) -> tuple[_Conn, bool]:
+    def _bounded(
+        self, conn: _Conn, ex: _Exchange, head: bytes, body: bytes, bounds: Timeouts | None
+    ) -> int:
+        """:meth:`_exchange` under the client's own timeouts, or (``bounds`` None) on
+        a socket that had some, with ``[upstream]``'s again."""
+        c = self.config
+        default = c.read_timeout_s if c.read_timeout_s > 0 else None
+        conn.bounded = bounds is not None
+        if bounds is None:
+            conn.set_timeout(default)
+            return self._exchange(conn, ex, head, body)
+        conn.set_timeout(default if bounds.write is None else bounds.write)
+        try:
+            conn.sock.sendall(head)
+            if body:
+                conn.sock.sendall(body)
+        except TimeoutError:
+            if bounds.write is not None:
+                raise ClientTimeout("write") from None
+            return HEAD_TIMEOUT
+        except OSError:
+            return HEAD_RESET
+        conn.set_timeout(default if bounds.read is None else bounds.read)
+        code = conn.read_head(ex)
+        if code == HEAD_TIMEOUT and bounds.read is not None:
+            raise ClientTimeout("read")
+        return code
+
+    def _take(
+        self, pool: _Pool, bounds: Timeouts | None, *, fresh: bool = False
+    ) -> tuple[_Conn, bool]:
         """A socket of ``pool``: ``(an idle one, True)`` unless ``fresh``, else a new
-        one once there is room (waiting at most ``connect_timeout_s``)."""
+        one once there is room (waiting at most ``connect_timeout_s``, or the
+        client's own connect bound)."""
         c = self.config
         per, limit = c.pool_limit_per_worker, c.pool_limit
         expired: list[_Conn] = []
@@ -357,8 +437,10 @@ class BlockingUpstream(SyncUpstream):
                         expired.append(victim.idle.pop(0))
                         self._uncount(victim)
                         continue
-                    if deadline is None and c.connect_timeout_s > 0:
-                        deadline = time.monotonic() + c.connect_timeout_s
+                    mine = None if bounds is None else bounds.connect
+                    wait = c.connect_timeout_s if mine is None else mine
+                    if deadline is None and wait > 0:
+                        deadline = time.monotonic() + wait
                     left = None if deadline is None else deadline - time.monotonic()
                     if (left is not None and left <= 0) or not self._freed.wait(left):
                         # Nothing was sent: the worker is busy, not failing (503).
@@ -366,7 +448,7 @@ class BlockingUpstream(SyncUpstream):
         finally:
             for conn in expired:
                 _shut(conn.sock)
-        return self._open(pool), False
+        return self._open(pool, bounds), False
 
     def _uncount(self, pool: _Pool) -> None:
         pool.count -= 1
@@ -380,22 +462,25 @@ class BlockingUpstream(SyncUpstream):
                 oldest = p
         return oldest
 
-    def _open(self, pool: _Pool) -> _Conn:
+    def _open(self, pool: _Pool, bounds: Timeouts | None) -> _Conn:
         c = self.config
+        mine = None if bounds is None else bounds.connect
+        connect = c.connect_timeout_s if mine is None else mine
         try:
-            sock = socket.create_connection(
-                (pool.host, pool.port), timeout=c.connect_timeout_s or None
-            )
+            sock = socket.create_connection((pool.host, pool.port), timeout=connect or None)
         except OSError as exc:  # refused, unreachable, timed out
             self._forget(pool)
+            if mine is not None and isinstance(exc, TimeoutError):
+                raise ClientTimeout("connect") from exc
             raise UpstreamFailure(Failure.CONNECT) from exc
         except BaseException:
             self._forget(pool)
             raise
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(c.read_timeout_s if c.read_timeout_s > 0 else None)
-        return _Conn(pool, sock)
+        timeout = c.read_timeout_s if c.read_timeout_s > 0 else None
+        sock.settimeout(timeout)
+        return _Conn(pool, sock, timeout)
 
     def _forget(self, pool: _Pool) -> None:
         with self._lock:

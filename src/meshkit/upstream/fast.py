@@ -21,7 +21,11 @@ a 1 KiB proxy's samples (``benchmarks/RESULTS.notes.md``). What it cannot send
   above ``upstream.read_buffer_bytes`` unread bytes and resumes below a quarter
   of it (the most one response holds while its client reads slowly);
 * ``read_timeout_s`` bounds the worker's silence with one timer per connection,
-  re-armed lazily from the last byte: none per chunk, none per request;
+  re-armed lazily from the last byte: none per chunk, none per request. A request
+  with the client's own read bound (:mod:`~meshkit.upstream.timeouts`) sets it on
+  its connection, until the connection returns to its pool; the connect bound is
+  the client's too (a write is buffered, never waited for: the silence that
+  follows is the read bound's);
 * a connection is pooled again only when its response ended with keep-alive;
   ``aclose()`` before the end closes it (the worker sees the client leave).
 
@@ -43,6 +47,7 @@ from typing import cast
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Failure
+from meshkit.core.requests import Timeouts
 from meshkit.http1 import (
     PARSE_ERRORS,
     Headers,
@@ -66,10 +71,13 @@ from meshkit.upstream.base import (
     remember,
     unsendable,
 )
+from meshkit.upstream.timeouts import ClientTimeout
 
 __all__ = ["FastUpstream"]
 
 _NO_HEADERS: Headers = []
+# Exchange._stalled: why a body failed for the worker's silence
+_OPERATOR, _CLIENT = 1, 2
 
 
 class FastUpstream(AsyncUpstream):
@@ -115,13 +123,16 @@ class FastUpstream(AsyncUpstream):
         except Unsendable:
             raise unsendable() from None
         head_only = method == "HEAD"
+        bounds = request.timeout
         conn = pool.take()
         reused = conn is not None
         if conn is None:
-            conn = await self._acquire(pool, loop, fresh=False)
+            conn = await self._acquire(pool, loop, bounds, fresh=False)
         while True:
             fut: asyncio.Future[int] = loop.create_future()
             ex = Exchange(conn, fut)
+            if bounds is not None and bounds.read is not None:
+                conn.bound(bounds.read)
             conn.send(ex, head, body, head_only)
             try:
                 code = await fut
@@ -131,11 +142,13 @@ class FastUpstream(AsyncUpstream):
                 raise
             if code == HEAD_OK:
                 return ex
+            if code == HEAD_TIMEOUT and bounds is not None and bounds.read is not None:
+                raise ClientTimeout("read")
             error = failure(code, fresh=not reused)
             if error is not None:
                 raise error
             reused = False
-            conn = await self._acquire(pool, loop, fresh=True)
+            conn = await self._acquire(pool, loop, bounds, fresh=True)
 
     async def aclose(self) -> None:
         """Close every connection (pooled or busy) and the fallback."""
@@ -178,10 +191,13 @@ class FastUpstream(AsyncUpstream):
             route = (pool, line)
         return remember(self._routes, url, route, self.config.max_cached_urls)
 
-    async def _acquire(self, pool: Pool, loop: asyncio.AbstractEventLoop, *, fresh: bool) -> Conn:
+    async def _acquire(
+        self, pool: Pool, loop: asyncio.AbstractEventLoop, bounds: Timeouts | None, *, fresh: bool
+    ) -> Conn:
         """A connection of ``pool``: idle (unless ``fresh``), new, or after a wait."""
         hub = pool.hub
-        timeout = self.config.connect_timeout_s
+        mine = None if bounds is None else bounds.connect
+        timeout = self.config.connect_timeout_s if mine is None else mine
         deadline = loop.time() + timeout if timeout > 0 else None
         while True:
             if not fresh:
@@ -195,7 +211,7 @@ class FastUpstream(AsyncUpstream):
                 pool.idle[0].close()  # make room for the new connection
             if not per or pool.count < per:
                 if not limit or hub.total < limit or hub.evict_idle():
-                    return await self._connect(pool, loop, deadline)
+                    return await self._connect(pool, loop, deadline, own=mine is not None)
                 queue = hub.waiters
             else:
                 queue = pool.waiters
@@ -221,7 +237,7 @@ class FastUpstream(AsyncUpstream):
                 raise UpstreamFailure(Failure.POOL)
 
     async def _connect(
-        self, pool: Pool, loop: asyncio.AbstractEventLoop, deadline: float | None
+        self, pool: Pool, loop: asyncio.AbstractEventLoop, deadline: float | None, *, own: bool
     ) -> Conn:
         hub = pool.hub
         pool.count += 1
@@ -241,6 +257,8 @@ class FastUpstream(AsyncUpstream):
                 hub.wake(pool)
             if conn.transport is not None:
                 conn.transport.abort()
+            if own and isinstance(exc, TimeoutError):
+                raise ClientTimeout("connect") from exc
             if isinstance(exc, OSError | TimeoutError):
                 raise UpstreamFailure(Failure.CONNECT) from exc
             raise
@@ -266,6 +284,12 @@ def _refuse(waiters: deque[asyncio.Future[bool]]) -> None:
         _expire(waiters.popleft())
 
 
+def _broken(stalled: int) -> Exception:
+    if stalled == _CLIENT:
+        return ClientTimeout("read")
+    return UpstreamFailure(Failure.TIMEOUT if stalled else Failure.PROTOCOL)
+
+
 # -- exchanges and connections ------------------------------------------------------------
 
 
@@ -280,6 +304,7 @@ class Exchange:
         "_done",
         "_failed",
         "_head",
+        "_stalled",
         "_waiter",
         "headers",
         "status",
@@ -297,6 +322,7 @@ class Exchange:
         self._buffered = 0
         self._done = False
         self._failed = False
+        self._stalled = 0  # _OPERATOR or _CLIENT: the body failed for a silence
         self._waiter: asyncio.Future[None] | None = None
 
     def chunks(self) -> Exchange:
@@ -335,7 +361,7 @@ class Exchange:
                 raise StopAsyncIteration
             conn = self._conn
             if self._failed or conn is None:
-                raise UpstreamFailure(Failure.PROTOCOL)
+                raise _broken(self._stalled)
             waiter = self._waiter = conn.loop.create_future()
             await waiter
 
@@ -392,6 +418,7 @@ class Conn(asyncio.Protocol):
         "idle_since",
         "loop",
         "low_water",
+        "own",
         "paused",
         "pooled",
         "transport",
@@ -416,6 +443,7 @@ class Conn(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.pooled = False
+        self.own = False  # _timeout is a client's own read bound
         self.idle_since = 0.0
 
     # -- the request ---------------------------------------------------------------
@@ -438,6 +466,16 @@ class Conn(asyncio.Protocol):
             transport.writelines((head, body))
         else:
             transport.write(head)
+
+    def bound(self, read: float) -> None:
+        """The next exchange's read bound is the client's own, until the connection
+        is pooled again; a timer armed for later than it allows is armed anew."""
+        self._timeout = read
+        self.own = True
+        timer = self._timer
+        if timer is not None and timer.when() > self._time() + read:
+            self._timer = None
+            timer.cancel()
 
     def abandon(self) -> None:
         """The exchange was given up before its end (client gone, send cancelled)."""
@@ -487,7 +525,8 @@ class Conn(asyncio.Protocol):
     def _fire(self) -> None:
         self._timer = None
         ex = self._ex
-        if ex is None or self.closed:
+        # An unbounded _timeout: a client's bound was lifted since it was armed.
+        if ex is None or self.closed or self._timeout <= 0:
             return
         left = self._timeout - (self._time() - self._last_io)
         if left > 0:
@@ -495,6 +534,7 @@ class Conn(asyncio.Protocol):
         elif ex._head is not None:
             self._fail(HEAD_TIMEOUT)
         elif ex._waiter is not None and not self.paused:
+            ex._stalled = _CLIENT if self.own else _OPERATOR
             self._fail(HEAD_PROTOCOL)
         else:
             # Buffered data waits for a slow consumer: not the worker's silence.
@@ -582,6 +622,9 @@ class Conn(asyncio.Protocol):
         if keep_alive and not self.closed:
             if self.paused:
                 self.resume()
+            if self.own:
+                self.own = False
+                self._timeout = self._pool.hub.read_timeout
             self._pool.put(self)
         else:
             self.close()

@@ -14,7 +14,8 @@ failed handshake is ``Failure.TLS``, the 502 ``upstream_tls_error``.
 
 A request becomes the ``httpcore.Request`` directly (its URL and ``host`` parsed
 once per URL), not an ``httpx.Request`` and back, with the ``[upstream]``
-timeouts as its ``timeout`` extension: without it httpcore waits forever.
+timeouts as its ``timeout`` extension (without it httpcore waits forever), or the
+request's own (:mod:`~meshkit.upstream.timeouts`), computed with it.
 
 httpcore cannot tell a reused connection from a new one, so a request closed or
 reset before any response byte is always sent once more; nor garbage instead of a
@@ -33,6 +34,7 @@ from typing import Any
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Failure
+from meshkit.core.requests import Timeouts
 from meshkit.core.workers import Tls
 from meshkit.http1 import Headers, split_url
 from meshkit.upstream.base import (
@@ -49,6 +51,7 @@ from meshkit.upstream.base import (
     read_upto,
     remember,
 )
+from meshkit.upstream.timeouts import broken, timed_out
 
 __all__ = ["AsyncStreamExchange", "HttpcoreUpstream", "SyncStreamExchange"]
 
@@ -72,13 +75,21 @@ def _lower(headers: Headers) -> Headers:
 class _StreamExchange:
     """A response whose body is a library's byte stream (the one close ends)."""
 
-    __slots__ = ("_errors", "_stream", "headers", "status")
+    __slots__ = ("_bounds", "_errors", "_stream", "headers", "status")
 
-    def __init__(self, status: int, headers: Headers, stream: Any, errors: Errors) -> None:
+    def __init__(
+        self,
+        status: int,
+        headers: Headers,
+        stream: Any,
+        errors: Errors,
+        bounds: Timeouts | None = None,
+    ) -> None:
         self.status = status
         self.headers = headers
         self._stream = stream
         self._errors = errors
+        self._bounds = bounds
 
     def whole(self) -> bytes | None:
         return None  # the stream does not say whether its body is all here
@@ -91,7 +102,7 @@ class SyncStreamExchange(_StreamExchange):
         try:
             yield from self._stream
         except self._errors as exc:
-            raise UpstreamFailure(Failure.PROTOCOL) from exc
+            raise broken(exc, self._bounds) from exc
 
     def read(self, limit: int) -> bytes:
         return read_upto(self.chunks(), limit)
@@ -111,7 +122,7 @@ class AsyncStreamExchange(_StreamExchange):
             async for chunk in self._stream:
                 yield chunk
         except self._errors as exc:
-            raise UpstreamFailure(Failure.PROTOCOL) from exc
+            raise broken(exc, self._bounds) from exc
 
     async def read(self, limit: int) -> bytes:
         return await aread_upto(self.chunks(), limit)
@@ -196,12 +207,13 @@ class HttpcoreUpstream(SyncUpstream, AsyncUpstream):
         size = content_length(request.method, body)
         if size is not None:
             headers.append((b"content-length", b"%d" % size))
+        bounds = request.timeout
         return self.core.Request(
             request.method,
             target,
             headers=headers,
             content=body if size is not None else None,
-            extensions=self._extensions,
+            extensions=self._extensions if bounds is None else bounds.extensions,
         )
 
     def _url(self, url: str) -> tuple[Any, bytes]:
@@ -234,30 +246,32 @@ class HttpcoreUpstream(SyncUpstream, AsyncUpstream):
         req = self._prepared(request)
         tls = getattr(request, "tls", None)
         pool = self._pool if tls is None else self._pools_for(tls)[0]
+        bounds = request.timeout
         for fresh in (False, True):
             try:
                 resp = pool.handle_request(req)
             except self._errors as exc:
-                error = failure(exc, fresh=fresh)
+                error = _error(exc, fresh, bounds)
                 if error is None:
                     continue
                 raise error from exc
-            return SyncStreamExchange(*self._head(resp), resp.stream, self._errors)
+            return SyncStreamExchange(*self._head(resp), resp.stream, self._errors, bounds)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def asend(self, request: Request) -> AsyncStreamExchange:
         req = self._prepared(request)
         tls = getattr(request, "tls", None)
         pool = self._apool if tls is None else self._pools_for(tls)[1]
+        bounds = request.timeout
         for fresh in (False, True):
             try:
                 resp = await pool.handle_async_request(req)
             except self._errors as exc:
-                error = failure(exc, fresh=fresh)
+                error = _error(exc, fresh, bounds)
                 if error is None:
                     continue
                 raise error from exc
-            return AsyncStreamExchange(*self._head(resp), resp.stream, self._errors)
+            return AsyncStreamExchange(*self._head(resp), resp.stream, self._errors, bounds)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def close(self) -> None:
@@ -271,6 +285,14 @@ class HttpcoreUpstream(SyncUpstream, AsyncUpstream):
             await self._apool.aclose()
         for _, apool in self._tls_pools.values():
             await apool.aclose()
+
+
+def _error(exc: BaseException, fresh: bool, bounds: Timeouts | None) -> Exception | None:
+    if bounds is not None:
+        own = timed_out(exc, bounds)
+        if own is not None:
+            return own
+    return failure(exc, fresh=fresh)
 
 
 def ssl_context(tls: Tls) -> ssl.SSLContext:

@@ -12,7 +12,9 @@ request (an ``httpx.Request``, which adds ``Host`` itself) and the response
 (``status_code``, ``headers.raw``).
 
 A request the transport refuses to send (``LocalProtocolError``: a header value
-with surrounding whitespace, say) is the client's 400, as in every client.
+with surrounding whitespace, say) is the client's 400, as in every client. Its
+``timeout`` extension is httpcore's: ``[upstream]``'s, or the client's own where
+tighter (:mod:`~meshkit.upstream.timeouts`).
 """
 
 from __future__ import annotations
@@ -57,12 +59,13 @@ class InnerUpstream(HttpcoreUpstream):
             # Stated here: httpx states no length for an empty body of a method
             # other than POST, PUT and PATCH.
             headers = [*headers, (b"content-length", b"%d" % size)]
+        bounds = request.timeout
         return self.lib.Request(
             request.method,
             request.url,
             headers=headers,
             content=body if size is not None else None,
-            extensions=self._extensions,
+            extensions=self._extensions if bounds is None else bounds.extensions,
         )
 
     @staticmethod
