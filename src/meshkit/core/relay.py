@@ -131,13 +131,16 @@ class Relay:
         out, self._held = self._held, b""
         return out
 
-    def fail(self) -> bytes:
+    def fail(self, *, in_band: bool = True) -> bytes:
         """The worker failed mid-body: closes the books (the worker's failure);
         returns the rest to write, ending with the error event when the framing
-        has one (else :attr:`cut` is set)."""
+        has one and ``in_band`` (else :attr:`cut` is set: a client transport
+        raises its library's own error instead, as a direct connection would)."""
         self.finished = True
         self._books.abort(client_left=False)
-        tail = stream_error_event(self._fmt, MID_STREAM_CODE, MID_STREAM_MESSAGE)
+        tail = (
+            stream_error_event(self._fmt, MID_STREAM_CODE, MID_STREAM_MESSAGE) if in_band else b""
+        )
         self.cut = not tail
         out, self._held = self._held, b""
         return out + tail if out else tail

@@ -14,6 +14,12 @@ A body cut short that has no in-band way to say so (a plain JSON answer) raises
 ``cut()``'s exception when one is given (the client transports raise their
 library's ``RemoteProtocolError``, as a direct connection would); without one the
 iterable simply ends, and the server's framing tells the client.
+
+The worker's silence past a read bound raises ``stalled()``'s exception when one
+is given (the client transports' ``ReadTimeout``), in every framing: no error
+event first, as a direct connection would. Past ``[upstream]``'s bound the books
+close as the worker's failure; past the client's own
+(:class:`~meshkit.upstream.timeouts.ClientTimeout`), as the client leaving.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 
+from meshkit.core.forward import Failure
 from meshkit.core.relay import Relay
 from meshkit.upstream.base import AsyncExchange, SyncExchange, UpstreamFailure
+from meshkit.upstream.timeouts import ClientTimeout
 
 __all__ = ["NO_BOOKS", "AsyncRelayStream", "SyncRelayStream"]
 
 Cut = Callable[[], BaseException] | None
+_TIMEOUT = Failure.TIMEOUT
 
 
 class _NoBooks:
@@ -49,18 +58,35 @@ class _NoBooks:
 NO_BOOKS = _NoBooks()
 
 
+def _failed(relay: Relay, exc: BaseException, stalled: Cut) -> tuple[bytes, Cut]:
+    """What to write and what to raise after the body failed with ``exc``."""
+    if isinstance(exc, ClientTimeout):
+        if stalled is None:  # only the client transports set a client's bounds
+            raise exc
+        relay.close()
+        return b"", stalled
+    assert isinstance(exc, UpstreamFailure)
+    if exc.failure is _TIMEOUT and stalled is not None:
+        return relay.fail(in_band=False), stalled
+    return relay.fail(), None
+
+
 class SyncRelayStream:
     """A relayed body as an iterable of bytes (see the module docstring)."""
 
-    __slots__ = ("_cut", "_exchange", "_relay")
+    __slots__ = ("_cut", "_exchange", "_relay", "_stalled")
 
-    def __init__(self, exchange: SyncExchange, relay: Relay, cut: Cut = None) -> None:
+    def __init__(
+        self, exchange: SyncExchange, relay: Relay, cut: Cut = None, stalled: Cut = None
+    ) -> None:
         self._exchange = exchange
         self._relay = relay
         self._cut = cut
+        self._stalled = stalled
 
     def __iter__(self) -> Iterator[bytes]:
         relay = self._relay
+        error: Cut = None
         try:
             for chunk in self._exchange.chunks():
                 out = relay.chunk(chunk)
@@ -68,12 +94,14 @@ class SyncRelayStream:
                     yield out
                 if relay.finished:
                     break
-        except UpstreamFailure:
-            out = relay.fail()
+        except (UpstreamFailure, ClientTimeout) as exc:
+            out, error = _failed(relay, exc, self._stalled)
         else:
             out = relay.end()
         if out:
             yield out
+        if error is not None:
+            raise error()
         if relay.cut and self._cut is not None:
             raise self._cut()
 
@@ -93,15 +121,19 @@ class SyncRelayStream:
 class AsyncRelayStream:
     """:class:`SyncRelayStream` for an async exchange."""
 
-    __slots__ = ("_cut", "_exchange", "_relay")
+    __slots__ = ("_cut", "_exchange", "_relay", "_stalled")
 
-    def __init__(self, exchange: AsyncExchange, relay: Relay, cut: Cut = None) -> None:
+    def __init__(
+        self, exchange: AsyncExchange, relay: Relay, cut: Cut = None, stalled: Cut = None
+    ) -> None:
         self._exchange = exchange
         self._relay = relay
         self._cut = cut
+        self._stalled = stalled
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         relay = self._relay
+        error: Cut = None
         try:
             async for chunk in self._exchange.chunks():
                 out = relay.chunk(chunk)
@@ -109,12 +141,14 @@ class AsyncRelayStream:
                     yield out
                 if relay.finished:
                     break
-        except UpstreamFailure:
-            out = relay.fail()
+        except (UpstreamFailure, ClientTimeout) as exc:
+            out, error = _failed(relay, exc, self._stalled)
         else:
             out = relay.end()
         if out:
             yield out
+        if error is not None:
+            raise error()
         if relay.cut and self._cut is not None:
             raise self._cut()
 

@@ -32,11 +32,25 @@ the client never reads it; a longer one, or a stream, is relayed as it is read.
 A body the worker cuts short raises the library's ``RemoteProtocolError``, as a
 direct connection would.
 
+Timeouts: each attempt is bound by the tighter of the request's own (its library's
+``timeout`` extension: the SDK's ``timeout=``, or the client's default) and
+``[upstream]``'s (``connect_timeout_s``, ``read_timeout_s``), which stay the
+operator's bound: a client can only shorten them
+(:mod:`meshkit.upstream.timeouts`; writes are bound by the request's ``write``,
+held against ``read_timeout_s`` as well). Either bound that runs out raises the
+library's own ``ReadTimeout`` (``ConnectTimeout``, ``WriteTimeout`` for the
+client's connect and write bounds), before the response or from its body, as a
+direct connection would (the openai SDK raises ``APITimeoutError`` and applies
+its retry rules). Past ``[upstream]``'s bound the worker is blamed (a breaker
+failure, counted as an ``upstream_timeout`` rejection); past the client's own, the
+client gave up: the lease goes back without a verdict, as when a client leaves.
+A connect that fails (``[upstream]``'s bound included) moves the request to
+another worker; a pool wait that runs out is still 503 ``overloaded``.
+
 Bounds: an inference request's head is checked against ``bounds.max_header_bytes``
 and ``bounds.max_headers`` (431); a body is read from the request's stream piece
 by piece and refused (413) as soon as it is over ``bounds.max_body_bytes``, or at
-once when its ``Content-Length`` says so. Upstream attempts carry the
-``[upstream]`` timeouts.
+once when its ``Content-Length`` says so.
 """
 
 from __future__ import annotations
@@ -53,9 +67,10 @@ import httpx
 from meshkit.config import BoundsConfig
 from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import shape_for_path
+from meshkit.core.forward import Failure
 from meshkit.core.relay import Relay
-from meshkit.core.requests import RequestView, head_error
-from meshkit.errors import MeshError, RequestTooLarge, UpstreamError
+from meshkit.core.requests import RequestView, Timeouts, head_error
+from meshkit.errors import MeshError, RequestTooLarge, UpstreamError, UpstreamTimeout
 from meshkit.frontends.relay import NO_BOOKS, AsyncRelayStream, SyncRelayStream
 from meshkit.mesh import Mesh
 from meshkit.types import Headers
@@ -74,6 +89,7 @@ from meshkit.upstream.drive import (
 )
 from meshkit.upstream.inner import library_of
 from meshkit.upstream.select import async_upstream, sync_upstream
+from meshkit.upstream.timeouts import ClientTimeout, client_timeouts
 
 try:  # httpx2 is a dependency; keep the module importable if a user removed it
     import httpx2
@@ -81,6 +97,10 @@ except ImportError:  # pragma: no cover
     httpx2 = None  # type: ignore[assignment]
 
 __all__ = ["AsyncMeshTransport", "MeshTransport"]
+
+_TIMEOUT = Failure.TIMEOUT
+#: distinct ``timeout`` extensions whose bounds a transport keeps (clients use few)
+_MAX_BOUNDS = 64
 
 
 def _both(name: str) -> tuple[type, ...]:
@@ -160,6 +180,26 @@ def _cut_short(lib: ModuleType) -> Callable[[], BaseException]:
     return lambda: lib.RemoteProtocolError("the worker closed the connection mid-response")
 
 
+_PHASES = {"connect": "ConnectTimeout", "read": "ReadTimeout", "write": "WriteTimeout"}
+
+
+def _timed_out(lib: ModuleType, phase: str = "read") -> BaseException:
+    """What a bound that ran out raises in the client (as a direct connection)."""
+    exc: BaseException = getattr(lib, _PHASES[phase])(f"the worker's {phase} timed out")
+    return exc
+
+
+_RAISERS: dict[str, tuple[Callable[[], BaseException], Callable[[], BaseException]]] = {}
+
+
+def _raisers(lib: ModuleType) -> tuple[Callable[[], BaseException], Callable[[], BaseException]]:
+    """What a relayed body raises when the worker cut it short, or went silent."""
+    got = _RAISERS.get(lib.__name__)
+    if got is None:
+        got = _RAISERS[lib.__name__] = (_cut_short(lib), lambda: _timed_out(lib))
+    return got
+
+
 def _bytes_response(lib: ModuleType, status: int, headers: Headers, body: bytes) -> Any:
     """A response meshkit built, streamable like one from the network.
 
@@ -204,6 +244,25 @@ class _Common:
         # a burst each built a pool of their own (the limits did not hold and the
         # extra pools were never closed).
         self._lock = threading.Lock()
+        #: a request's (connect, read, write, pool) timeouts -> the bounds it carries
+        self._bounds: dict[tuple[Any, ...], Timeouts | None] = {}
+
+    def _timeouts(self, request: Any) -> Timeouts | None:
+        """The request's own bounds (its ``timeout`` extension), where tighter than
+        ``[upstream]``'s: made once per distinct extension, then looked up."""
+        ext = request.extensions.get("timeout")
+        if not ext:
+            return None
+        key = (ext.get("connect"), ext.get("read"), ext.get("write"), ext.get("pool"))
+        try:
+            return self._bounds[key]
+        except KeyError:
+            pass
+        bounds = client_timeouts(self.mesh.config.upstream, ext)
+        if len(self._bounds) >= _MAX_BOUNDS:
+            self._bounds.clear()
+        self._bounds[key] = bounds
+        return bounds
 
     def _upstream(self, lib: ModuleType, make: Callable[..., Any]) -> Any:
         name = lib.__name__
@@ -217,9 +276,9 @@ class _Common:
                     self._upstreams[name] = up
         return up
 
-    def _steps(self, request: Any, lib: ModuleType) -> Steps[Any]:
+    def _steps(self, request: Any, lib: ModuleType, timeouts: Timeouts | None) -> Steps[Any]:
         """One client request, start to response, as the operations of
-        :mod:`meshkit.upstream.drive`."""
+        :mod:`meshkit.upstream.drive`; ``timeouts``: its own."""
         mesh = self.mesh
         bounds = mesh.config.bounds
         path, query = _split(request)
@@ -231,13 +290,21 @@ class _Common:
                 body = yield (BODY, (request.stream, bounds.max_body_bytes))
             if match is None:  # not ours: to a healthy worker, as it is
                 attempt = mesh.pass_through(request.method, path, query, headers, body)
+                attempt.timeout = timeouts
                 plain = yield (SEND, attempt)
                 return self._relayed(lib, plain, Relay(NO_BOOKS, None))
             view = yield (PREPARE, (mesh, match, body, headers, query))
+            view.timeout = timeouts
             final = yield from flow_steps(mesh.forward(view, headers, request.method))
+        except UpstreamTimeout as exc:
+            mesh.reject(exc)
+            raise _timed_out(lib) from None
         except MeshError as exc:
             return self._refused(lib, exc, path)
-        except UpstreamFailure:
+        except UpstreamFailure as exc:
+            if exc.failure is _TIMEOUT:  # a passed-through request's worker
+                mesh.reject(UpstreamTimeout("the worker did not answer in time"))
+                raise _timed_out(lib) from None
             return self._refused(lib, UpstreamError("the worker could not be reached"), path)
         if isinstance(final, Answered):
             local = final.local
@@ -252,9 +319,9 @@ class _Common:
             data = exchange.whole()
             if data is None:
                 data = yield (READ, (exchange, bounds.max_sse_line_bytes))
-        except UpstreamFailure:
+        except UpstreamFailure as exc:
             relay.fail()
-            raise _cut_short(lib)() from None
+            raise (_timed_out(lib) if exc.failure is _TIMEOUT else _cut_short(lib)()) from None
         except BaseException:
             relay.close()  # cancelled mid-read: the client left; the lease goes back
             raise
@@ -270,7 +337,7 @@ class _Common:
         return _bytes_response(lib, exc.status, exc.headers(), exc.body(shape_for_path(path)))
 
     def _relayed(self, lib: ModuleType, exchange: Any, relay: Relay) -> Any:
-        stream = self._stream(exchange, relay, _cut_short(lib))
+        stream = self._stream(exchange, relay, *_raisers(lib))
         return lib.Response(
             exchange.status, headers=response_headers(exchange.headers), stream=stream
         )
@@ -292,7 +359,11 @@ class MeshTransport(_Common, *_both("BaseTransport")):  # type: ignore[misc]
     def handle_request(self, request: Any) -> Any:
         lib = _lib_of(request)
         send = self._upstream(lib, sync_upstream).send
-        return run_sync(self._steps(request, lib), send, self.mesh.legs)
+        steps = self._steps(request, lib, self._timeouts(request))
+        try:
+            return run_sync(steps, send, self.mesh.legs)
+        except ClientTimeout as exc:
+            raise _timed_out(lib, exc.phase) from None
 
     def close(self) -> None:
         for up in self._upstreams.values():
@@ -310,7 +381,11 @@ class AsyncMeshTransport(_Common, *_both("AsyncBaseTransport")):  # type: ignore
     async def handle_async_request(self, request: Any) -> Any:
         lib = _lib_of(request)
         send = self._upstream(lib, async_upstream).asend
-        return await run_async(self._steps(request, lib), send)
+        steps = self._steps(request, lib, self._timeouts(request))
+        try:
+            return await run_async(steps, send)
+        except ClientTimeout as exc:
+            raise _timed_out(lib, exc.phase) from None
 
     async def aclose(self) -> None:
         for up in self._upstreams.values():

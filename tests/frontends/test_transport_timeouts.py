@@ -1,0 +1,454 @@
+"""The client transports honour the client's own timeouts, as a direct connection.
+
+A request carries its library's ``timeout`` extension (the SDK's ``timeout=``, or
+the client's default); each attempt is bound by the tighter of it and
+``[upstream]``'s. Whichever runs out, before the response or in its body, the
+client gets its library's own ``ReadTimeout`` (the openai SDK: ``APITimeoutError``)
+and the mesh is settled. Real sockets, real SDKs; the workers stay silent far
+longer than any test waits, and no duration is asserted but a generous bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import httpx2
+import openai
+import pytest
+import trustme
+
+from harness import wait_until
+from meshkit import Mesh, Worker
+from meshkit.config import UpstreamConfig
+from meshkit.frontends.transport import AsyncMeshTransport, MeshTransport
+from meshkit.mock import MockConfig, MockWorkerThread
+from meshkit.upstream.timeouts import client_timeouts
+from reliability.faultkit import metric_value, settled
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES: Any = [{"role": "user", "content": "hi"}]
+#: how long the silent worker keeps quiet (no test may wait for it)
+SILENT_MS = 20_000
+#: what "did not wait for the worker" means here
+WELL_BEFORE_S = 10.0
+
+
+def _mesh(mesh_factory: Callable[..., Mesh], url: str, read_s: float = 30.0) -> Mesh:
+    return mesh_factory(
+        workers=[Worker(url)], upstream={"read_timeout_s": read_s}, lifecycle={"probe": False}
+    )
+
+
+@pytest.fixture
+def silent(mock_factory: Callable[..., MockWorkerThread]) -> MockWorkerThread:
+    """Answers nothing (plain) or nothing past the stream's head for SILENT_MS."""
+    return mock_factory(name="silent", first_token_ms=SILENT_MS)
+
+
+def _sync_openai(mesh: Mesh, **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://mesh.invalid/v1",
+        api_key="unused",
+        http_client=httpx2.Client(transport=MeshTransport(mesh)),
+        max_retries=0,
+        **kw,
+    )
+
+
+def _async_openai(mesh: Mesh, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url="http://mesh.invalid/v1",
+        api_key="unused",
+        http_client=httpx2.AsyncClient(transport=AsyncMeshTransport(mesh)),
+        max_retries=0,
+        **kw,
+    )
+
+
+# -- the openai SDK -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["client", "call"])
+def test_the_sdks_timeout_is_an_api_timeout_error(
+    silent: MockWorkerThread, mesh_factory: Callable[..., Mesh], where: str
+) -> None:
+    mesh = _mesh(mesh_factory, silent.url, read_s=30.0)
+    client = _sync_openai(mesh, **({"timeout": 0.5} if where == "client" else {}))
+    call = {"timeout": 0.5} if where == "call" else {}
+    started = time.monotonic()
+    with client, pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model="m", messages=MESSAGES, **call)
+    assert time.monotonic() - started < WELL_BEFORE_S
+    assert wait_until(lambda: settled(mesh))
+    # The client gave up, not the operator's bound: no upstream_timeout counted.
+    assert metric_value(mesh, "mesh_router_rejections_total", code="upstream_timeout") == 0
+
+
+def test_the_async_sdks_timeout_is_an_api_timeout_error(
+    silent: MockWorkerThread, mesh_factory: Callable[..., Mesh]
+) -> None:
+    mesh = _mesh(mesh_factory, silent.url, read_s=30.0)
+
+    async def go() -> None:
+        async with _async_openai(mesh, timeout=0.5) as client:
+            with pytest.raises(openai.APITimeoutError):
+                await client.chat.completions.create(model="m", messages=MESSAGES)
+
+    started = time.monotonic()
+    asyncio.run(go())
+    assert time.monotonic() - started < WELL_BEFORE_S
+    assert wait_until(lambda: settled(mesh))
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_the_upstream_bound_wins_when_it_is_tighter(
+    silent: MockWorkerThread, mesh_factory: Callable[..., Mesh], kind: str
+) -> None:
+    """``[upstream].read_timeout_s`` is the operator's bound: the same exception as
+    the client's own (not a 504 response), and it counts against the worker."""
+    mesh = _mesh(mesh_factory, silent.url, read_s=0.5)
+    started = time.monotonic()
+    if kind == "sync":
+        with _sync_openai(mesh, timeout=30.0) as client, pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model="m", messages=MESSAGES)
+    else:
+
+        async def go() -> None:
+            async with _async_openai(mesh, timeout=30.0) as client:
+                with pytest.raises(openai.APITimeoutError):
+                    await client.chat.completions.create(model="m", messages=MESSAGES)
+
+        asyncio.run(go())
+    assert time.monotonic() - started < WELL_BEFORE_S
+    assert wait_until(lambda: settled(mesh))
+    assert metric_value(mesh, "mesh_router_rejections_total", code="upstream_timeout") == 1
+
+
+def test_a_silence_mid_stream_raises_from_the_iterator(
+    silent: MockWorkerThread, mesh_factory: Callable[..., Mesh]
+) -> None:
+    """The stream's head came at once, then nothing: the iterator raises the
+    library's ReadTimeout (no error event first), which the SDK raises as its
+    APITimeoutError, and the books close."""
+    mesh = _mesh(mesh_factory, silent.url, read_s=30.0)
+    with _sync_openai(mesh, timeout=0.5) as client:
+        stream = client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+        with pytest.raises(openai.APITimeoutError) as info:
+            for _ in stream:
+                pass
+        stream.close()
+    assert isinstance(info.value.__cause__, httpx2.ReadTimeout)
+    assert wait_until(lambda: settled(mesh))
+
+
+@pytest.mark.parametrize("read_s", [30.0, 0.5], ids=["client-bound", "upstream-bound"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_stream_the_worker_leaves_silent_raises_in_both_transports(
+    silent: MockWorkerThread, mesh_factory: Callable[..., Mesh], kind: str, read_s: float
+) -> None:
+    mesh = _mesh(mesh_factory, silent.url, read_s=read_s)
+    timeout = httpx2.Timeout(30.0 if read_s < 1 else 0.5)
+    body = {**CHAT, "stream": True}
+    got: list[bytes] = []
+    if kind == "sync":
+        client = httpx2.Client(
+            transport=MeshTransport(mesh), base_url="http://mesh", timeout=timeout
+        )
+        with client, client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            with pytest.raises(httpx2.ReadTimeout):
+                got.extend(r.iter_raw())
+    else:
+
+        async def read(r: httpx2.Response) -> None:
+            async for chunk in r.aiter_raw():
+                got.append(chunk)
+
+        async def go() -> None:
+            transport = AsyncMeshTransport(mesh)
+            aclient = httpx2.AsyncClient(
+                transport=transport, base_url="http://mesh", timeout=timeout
+            )
+            async with aclient, aclient.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                with pytest.raises(httpx2.ReadTimeout):
+                    await read(r)
+
+        asyncio.run(go())
+    assert b"upstream_error" not in b"".join(got)  # no error event: a direct connection's end
+    assert wait_until(lambda: settled(mesh))
+
+
+def test_the_clients_own_timeouts_do_not_open_the_workers_breaker(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
+) -> None:
+    """A client that gives up early is no failure of the worker: past the breaker's
+    threshold of such timeouts the worker still serves a patient client."""
+    slow = mock_factory(name="slow", first_token_ms=1500)
+    mesh = mesh_factory(
+        workers=[Worker(slow.url)],
+        upstream={"read_timeout_s": 30.0},
+        lifecycle={"probe": False, "breaker_failures": 2},
+    )
+    with _sync_openai(mesh) as client:
+        for _ in range(3):
+            with pytest.raises(openai.APITimeoutError):
+                client.chat.completions.create(model="m", messages=MESSAGES, timeout=0.2)
+        reply = client.chat.completions.create(model="m", messages=MESSAGES, timeout=20)
+    assert reply.choices[0].message.content
+    assert wait_until(lambda: settled(mesh))
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_prefill_leg_beside_the_decode_gets_the_clients_bound(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh], kind: str
+) -> None:
+    """SGLang's prefill leg runs beside the decode leg (on a thread of the sync
+    transport's): it is bound by the client's timeout too."""
+    prefill = mock_factory(name="p", pd_role="prefill", first_token_ms=SILENT_MS)
+    decode = mock_factory(name="d", pd_role="decode")
+    mesh = mesh_factory(
+        workers=[
+            Worker(prefill.url, labels={"mesh.role": "prefill"}),
+            Worker(decode.url, labels={"mesh.role": "decode"}),
+        ],
+        pd={"protocol": "sglang"},
+        upstream={"read_timeout_s": 30.0},
+        lifecycle={"probe": False},
+    )
+    started = time.monotonic()
+    if kind == "sync":
+        with _sync_openai(mesh, timeout=0.5) as client, pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model="m", messages=MESSAGES)
+    else:
+
+        async def go() -> None:
+            async with _async_openai(mesh, timeout=0.5) as client:
+                with pytest.raises(openai.APITimeoutError):
+                    await client.chat.completions.create(model="m", messages=MESSAGES)
+
+        asyncio.run(go())
+    assert time.monotonic() - started < WELL_BEFORE_S
+    assert wait_until(lambda: settled(mesh))
+
+
+class _HalfBody:
+    """Answers a POST with a head announcing 100 bytes, 10 of them, then silence
+    (until closed): a whole body the transport reads before answering."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", "100")
+                self.end_headers()
+                self.wfile.write(b'{"id": "x"')
+                self.wfile.flush()
+                outer.release.wait(SILENT_MS / 1000)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("read_s", [30.0, 0.5], ids=["client-bound", "upstream-bound"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_whole_body_the_worker_leaves_silent_raises(
+    mesh_factory: Callable[..., Mesh], kind: str, read_s: float
+) -> None:
+    half = _HalfBody()
+    try:
+        mesh = _mesh(mesh_factory, half.url, read_s=read_s)
+        timeout = 30.0 if read_s < 1 else 0.5
+        if kind == "sync":
+            client = httpx2.Client(
+                transport=MeshTransport(mesh), base_url="http://mesh", timeout=timeout
+            )
+            with client, pytest.raises(httpx2.ReadTimeout):
+                client.post("/v1/chat/completions", json=CHAT)
+        else:
+
+            async def go() -> None:
+                transport = AsyncMeshTransport(mesh)
+                aclient = httpx2.AsyncClient(
+                    transport=transport, base_url="http://mesh", timeout=timeout
+                )
+                async with aclient:
+                    with pytest.raises(httpx2.ReadTimeout):
+                        await aclient.post("/v1/chat/completions", json=CHAT)
+
+            asyncio.run(go())
+        assert wait_until(lambda: settled(mesh))
+    finally:
+        half.close()
+
+
+# -- plain httpx and httpx2 clients ---------------------------------------------------
+
+
+@pytest.mark.parametrize("lib", [httpx, httpx2], ids=["httpx", "httpx2"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_plain_client_gets_its_librarys_read_timeout(
+    silent: MockWorkerThread, mesh_factory: Callable[..., Mesh], lib: Any, kind: str
+) -> None:
+    mesh = _mesh(mesh_factory, silent.url, read_s=30.0)
+    started = time.monotonic()
+    if kind == "sync":
+        with (
+            lib.Client(
+                transport=MeshTransport(mesh), base_url="http://mesh", timeout=lib.Timeout(0.5)
+            ) as c,
+            pytest.raises(lib.ReadTimeout),
+        ):
+            c.post("/v1/chat/completions", json=CHAT)
+    else:
+
+        async def go() -> None:
+            async with lib.AsyncClient(
+                transport=AsyncMeshTransport(mesh), base_url="http://mesh", timeout=lib.Timeout(0.5)
+            ) as c:
+                with pytest.raises(lib.ReadTimeout):
+                    await c.post("/v1/chat/completions", json=CHAT)
+
+        asyncio.run(go())
+    assert time.monotonic() - started < WELL_BEFORE_S
+    assert wait_until(lambda: settled(mesh))
+
+
+def test_a_passed_through_request_gets_the_read_timeout(
+    silent: MockWorkerThread, mesh_factory: Callable[..., Mesh]
+) -> None:
+    """Not an inference path (relayed as is): the same bound and the same error."""
+    worker = silent.worker
+    original = worker.app.handle
+
+    def handle(req: Any) -> Any:
+        if req.path == b"/slow":  # a chat completion, as silent as the others
+            req.path = b"/v1/chat/completions"
+        return original(req)
+
+    worker.app.handle = handle  # type: ignore[method-assign]
+    mesh = _mesh(mesh_factory, silent.url, read_s=30.0)
+    client = httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh", timeout=0.5)
+    with client, pytest.raises(httpx2.ReadTimeout):
+        client.post("/slow", json=CHAT)
+    assert wait_until(lambda: settled(mesh))
+
+
+# -- the inner transport and https workers (httpcore) ---------------------------------
+
+
+def test_an_inner_transport_gets_the_tighter_bounds(
+    silent: MockWorkerThread, mesh_factory: Callable[..., Mesh]
+) -> None:
+    mesh = _mesh(mesh_factory, silent.url, read_s=30.0)
+    seen: list[dict[str, Any]] = []
+
+    class Spy(httpx.HTTPTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append(dict(request.extensions["timeout"]))
+            return super().handle_request(request)
+
+    transport = MeshTransport(mesh, inner=Spy())
+    client = httpx.Client(transport=transport, base_url="http://mesh", timeout=0.5)
+    with client, pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/chat/completions", json=CHAT)
+    assert seen == [{"connect": 0.5, "pool": 0.5, "read": 0.5, "write": 0.5}]
+    assert wait_until(lambda: settled(mesh))
+
+
+@pytest.fixture
+def tls_silent(tmp_path: Path) -> Iterator[tuple[MockWorkerThread, str]]:
+    ca = trustme.CA()
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(ctx)
+    worker = MockWorkerThread(MockConfig(name="tls", first_token_ms=SILENT_MS), ssl=ctx)
+    worker.start()
+    yield worker, str(ca_file)
+    worker.stop()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_an_https_worker_gets_the_clients_bound(
+    tls_silent: tuple[MockWorkerThread, str], mesh_factory: Callable[..., Mesh], kind: str
+) -> None:
+    worker, ca_file = tls_silent
+    mesh = mesh_factory(
+        workers=[Worker(worker.url, tls_ca_file=ca_file)],
+        upstream={"read_timeout_s": 30.0},
+        lifecycle={"probe": False},
+    )
+    started = time.monotonic()
+    if kind == "sync":
+        with _sync_openai(mesh, timeout=1.0) as client, pytest.raises(openai.APITimeoutError):
+            client.chat.completions.create(model="m", messages=MESSAGES)
+    else:
+
+        async def go() -> None:
+            async with _async_openai(mesh, timeout=1.0) as client:
+                with pytest.raises(openai.APITimeoutError):
+                    await client.chat.completions.create(model="m", messages=MESSAGES)
+
+        asyncio.run(go())
+    assert time.monotonic() - started < WELL_BEFORE_S
+    assert wait_until(lambda: settled(mesh))
+
+
+# -- the bounds a request carries --------------------------------------------------------
+
+
+def _ext(connect: Any = None, read: Any = None, write: Any = None, pool: Any = None) -> Any:
+    return {"connect": connect, "read": read, "write": write, "pool": pool}
+
+
+def test_no_bounds_when_the_clients_are_no_tighter() -> None:
+    config = UpstreamConfig(connect_timeout_s=5.0, read_timeout_s=600.0)
+    assert client_timeouts(config, _ext()) is None  # unbounded: [upstream]'s
+    assert client_timeouts(config, _ext(5.0, 600.0, 600.0, 600.0)) is None  # the openai default
+    assert client_timeouts(config, _ext(10.0, 900.0, 0, -1)) is None  # <= 0: unbounded
+
+
+def test_the_bounds_are_the_tighter_per_side() -> None:
+    config = UpstreamConfig(connect_timeout_s=5.0, read_timeout_s=600.0)
+    t = client_timeouts(config, _ext(2.0, 30.0, None, 9.0))
+    assert t is not None
+    assert (t.connect, t.read, t.write) == (2.0, 30.0, None)
+    assert t.extensions == {"timeout": {"connect": 2.0, "pool": 2.0, "read": 30.0, "write": 600.0}}
+    # the pool wait is bound with the connect: the smaller of the two
+    t = client_timeouts(config, _ext(None, None, 1.0, 0.5))
+    assert t is not None
+    assert (t.connect, t.read, t.write) == (0.5, None, 1.0)
+    assert t.extensions["timeout"] == {"connect": 0.5, "pool": 0.5, "read": 600.0, "write": 1.0}
+
+
+def test_an_unbounded_upstream_takes_the_clients_bounds() -> None:
+    config = UpstreamConfig(connect_timeout_s=0, read_timeout_s=0)
+    t = client_timeouts(config, _ext(3.0, 4.0, None, None))
+    assert t is not None
+    assert t.extensions["timeout"] == {"connect": 3.0, "pool": 3.0, "read": 4.0, "write": None}
