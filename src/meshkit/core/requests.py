@@ -35,7 +35,7 @@ from urllib.parse import quote
 
 import msgspec
 
-from meshkit.core.endpoints import ENDPOINTS, Api, Match, Op
+from meshkit.core.endpoints import ENDPOINTS, Api, Match, Op, StreamFormat
 from meshkit.core.shapes import (
     AnyBody,
     ChatBody,
@@ -56,6 +56,7 @@ __all__ = [
     "check_media",
     "head_error",
     "parse_request",
+    "query_streams",
 ]
 
 #: default of ``bounds.max_json_depth``
@@ -351,6 +352,22 @@ def _too_deep(body: bytes, max_depth: int) -> bool:
             return depth + max(accumulate(map(_DEPTH_STEP.__getitem__, peeled))) > max_depth
         body = peeled
     return False
+
+
+def query_streams(match: Match, query: str) -> bool:
+    """Whether a read of a stored Response asks for its events as a stream:
+    ``GET /v1/responses/{id}?stream=true`` (the SDK's ``responses.retrieve(id,
+    stream=True)``, PROTOCOLS.md section 2). The stream flag of a create is in its
+    body; a retrieve has none, so its query says it (the last ``stream`` wins)."""
+    ep = match.endpoint
+    if ep.op is not Op.RETRIEVE or ep.stream_format is StreamFormat.NONE or "stream" not in query:
+        return False
+    streams = False
+    for pair in query.split("&"):
+        name, _, value = pair.partition("=")
+        if name == "stream":
+            streams = value.lower() in ("true", "1")
+    return streams
 
 
 def parse_request(

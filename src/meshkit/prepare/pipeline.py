@@ -24,7 +24,13 @@ import msgspec
 
 from meshkit.core.endpoints import Api, Match, Op
 from meshkit.core.kv_index import ROOT, chain
-from meshkit.core.requests import LocalResponse, RequestView, check_media, parse_request
+from meshkit.core.requests import (
+    LocalResponse,
+    RequestView,
+    check_media,
+    parse_request,
+    query_streams,
+)
 from meshkit.errors import InvalidRequest, RequestTooLarge
 
 if TYPE_CHECKING:
@@ -260,6 +266,8 @@ class Preparer:
     @staticmethod
     def _finish(view: RequestView, heads: _Heads, query: str) -> RequestView:
         view.query = query
+        if query and query_streams(view.match, query):
+            view.stream = True  # GET /v1/responses/{id}?stream=true
         session, idempotency, wait = heads
         if session is not None:
             view.routing_key = session.decode("latin-1")
