@@ -131,8 +131,11 @@ _DELTA_OUTPUT = (
     "reasoning_content",
     "reasoning",
     "function_call",
+    "audio",
 )
 
+# Every delta of what the model writes (text, refusal, reasoning, a tool call's
+# input, audio); not what a tool returns (shell_call_output_content, images).
 _R_FIRST = frozenset(
     {
         b"response.output_text.delta",
@@ -140,6 +143,12 @@ _R_FIRST = frozenset(
         b"response.function_call_arguments.delta",
         b"response.reasoning_text.delta",
         b"response.reasoning_summary_text.delta",
+        b"response.custom_tool_call_input.delta",
+        b"response.mcp_call_arguments.delta",
+        b"response.code_interpreter_call_code.delta",
+        b"response.shell_call_command.delta",
+        b"response.audio.delta",
+        b"response.audio.transcript.delta",
     }
 )
 _R_TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.incomplete"})
