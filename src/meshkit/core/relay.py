@@ -22,6 +22,13 @@ The rules, written once:
   worker's breaker hears of it. A body without event framing has no way to say so
   in-band: :attr:`Relay.cut` tells the front end to cut the connection (or raise
   its library's error), as a direct connection would.
+* **An event is relayed once it is whole.** A stream's chunk that ends inside
+  an event keeps that event's bytes back until its end arrives (a chunk that ends
+  on an event boundary, the common case, is written as it is). The client gets the
+  worker's bytes, in order, and no later than it could use them; and when the
+  worker dies mid-event, the half event is dropped and the error event starts a
+  line of its own (glued to a half line, it would be one broken event: the openai
+  SDK raises ``JSONDecodeError`` instead of ``APIError``).
 * **Closing is exactly once.** A response the front end gives up before its end is
   the client leaving, unless the stream already carried its terminal event (the
   openai SDK stops reading at ``[DONE]``, before the end of the body): that is a
@@ -43,6 +50,22 @@ __all__ = ["MID_STREAM_CODE", "MID_STREAM_MESSAGE", "Books", "Relay", "stream_er
 MID_STREAM_CODE = "upstream_error"
 MID_STREAM_MESSAGE = "the worker failed while streaming the response"
 _NONE = StreamFormat.NONE
+#: how a chunk that ends an SSE event ends (LF, CR, CRLF framing)
+_EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
+#: the most of an unfinished event held back; past it the bytes go on as they
+#: come (a body that is not SSE after all, e.g. a JSON answer to a stream request)
+MAX_HELD_EVENT_BYTES = 1 << 20
+
+
+def _event_end(buf: bytes, start: int) -> int:
+    """Where the last complete SSE event of ``buf`` ends (0: none), looking for
+    its blank line from ``start`` on."""
+    end = 0
+    for sep in _EVENT_ENDS:
+        i = buf.rfind(sep, start)
+        if i >= 0 and i + len(sep) > end:
+            end = i + len(sep)
+    return end
 
 
 def stream_error_event(fmt: StreamFormat, code: str, message: str) -> bytes:
@@ -114,9 +137,25 @@ class Relay:
         if not self._hold:
             if books.stopped:
                 self.finished = True
-            return data
+            if self._fmt is _NONE or (not self._held and data.endswith(_EVENT_ENDS)):
+                return data
+            return self._whole_events(data)
         out, self._held = self._held, data
         return out
+
+    def _whole_events(self, data: bytes) -> bytes:
+        """The bytes of a stream up to its last complete event; the rest is held."""
+        held = self._held
+        buf = held + data if held else data
+        # The held bytes hold no event end, but may end in its first half.
+        end = _event_end(buf, max(0, len(held) - 2))
+        if end == 0 and len(buf) <= MAX_HELD_EVENT_BYTES:
+            self._held = buf
+            return b""
+        if len(buf) - end > MAX_HELD_EVENT_BYTES:
+            end = len(buf)
+        self._held = buf[end:]
+        return buf[:end]
 
     def whole(self, data: bytes) -> bytes:
         """The entire body, known at once, to write now; the front end calls
@@ -143,7 +182,9 @@ class Relay:
         )
         self.cut = not tail
         out, self._held = self._held, b""
-        return out + tail if out else tail
+        if tail:
+            return tail  # a stream's held bytes are half an event: dropped
+        return out
 
     def close(self) -> None:
         """The front end is done with the response: settles the books once."""

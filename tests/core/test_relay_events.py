@@ -1,0 +1,82 @@
+"""The relay writes a stream's events whole (core.relay: "An event is relayed once
+it is whole"): split anywhere, the bytes written are the worker's, in order, each
+write ending on an event boundary; cut anywhere, the client gets the whole events
+and then meshkit's error event, never half an event glued to it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshkit.core.endpoints import resolve
+from meshkit.core.relay import MAX_HELD_EVENT_BYTES, Relay
+from meshkit.core.requests import RequestView, parse_request
+
+
+class Books:
+    done = False
+    stopped = False
+
+    def feed(self, chunk: bytes) -> None:
+        return None
+
+    def end(self) -> None:
+        return None
+
+    def abort(self, *, client_left: bool = True) -> None:
+        return None
+
+
+def _view(stream: bool = True) -> RequestView:
+    m = resolve("POST", "/v1/chat/completions")
+    assert m is not None
+    body = {"model": "m", "messages": [], "stream": stream}
+    return parse_request(m, json.dumps(body).encode())
+
+
+EVENTS = [b'data: {"a":1}', b": keep-alive", b'event: x\ndata: {"b":2}', b"data: [DONE]"]
+
+
+@pytest.mark.parametrize("nl", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_every_write_ends_on_an_event_boundary(nl: bytes) -> None:
+    stream = b"".join(e.replace(b"\n", nl) + nl + nl for e in EVENTS)
+    ends = {i + 1 for i in range(len(stream)) if stream[: i + 1].endswith(nl + nl)}
+    for size in (1, 2, 3, 7, len(stream)):
+        relay = Relay(Books(), _view())
+        written = b""
+        for i in range(0, len(stream), size):
+            out = relay.chunk(stream[i : i + size])
+            written += out
+            if out:
+                assert len(written) in ends, (size, written)
+        written += relay.end()
+        assert written == stream
+
+
+def test_a_cut_drops_the_half_event_and_ends_with_the_error_event() -> None:
+    stream = b"".join(e + b"\n\n" for e in EVENTS)
+    for cut in range(len(stream)):
+        relay = Relay(Books(), _view())
+        written = relay.chunk(stream[:cut])
+        whole = stream[: stream.rfind(b"\n\n", 0, cut) + 2] if b"\n\n" in stream[:cut] else b""
+        assert written == whole
+        tail = relay.fail()
+        assert tail.startswith(b'data: {"error":') and tail.endswith(b"\n\n")
+        assert tail.count(b"\n\n") == 1
+
+
+def test_a_body_that_is_not_sse_is_held_only_up_to_the_bound() -> None:
+    relay = Relay(Books(), _view())
+    big = b"x" * (MAX_HELD_EVENT_BYTES + 1)
+    assert relay.chunk(big[:10]) == b""
+    assert relay.chunk(big[10:]) == big
+    assert relay.chunk(b"yy") == b""
+    assert relay.end() == b"yy"
+
+
+def test_a_whole_body_is_not_framed() -> None:
+    relay = Relay(Books(), _view(stream=False))
+    assert relay.chunk(b'{"a":') == b""
+    assert relay.chunk(b"1}") == b'{"a":'
+    assert relay.end() == b"1}"
