@@ -1,0 +1,92 @@
+"""A worker's ``x-should-retry: false`` (PROTOCOLS.md section 5: the server override
+both SDKs obey before their status rules; "send x-should-retry: false on errors
+that must not be replayed") is a worker saying: do not send this again. meshkit's
+own failover retries by status alone, so a worker's 503 flagged that way is
+replayed on the next worker."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import openai
+import pytest
+
+BODY = (
+    b'{"error":{"message":"accepted, then failed: do not replay","type":"server_error",'
+    b'"param":null,"code":"no_replay"}}'
+)
+
+
+class NoReplayWorker:
+    """Answers every POST 503 with ``x-should-retry: false``."""
+
+    def __init__(self) -> None:
+        self.posts = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                outer.posts += 1
+                self.send_response(503)
+                self.send_header("content-type", "application/json")
+                self.send_header("x-should-retry", "false")
+                self.send_header("content-length", str(len(BODY)))
+                self.end_headers()
+                self.wfile.write(BODY)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def workers() -> Iterator[list[NoReplayWorker]]:
+    ws = [NoReplayWorker() for _ in range(3)]
+    yield ws
+    for w in ws:
+        w.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="forward_flow moves a request on by status alone: the upstream driver "
+    "(upstream/drive.py, answered(status)) hands it no response headers, so a worker's "
+    "x-should-retry: false cannot stop the failover; the fix belongs in the driver",
+)
+def test_a_worker_that_says_do_not_retry_is_not_replayed(
+    workers: list[NoReplayWorker], mesh_factory: Any
+) -> None:
+    from harness import TransportMode
+
+    mesh = mesh_factory(
+        workers=[w.url for w in workers],
+        lifecycle={"probe": False, "breaker_failures": 100},
+    )
+    mode = TransportMode(mesh)
+    try:
+        with pytest.raises(openai.APIStatusError) as caught:
+            mode.openai(max_retries=2).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "once"}]
+            )
+        assert caught.value.status_code == 503
+        assert caught.value.response.headers["x-should-retry"] == "false"
+        # The SDK obeyed the worker (one attempt); meshkit must too.
+        assert sum(w.posts for w in workers) == 1
+    finally:
+        mode.close()
