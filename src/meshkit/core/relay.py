@@ -113,7 +113,7 @@ class Books(Protocol):
 class Relay:
     """The steps of relaying one body (see the module docstring)."""
 
-    __slots__ = ("_books", "_fmt", "_held", "_hold", "cut", "finished")
+    __slots__ = ("_books", "_fmt", "_held", "_hold", "_part", "cut", "finished")
 
     def __init__(self, books: Books, view: RequestView | None) -> None:
         """:param view: the request; None for one meshkit does not own (passed
@@ -123,6 +123,8 @@ class Relay:
         self._hold = not stream
         self._fmt = view.match.endpoint.stream_format if view is not None and stream else _NONE
         self._held = b""
+        # A stream's unfinished event (made when a chunk first ends inside one)
+        self._part: bytearray | None = None
         #: the body ended (or failed): the books are closed
         self.finished = False
         #: the failure could not be said in-band: the front end must cut the body
@@ -137,25 +139,37 @@ class Relay:
         if not self._hold:
             if books.stopped:
                 self.finished = True
-            if self._fmt is _NONE or (not self._held and data.endswith(_EVENT_ENDS)):
+            if self._fmt is _NONE or (not self._part and data.endswith(_EVENT_ENDS)):
                 return data
             return self._whole_events(data)
         out, self._held = self._held, data
         return out
 
     def _whole_events(self, data: bytes) -> bytes:
-        """The bytes of a stream up to its last complete event; the rest is held."""
-        held = self._held
-        buf = held + data if held else data
-        # The held bytes hold no event end, but may end in its first half.
-        end = _event_end(buf, max(0, len(held) - 2))
-        if end == 0 and len(buf) <= MAX_HELD_EVENT_BYTES:
-            self._held = buf
-            return b""
-        if len(buf) - end > MAX_HELD_EVENT_BYTES:
-            end = len(buf)
-        self._held = buf[end:]
-        return buf[:end]
+        """The bytes of a stream up to its last complete event; the rest is kept in
+        ``_part`` (appended to, never copied whole per chunk)."""
+        part = self._part
+        if part is None:
+            part = self._part = bytearray()
+        k = len(part)
+        # The kept bytes hold no event end, but may end in the first half of one.
+        back = min(k, 2)
+        end = _event_end(bytes(part[k - back :]) + data if back else data, 0)
+        if end == 0:
+            part += data
+            if len(part) <= MAX_HELD_EVENT_BYTES:
+                return b""
+            out = bytes(part)
+            part.clear()
+            return out
+        end -= back  # now within data
+        out = bytes(part) + data[:end] if k else data[:end]
+        part.clear()
+        rest = data[end:]
+        if len(rest) > MAX_HELD_EVENT_BYTES:
+            return out + rest
+        part += rest
+        return out
 
     def whole(self, data: bytes) -> bytes:
         """The entire body, known at once, to write now; the front end calls
@@ -168,6 +182,10 @@ class Relay:
         self.finished = True
         self._books.end()
         out, self._held = self._held, b""
+        part = self._part
+        if part:
+            out = bytes(part)
+            part.clear()
         return out
 
     def fail(self, *, in_band: bool = True) -> bytes:
@@ -182,9 +200,9 @@ class Relay:
         )
         self.cut = not tail
         out, self._held = self._held, b""
-        if tail:
-            return tail  # a stream's held bytes are half an event: dropped
-        return out
+        if self._part is not None:
+            self._part.clear()  # half an event: dropped
+        return tail or out
 
     def close(self) -> None:
         """The front end is done with the response: settles the books once."""
