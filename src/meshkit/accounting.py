@@ -38,6 +38,7 @@ class Accounting:
         "_rid_pending",
         "_router",
         "attempt_lease",
+        "max_event_bytes",
         "status",
         "stopped",
         "view",
@@ -48,11 +49,13 @@ class Accounting:
         self.view = view
         self.attempt_lease = lease
         self.status = status
+        #: the most of a stream's unfinished event its relay holds back
+        self.max_event_bytes = limit = router.config.bounds.max_sse_line_bytes
         self._acct = StreamAccountant(
             view.match.endpoint.stream_format,
             streaming=view.stream and status < 400,
             started_at=lease.started,
-            max_line_bytes=router.config.bounds.max_sse_line_bytes,
+            max_line_bytes=limit,
             state_ids=view.match.endpoint.answers_state,
         )
         self._done = False

@@ -6,17 +6,22 @@ and then meshkit's error event, never half an event glued to it."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from meshkit.core.endpoints import resolve
-from meshkit.core.relay import MAX_HELD_EVENT_BYTES, Relay
+from meshkit.core.relay import Relay
 from meshkit.core.requests import RequestView, parse_request
+
+#: the books' ``bounds.max_sse_line_bytes``, small here
+MAX_EVENT = 4096
 
 
 class Books:
     done = False
     stopped = False
+    max_event_bytes = MAX_EVENT
 
     def feed(self, chunk: bytes) -> None:
         return None
@@ -68,7 +73,7 @@ def test_a_cut_drops_the_half_event_and_ends_with_the_error_event() -> None:
 
 def test_a_body_that_is_not_sse_is_held_only_up_to_the_bound() -> None:
     relay = Relay(Books(), _view())
-    big = b"x" * (MAX_HELD_EVENT_BYTES + 1)
+    big = b"x" * (MAX_EVENT + 1)
     assert relay.chunk(big[:10]) == b""
     assert relay.chunk(big[10:]) == big
     assert relay.chunk(b"yy") == b""
@@ -80,3 +85,25 @@ def test_a_whole_body_is_not_framed() -> None:
     assert relay.chunk(b'{"a":') == b""
     assert relay.chunk(b"1}") == b'{"a":'
     assert relay.end() == b"1}"
+
+
+def test_the_hold_is_bounds_max_sse_line_bytes(mesh_factory: Any) -> None:
+    """What the relay holds of an unfinished event is the config's bound, the one
+    the books parse an event within, carried by the books the mesh makes."""
+    mesh = mesh_factory(
+        workers=["http://127.0.0.1:9"],
+        lifecycle={"probe": False},
+        bounds={"max_sse_line_bytes": 64},
+    )
+    match = mesh.resolve("POST", "/v1/chat/completions")
+    assert match is not None
+    view = mesh.prepare(match, b'{"model":"m","messages":[],"stream":true}', [])
+    flow = mesh.forward(view, [])
+    attempt = next(flow)
+    flow.close()
+    books = mesh.account(view, attempt.lease, 200)
+    assert books.max_event_bytes == 64
+    relay = Relay(books, view)
+    assert relay.chunk(b"data: " + b"x" * 50) == b""  # held: within the bound
+    assert relay.chunk(b"x" * 20) == b"data: " + b"x" * 70  # past it: passed on
+    relay.close()

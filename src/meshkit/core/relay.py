@@ -52,9 +52,6 @@ MID_STREAM_MESSAGE = "the worker failed while streaming the response"
 _NONE = StreamFormat.NONE
 #: how a chunk that ends an SSE event ends (LF, CR, CRLF framing)
 _EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
-#: the most of an unfinished event held back; past it the bytes go on as they
-#: come (a body that is not SSE after all, e.g. a JSON answer to a stream request)
-MAX_HELD_EVENT_BYTES = 1 << 20
 
 
 def _event_end(buf: bytes, start: int) -> int:
@@ -109,6 +106,11 @@ class Books(Protocol):
         """The stream reported its own failure: the books are closed, relay no more."""
         ...
 
+    #: the most of an unfinished event the relay holds back (``bounds.max_sse_line_bytes``,
+    #: the event the books parse whole); past it the bytes go on as they come (a
+    #: body that is not SSE after all, e.g. a JSON answer to a stream request)
+    max_event_bytes: int
+
 
 class Relay:
     """The steps of relaying one body (see the module docstring)."""
@@ -152,12 +154,13 @@ class Relay:
         if part is None:
             part = self._part = bytearray()
         k = len(part)
+        limit = self._books.max_event_bytes
         # The kept bytes hold no event end, but may end in the first half of one.
         back = min(k, 2)
         end = _event_end(bytes(part[k - back :]) + data if back else data, 0)
         if end == 0:
             part += data
-            if len(part) <= MAX_HELD_EVENT_BYTES:
+            if len(part) <= limit:
                 return b""
             out = bytes(part)
             part.clear()
@@ -166,7 +169,7 @@ class Relay:
         out = bytes(part) + data[:end] if k else data[:end]
         part.clear()
         rest = data[end:]
-        if len(rest) > MAX_HELD_EVENT_BYTES:
+        if len(rest) > limit:
             return out + rest
         part += rest
         return out

@@ -43,6 +43,7 @@ class _NoBooks:
 
     done = False
     stopped = False
+    max_event_bytes = 0  # passed through: never held (no stream format)
 
     def feed(self, chunk: bytes) -> None:
         return None
