@@ -1,8 +1,8 @@
 """A worker's ``x-should-retry: false`` (PROTOCOLS.md section 5: the server override
 both SDKs obey before their status rules; "send x-should-retry: false on errors
 that must not be replayed") is a worker saying: do not send this again. meshkit's
-own failover retries by status alone, so a worker's 503 flagged that way is
-replayed on the next worker."""
+own failover does not send it to another worker either, in any mode: the worker's
+answer is relayed as it is."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from typing import Any
 
 import openai
 import pytest
+
+from harness import MODE_CLASSES, MODES
 
 BODY = (
     b'{"error":{"message":"accepted, then failed: do not replay","type":"server_error",'
@@ -63,13 +65,27 @@ def workers() -> Iterator[list[NoReplayWorker]]:
         w.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="forward_flow moves a request on by status alone: the upstream driver "
-    "(upstream/drive.py, answered(status)) hands it no response headers, so a worker's "
-    "x-should-retry: false cannot stop the failover; the fix belongs in the driver",
-)
+@pytest.mark.parametrize("mode_name", MODES)
 def test_a_worker_that_says_do_not_retry_is_not_replayed(
+    mode_name: str, workers: list[NoReplayWorker], mesh_factory: Any
+) -> None:
+    mesh = mesh_factory(
+        workers=[w.url for w in workers],
+        lifecycle={"probe": False, "breaker_failures": 100},
+    )
+    mode = MODE_CLASSES[mode_name](mesh)
+    try:
+        r = mode.request(
+            "POST", "/v1/chat/completions", json={"model": "m", "messages": [], "max_tokens": 1}
+        )
+        assert r.status == 503 and r.body == BODY
+        assert r.headers["x-should-retry"] == "false"
+        assert sum(w.posts for w in workers) == 1  # relayed, not tried on the others
+    finally:
+        mode.close()
+
+
+def test_the_sdk_and_meshkit_both_send_it_once(
     workers: list[NoReplayWorker], mesh_factory: Any
 ) -> None:
     from harness import TransportMode
@@ -86,7 +102,7 @@ def test_a_worker_that_says_do_not_retry_is_not_replayed(
             )
         assert caught.value.status_code == 503
         assert caught.value.response.headers["x-should-retry"] == "false"
-        # The SDK obeyed the worker (one attempt); meshkit must too.
+        # The SDK obeyed the worker (one attempt); meshkit does too.
         assert sum(w.posts for w in workers) == 1
     finally:
         mode.close()

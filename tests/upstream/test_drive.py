@@ -121,7 +121,9 @@ def test_the_last_attempt_is_relayed_open_and_earlier_ones_are_closed() -> None:
         yield second
         return second
 
-    exchanges = iter([SimpleNamespace(status=503), SimpleNamespace(status=200)])
+    exchanges = iter(
+        [SimpleNamespace(status=503, headers=[]), SimpleNamespace(status=200, headers=[])]
+    )
     steps = flow_steps(flow())
     op, arg = next(steps)
     outcomes = []

@@ -18,7 +18,9 @@ returns the attempt whose response the adapter must relay::
             break
 
 A connect error, a reset before any response byte, or a retryable status (408,
-429, 500, 502, 503, 504, 529) moves the request to another eligible worker, with
+429, 500, 502, 503, 504, 529) that the worker did not flag ``x-should-retry:
+false`` (the server override both SDKs obey: "do not send this again") moves the
+request to another eligible worker, with
 the same original bytes and that worker's rank and credentials, up to
 ``max_attempts`` with jittered backoff. Nothing has reached the client at that
 point, so the move is invisible. On the last attempt a worker's retryable
@@ -132,6 +134,15 @@ class AttemptResult:
     @classmethod
     def failed(cls, failure: Failure) -> AttemptResult:
         return cls(failure=failure)
+
+
+def no_replay(headers: tuple[tuple[bytes, bytes], ...]) -> bool:
+    """The worker flagged its answer ``x-should-retry: false``: relayed, not retried
+    elsewhere (PROTOCOLS.md section 5; the SDKs then do not retry it either)."""
+    for name, value in headers:
+        if name.lower() == b"x-should-retry":
+            return value.strip().lower() == b"false"
+    return False
 
 
 #: the results of plain answers, one per status: an AttemptResult is immutable, so
@@ -531,7 +542,7 @@ def forward_flow(
         tried.add(cand.key)
         if result.failure is None:
             status = result.status or 0
-            if status not in RETRYABLE_STATUS or last:
+            if status not in RETRYABLE_STATUS or last or no_replay(result.headers):
                 return attempt
             pending, pending_status = attempt, status
             last_error = None

@@ -35,6 +35,7 @@ from typing import Any, Generic, TypeVar
 
 from meshkit.core.credentials import served_headers
 from meshkit.core.forward import (
+    RETRYABLE_STATUS,
     Attempt,
     AttemptResult,
     ForwardFlow,
@@ -211,10 +212,14 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                 except UpstreamFailure as exc:
                     result = AttemptResult.failed(exc.failure)
                 else:
-                    if _wants_body(attempt, exchange.status):
+                    status = exchange.status
+                    if _wants_body(attempt, status):
                         result, captured = yield from _captured(exchange, attempt.read_limit)
+                    elif status in RETRYABLE_STATUS:
+                        # its head: the flow reads the worker's x-should-retry in it
+                        result = AttemptResult(status=status, headers=tuple(exchange.headers))
                     else:
-                        result = answered(exchange.status)
+                        result = answered(status)
                 if companion is not None:
                     prefill = yield (JOIN, other)
                     companion = other = None
