@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
 from harness import wait_until
+from reliability.rawworker import QuietHandler, Served
 
 RID = "resp_bg1"
 HEAD = (
@@ -29,7 +29,7 @@ REST = (
 )
 
 
-class StreamingRetrieveWorker:
+class StreamingRetrieveWorker(Served):
     """Answers ``GET /v1/responses/{id}?stream=true`` with ``HEAD``, then waits for
     ``more`` before it sends ``REST`` (a background response still generating)."""
 
@@ -38,12 +38,7 @@ class StreamingRetrieveWorker:
         self.paths: list[str] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                return None
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 if not self.path.startswith("/v1/responses/"):
                     self.send_response(200)  # health probes
@@ -64,17 +59,11 @@ class StreamingRetrieveWorker:
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        super().__init__(Handler)
 
     def close(self) -> None:
         self.more.set()
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+        super().close()
 
 
 @pytest.fixture

@@ -6,15 +6,14 @@ answer is relayed as it is."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import openai
 import pytest
 
 from harness import MODE_CLASSES, MODES
+from reliability.rawworker import QuietHandler, Served
 
 BODY = (
     b'{"error":{"message":"accepted, then failed: do not replay","type":"server_error",'
@@ -22,19 +21,14 @@ BODY = (
 )
 
 
-class NoReplayWorker:
+class NoReplayWorker(Served):
     """Answers every POST 503 with ``x-should-retry: false``."""
 
     def __init__(self) -> None:
         self.posts = 0
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                return None
-
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length") or 0))
                 outer.posts += 1
@@ -45,16 +39,7 @@ class NoReplayWorker:
                 self.end_headers()
                 self.wfile.write(BODY)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+        super().__init__(Handler)
 
 
 @pytest.fixture

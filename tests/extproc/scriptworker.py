@@ -6,17 +6,16 @@ answer as a healthy worker's do."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+
+from reliability.rawworker import QuietHandler, Served
 
 #: (status, headers, body); ``content-length`` is added unless given (or bodiless)
 Scripted = tuple[int, list[tuple[str, str]], bytes]
 _MODELS = b'{"object":"list","data":[{"id":"m","object":"model","owned_by":"script"}]}'
 
 
-class ScriptWorker:
+class ScriptWorker(Served):
     """``ScriptWorker(lambda method, path, body: (status, headers, body))``; ``url``;
     ``seen`` lists the API requests; stop with ``close()``."""
 
@@ -24,27 +23,9 @@ class ScriptWorker:
         self.seen: list[tuple[str, str, bytes]] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                return None
-
-            def _body(self) -> bytes:
-                if "chunked" not in (self.headers.get("transfer-encoding") or "").lower():
-                    return self.rfile.read(int(self.headers.get("content-length") or 0))
-                out = b""
-                while True:
-                    size = int(self.rfile.readline().split(b";")[0], 16)
-                    if size == 0:
-                        while self.rfile.readline() not in (b"\r\n", b""):
-                            pass  # trailers
-                        return out
-                    out += self.rfile.read(size)
-                    self.rfile.readline()
-
+        class Handler(QuietHandler):
             def _answer(self) -> None:
-                body = self._body()
+                body = self.read_body()
                 if self.command == "GET" and self.path in ("/health", "/v1/models"):
                     status, headers, data = 200, [("content-type", "application/json")], _MODELS
                 else:
@@ -64,13 +45,4 @@ class ScriptWorker:
 
             do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_OPTIONS = _answer
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+        super().__init__(Handler)

@@ -20,9 +20,9 @@ from typing import Any
 import httpx2
 import pytest
 
-from conformance.test_parity import seen
+from conformance.test_parity import in_every_mode, seen
 from extproc.scriptworker import Scripted, ScriptWorker
-from harness import EXTPROC, MODE_CLASSES, Mode, wait_until
+from harness import EXTPROC, MODES, Mode, wait_until
 from meshkit import Mesh, Worker
 from upstreams import RawServer, reset
 
@@ -41,14 +41,7 @@ MATTER = ("allow",)
 
 def in_both(mesh: Mesh, call: Callable[[Mode], Any]) -> dict[str, Any]:
     """``call(mode)`` through the gateway, then through Envoy, on the same mesh."""
-    out = {}
-    for name in COMPARED:
-        mode = MODE_CLASSES[name](mesh)
-        try:
-            out[name] = call(mode)
-        finally:
-            mode.close()
-    return out
+    return in_every_mode(mesh, call, without=tuple(m for m in MODES if m not in COMPARED))
 
 
 def agreed(results: dict[str, Any]) -> Any:

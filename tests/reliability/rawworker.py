@@ -9,7 +9,47 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
-class RawWorker:
+class QuietHandler(BaseHTTPRequestHandler):
+    """HTTP/1.1 with keep-alive, nothing logged."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+    def read_body(self) -> bytes:
+        """The request's body: ``content-length`` or chunked (Envoy's full duplex)."""
+        if "chunked" not in (self.headers.get("transfer-encoding") or "").lower():
+            return self.rfile.read(int(self.headers.get("content-length") or 0))
+        out = b""
+        while True:
+            size = int(self.rfile.readline().split(b";")[0], 16)
+            if size == 0:
+                while self.rfile.readline() not in (b"\r\n", b""):
+                    pass  # trailers
+                return out
+            out += self.rfile.read(size)
+            self.rfile.readline()
+
+
+class Served:
+    """A handler class served on 127.0.0.1 by a thread of its own: ``url``; stop
+    with ``close()``. The test workers below (and the tests' own) are these."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+class RawWorker(Served):
     """``RawWorker(lambda: [b"data: ...\\n\\n", ...])``; ``url``; stop with ``close()``."""
 
     def __init__(
@@ -27,12 +67,7 @@ class RawWorker:
         self.flushed = threading.Event()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                return None
-
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
                 self.rfile.read(length)
@@ -57,19 +92,10 @@ class RawWorker:
                 self.send_header("content-length", "0")
                 self.end_headers()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+        super().__init__(Handler)
 
 
-class StaleKeepAliveWorker:
+class StaleKeepAliveWorker(Served):
     """Keeps connections alive, but the first time a connection is reused it is
     closed as the request arrives, without an answer: what a client sees when it
     reuses a pooled connection just as the worker's keep-alive timer closes it.
@@ -86,12 +112,8 @@ class StaleKeepAliveWorker:
         self.dropped = 0
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+        class Handler(QuietHandler):
             served = 0
-
-            def log_message(self, *args: Any) -> None:
-                return None
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
@@ -109,33 +131,22 @@ class StaleKeepAliveWorker:
                 self.end_headers()
                 self.wfile.write(outer.BODY)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+        super().__init__(Handler)
 
 
-class TruncatingWorker:
+class TruncatingWorker(Served):
     """Answers a plain JSON body announced at 1000 bytes, sends 58, then closes:
-    a worker that died half-way through a non-stream answer."""
+    a worker that died half-way through a non-stream answer. With ``silent_s``
+    it stays silent that long (or until closed) instead of closing: a worker that
+    stalled half-way."""
 
     PART = b'{"id":"x","choices":[{"index":0,"message":{"content":"part'
 
-    def __init__(self) -> None:
+    def __init__(self, silent_s: float = 0.0) -> None:
+        self.release = threading.Event()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                return None
-
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length") or 0))
                 self.send_response(200)
@@ -145,15 +156,12 @@ class TruncatingWorker:
                 self.end_headers()
                 self.wfile.write(outer.PART)
                 self.wfile.flush()
+                if silent_s:
+                    outer.release.wait(silent_s)
                 self.close_connection = True
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        super().__init__(Handler)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+        self.release.set()
+        super().close()
