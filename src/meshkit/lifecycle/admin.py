@@ -52,7 +52,7 @@ from meshkit.types import Receive, Scope, Send
 if TYPE_CHECKING:
     from meshkit.mesh import Mesh
 
-__all__ = ["AdminApp", "lifespan"]
+__all__ = ["AdminApp", "index_of", "lifespan"]
 
 
 _MAX_BODY = 64 * 1024
@@ -173,8 +173,8 @@ class AdminApp:
     def _worker(self, ident: str) -> Worker:
         router = self.mesh.router
         workers = router.workers
-        if ident.isdigit():
-            i = int(ident)
+        i = index_of(ident)
+        if i is not None:
             if i < len(workers):
                 return workers[i]
         else:
@@ -221,6 +221,15 @@ class AdminApp:
         one = self._one(worker)
         assert one is not None
         return one
+
+
+def index_of(ident: str) -> int | None:
+    """``ident`` as an index into the listing, None when it is not one (then it is
+    a worker id). ASCII digits only: ``"²".isdigit()`` is True but ``int`` refuses
+    it, and ``int`` refuses more than 4300 digits too."""
+    if ident.isascii() and ident.isdigit() and len(ident) <= 18:
+        return int(ident)
+    return None
 
 
 def _float(query: dict[str, list[str]], name: str) -> float | None:

@@ -57,7 +57,7 @@ from meshkit.core.lifecycle import LifecycleError
 from meshkit.core.states import WorkerStates
 from meshkit.core.workers import Worker
 from meshkit.errors import ConfigError
-from meshkit.lifecycle.admin import AdminApp
+from meshkit.lifecycle.admin import AdminApp, index_of
 from meshkit.server.merged_workers import merge_row, merge_rows
 from meshkit.server.peers import PeerReply, Peers, fleet_spec
 from meshkit.types import Message, Receive, Scope, Send
@@ -124,8 +124,8 @@ def _split(path: str) -> tuple[str, str | None]:
 def _resolve(mesh: Mesh, ident: str) -> Worker | None:
     """The worker ``ident`` names here, as the admin app resolves it."""
     router = mesh.router
-    if ident.isdigit():
-        i = int(ident)
+    i = index_of(ident)
+    if i is not None:
         return router.workers[i] if i < len(router.workers) else None
     w = router.get(ident)
     if w is None:

@@ -1,0 +1,20 @@
+"""Admin API edge cases found by the lifecycle audit: bad input gets a 4xx in the
+API's error shape, never a 500; a sleep whose wait ran out is told as such."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lifecycle.test_admin import admin  # noqa: F401  (the fixture)
+
+
+@pytest.mark.parametrize("ident", ["%C2%B2", "9" * 5000])
+def test_a_worker_index_that_is_not_a_number_is_a_404(admin: Any, ident: str) -> None:  # noqa: F811
+    # "²".isdigit() is True but int("²") raises; so does a 5000-digit index
+    client, _, _ = admin
+    for method, path in (("POST", "/drain"), ("POST", "/wake"), ("DELETE", "")):
+        r = client.request(method, f"/workers/{ident}{path}")
+        assert r.status_code == 404, (method, path, r.status_code, r.text[:200])
+        assert r.json()["error"]["code"] == "unknown_worker"
