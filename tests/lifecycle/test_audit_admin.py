@@ -7,7 +7,10 @@ from typing import Any
 
 import pytest
 
-from lifecycle.test_admin import admin  # noqa: F401  (the fixture)
+from harness import wait_until
+from lifecycle.conftest import state_of
+from lifecycle.test_admin import _id, admin  # noqa: F401  (the fixture)
+from meshkit.core.lifecycle import State
 
 
 @pytest.mark.parametrize("ident", ["%C2%B2", "9" * 5000])
@@ -18,3 +21,15 @@ def test_a_worker_index_that_is_not_a_number_is_a_404(admin: Any, ident: str) ->
         r = client.request(method, f"/workers/{ident}{path}")
         assert r.status_code == 404, (method, path, r.status_code, r.text[:200])
         assert r.json()["error"]["code"] == "unknown_worker"
+
+
+def test_a_sleep_whose_wait_runs_out_answers_504_json(admin: Any) -> None:  # noqa: F811
+    client, mesh, sleepy = admin
+    wid = mesh.workers[1].id
+    assert wait_until(lambda: state_of(mesh, wid) is State.READY)
+    r = client.post(f"/workers/{_id(wid)}/sleep?timeout_s=0")
+    assert r.status_code == 504, (r.status_code, r.text[:200])
+    assert r.json()["error"]["code"] == "sleep_timeout"
+    # the sleep itself was not abandoned: the engine and the state agree
+    assert wait_until(lambda: state_of(mesh, wid) is State.SLEEPING)
+    assert wait_until(lambda: sleepy.worker.stats.sleep_calls == 1)

@@ -28,7 +28,8 @@ Drain, delete and wake take ``?timeout_s=`` (defaults: ``lifecycle.drain_timeout
 
 Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 bad input, 401
 without the admin key, 404 unknown worker or path, 405, 409 a state that does not
-allow it, 502 a worker that did not answer.
+allow it, 502 a worker that did not answer, 504 a wake or sleep that did not
+end within ``timeout_s`` (a sleep goes on).
 
 Security: when an admin key is configured (``MeshConfig.admin_key`` or the
 ``admin_key`` argument) every request needs ``Authorization: Bearer <key>``
@@ -152,7 +153,13 @@ class AdminApp:
                 raise _Reply(200, {"drained": drained, "worker": self._one(worker)})
             if action == "sleep":
                 level = _int(query, "level")
-                slept = await self.mesh.asleep(worker, level=level, timeout_s=timeout)
+                try:
+                    slept = await self.mesh.asleep(worker, level=level, timeout_s=timeout)
+                except TimeoutError:
+                    # The sleep goes on (it is not abandoned half way): say so.
+                    raise _error(
+                        504, "sleep_timeout", "the worker is still being put to sleep"
+                    ) from None
                 if not slept:
                     raise _error(502, "sleep_failed", "the worker did not go to sleep")
                 raise _Reply(200, {"slept": True, "worker": self._one(worker)})

@@ -327,6 +327,12 @@ class PeerAdmin:
             await _send(send, 409, obj)
             return
         local = await self._local(scope)
+        if local.status == 504 and isinstance(local.obj, dict):
+            # The engine is still being put to sleep here (the wait ran out, the
+            # sleep goes on): the siblings stay asleep, or they would place
+            # requests on a sleeping engine.
+            await self._answer(send, local, agreed)
+            return
         if not local.ok:
             await self._follow(worker, False, changed)
             await self._relay(send, local)
