@@ -156,6 +156,11 @@ class WorkerStates:
         ):
             s.discard(worker_id)
         self.leases.forget(worker_id)
+        # Nothing keyed by a removed worker stays (workers come and go): its
+        # wake or sleep in flight ends without one (see _end_op).
+        self.ops.pop(worker_id, None)
+        self.op_epoch.pop(worker_id, None)
+        self.trips.pop(worker_id, None)
         self.changed.add(worker_id)
 
     def set_manual(self, worker_id: str, healthy: bool) -> None:
@@ -321,6 +326,8 @@ class WorkerStates:
         """One lease reference ended; True when the lease itself ended."""
         ended = self.leases.end(entry, now)
         wid = entry.worker_id
+        if ended and wid not in self.machines and not self.leases.count(wid):
+            self.leases.forget(wid)  # removed while it ran: its idle clock goes too
         # A success on a worker whose breaker is clean changes nothing: skip it.
         if verdict is not _SUCCESS or wid in self.breaker_dirty:
             m = self.machines.get(wid)
@@ -380,7 +387,8 @@ class WorkerStates:
             self.ops[worker_id] = n
         else:
             self.ops.pop(worker_id, None)
-        self.op_epoch[worker_id] = self.op_epoch.get(worker_id, 0) + 1
+        if worker_id in self.machines:
+            self.op_epoch[worker_id] = self.op_epoch.get(worker_id, 0) + 1
 
     def begin_wake(self, worker_id: str, now: float) -> None:
         """SLEEPING → WAKING: the caller sends one ``POST /wake_up`` (a second

@@ -313,8 +313,19 @@ class Lifecycle:
     def _op_lock(self, worker_id: str) -> asyncio.Lock:
         lock = self._op_locks.get(worker_id)
         if lock is None:
+            self._sweep_op_locks()
             lock = self._op_locks[worker_id] = asyncio.Lock()
         return lock
+
+    def _sweep_op_locks(self) -> None:
+        """(the loop) Drop the free locks of removed workers (workers come and go:
+        run when a lock is made and at each probe round)."""
+        locks = self._op_locks
+        if locks:
+            router = self.router
+            for wid in [w for w, lock in locks.items() if not lock.locked()]:
+                if router.get(wid) is None:
+                    del locks[wid]
 
     async def _call(
         self, method: str, worker: Worker, path: str, timeout_s: float, limit: int = _MAX_BODY
@@ -358,6 +369,7 @@ class Lifecycle:
             self._kick.clear()
 
     async def _probe_round(self) -> None:
+        self._sweep_op_locks()
         targets = self.router.do(WorkerStates.probe_targets)
         if not targets:
             return
