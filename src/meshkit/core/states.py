@@ -394,8 +394,13 @@ class WorkerStates:
         """SLEEPING → WAKING: the caller sends one ``POST /wake_up`` (a second
         request finds the worker waking and waits for this one)."""
         self.apply(worker_id, Event.WAKE_STARTED, now)
-        self.wakes_total += 1
         self._begin_op(worker_id)
+
+    def wake_called(self, worker_id: str, now: float) -> None:
+        """This process sends the ``POST /wake_up`` (counted here, not when the
+        wake begins: with ``serve --processes`` a wake one process begins is sent
+        by process 0, and the processes' sums count each call to the engine once)."""
+        self.wakes_total += 1
 
     def wake_asked(self, worker_id: str, now: float) -> bool:
         """An explicit wake (admin): True when a wake must be started now, False

@@ -510,6 +510,7 @@ class Lifecycle:
                 if answer is not None:
                     ok = answer  # woken (or not) once, by the process that wakes engines
                     return ok
+                self.router.do(WorkerStates.wake_called, worker_id)
                 res = await self._call("POST", worker, "/wake_up", self.config.wake_timeout_s)
                 ok = res is not None and 200 <= res[0] < 300
                 if not ok:
