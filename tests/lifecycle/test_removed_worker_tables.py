@@ -1,4 +1,4 @@
-"""Bounded memory of the lifecycle's per-worker tables (lifecycle audit): a worker
+"""Bounded memory of the lifecycle's per-worker tables: a worker
 that is removed leaves nothing behind, also when it was removed while it held a
 lease, after it was slept and woken, and after its breaker tripped. Workers come
 and go (discovery, autoscaling): anything keyed by a removed worker's id is a

@@ -1,4 +1,4 @@
-"""Admin verbs of many processes, edge cases found by the lifecycle audit (real
+"""Admin verbs of many processes, edge cases (real
 gateways talking over their Unix sockets, as in ``test_peers``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Admin API edge cases found by the lifecycle audit: bad input gets a 4xx in the
+"""Admin API edge cases: bad input gets a 4xx in the
 API's error shape, never a 500; a sleep whose wait ran out is told as such."""
 
 from __future__ import annotations
