@@ -33,3 +33,15 @@ def test_a_sleep_whose_wait_runs_out_answers_504_json(admin: Any) -> None:  # no
     # the sleep itself was not abandoned: the engine and the state agree
     assert wait_until(lambda: state_of(mesh, wid) is State.SLEEPING)
     assert wait_until(lambda: sleepy.worker.stats.sleep_calls == 1)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", "soon"])
+def test_a_wait_that_is_not_a_finite_number_is_refused(admin: Any, value: str) -> None:  # noqa: F811
+    # every wait is bounded: timeout_s=inf would drain (or wake) forever
+    client, mesh, _ = admin
+    wid = _id(mesh.workers[0].id)
+    for verb in ("drain", "wake", "sleep"):
+        r = client.post(f"/workers/{wid}/{verb}?timeout_s={value}")
+        assert r.status_code == 400, (verb, r.status_code, r.text[:200])
+        assert r.json()["error"]["code"] == "invalid_query"
+    assert state_of(mesh, mesh.workers[0].id) is State.READY  # nothing was started

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
@@ -247,8 +248,8 @@ def _float(query: dict[str, list[str]], name: str) -> float | None:
         value = float(raw[-1])
     except ValueError:
         raise _error(400, "invalid_query", f"{name} must be a number") from None
-    if not value >= 0:
-        raise _error(400, "invalid_query", f"{name} must be >= 0")
+    if not 0 <= value < math.inf:  # every wait is bounded: inf and nan are refused
+        raise _error(400, "invalid_query", f"{name} must be a finite number >= 0")
     return value
 
 
