@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote
 
 import msgspec
 
@@ -362,12 +362,8 @@ def query_streams(match: Match, query: str) -> bool:
     ep = match.endpoint
     if ep.op is not Op.RETRIEVE or ep.stream_format is StreamFormat.NONE or "stream" not in query:
         return False
-    streams = False
-    for pair in query.split("&"):
-        name, _, value = pair.partition("=")
-        if name == "stream":
-            streams = value.lower() in ("true", "1")
-    return streams
+    given = [value for name, value in parse_qsl(query) if name == "stream"]
+    return bool(given) and given[-1].lower() in ("true", "1")
 
 
 def parse_request(

@@ -60,7 +60,7 @@ from meshkit.upstream.base import (
     remember,
     unsendable,
 )
-from meshkit.upstream.timeouts import ClientTimeout
+from meshkit.upstream.timeouts import ClientTimeout, connect_bound, silent
 
 __all__ = ["JOIN_LIMIT", "BlockingUpstream"]
 
@@ -267,9 +267,8 @@ class _Exchange:
     def _broken(self) -> Exception:
         if not self.stalled:
             return UpstreamFailure(Failure.PROTOCOL)
-        if self.bounds is not None and self.bounds.read is not None:
-            return ClientTimeout("read")
-        return UpstreamFailure(Failure.TIMEOUT)
+        bounds = self.bounds
+        return silent(bounds is not None and bounds.read is not None)
 
 
 class BlockingUpstream(SyncUpstream):
@@ -437,8 +436,7 @@ class BlockingUpstream(SyncUpstream):
                         expired.append(victim.idle.pop(0))
                         self._uncount(victim)
                         continue
-                    mine = None if bounds is None else bounds.connect
-                    wait = c.connect_timeout_s if mine is None else mine
+                    wait = connect_bound(c, bounds)[0]
                     if deadline is None and wait > 0:
                         deadline = time.monotonic() + wait
                     left = None if deadline is None else deadline - time.monotonic()
@@ -464,13 +462,12 @@ class BlockingUpstream(SyncUpstream):
 
     def _open(self, pool: _Pool, bounds: Timeouts | None) -> _Conn:
         c = self.config
-        mine = None if bounds is None else bounds.connect
-        connect = c.connect_timeout_s if mine is None else mine
+        connect, mine = connect_bound(c, bounds)
         try:
             sock = socket.create_connection((pool.host, pool.port), timeout=connect or None)
         except OSError as exc:  # refused, unreachable, timed out
             self._forget(pool)
-            if mine is not None and isinstance(exc, TimeoutError):
+            if mine and isinstance(exc, TimeoutError):
                 raise ClientTimeout("connect") from exc
             raise UpstreamFailure(Failure.CONNECT) from exc
         except BaseException:

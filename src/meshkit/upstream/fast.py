@@ -71,7 +71,7 @@ from meshkit.upstream.base import (
     remember,
     unsendable,
 )
-from meshkit.upstream.timeouts import ClientTimeout
+from meshkit.upstream.timeouts import ClientTimeout, connect_bound, silent
 
 __all__ = ["FastUpstream"]
 
@@ -196,8 +196,7 @@ class FastUpstream(AsyncUpstream):
     ) -> Conn:
         """A connection of ``pool``: idle (unless ``fresh``), new, or after a wait."""
         hub = pool.hub
-        mine = None if bounds is None else bounds.connect
-        timeout = self.config.connect_timeout_s if mine is None else mine
+        timeout, mine = connect_bound(self.config, bounds)
         deadline = loop.time() + timeout if timeout > 0 else None
         while True:
             if not fresh:
@@ -211,7 +210,7 @@ class FastUpstream(AsyncUpstream):
                 pool.idle[0].close()  # make room for the new connection
             if not per or pool.count < per:
                 if not limit or hub.total < limit or hub.evict_idle():
-                    return await self._connect(pool, loop, deadline, own=mine is not None)
+                    return await self._connect(pool, loop, deadline, own=mine)
                 queue = hub.waiters
             else:
                 queue = pool.waiters
@@ -285,9 +284,7 @@ def _refuse(waiters: deque[asyncio.Future[bool]]) -> None:
 
 
 def _broken(stalled: int) -> Exception:
-    if stalled == _CLIENT:
-        return ClientTimeout("read")
-    return UpstreamFailure(Failure.TIMEOUT if stalled else Failure.PROTOCOL)
+    return silent(stalled == _CLIENT) if stalled else UpstreamFailure(Failure.PROTOCOL)
 
 
 # -- exchanges and connections ------------------------------------------------------------

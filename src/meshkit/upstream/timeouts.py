@@ -35,7 +35,7 @@ from meshkit.core.forward import Failure
 from meshkit.core.requests import Timeouts
 from meshkit.upstream.base import UpstreamFailure
 
-__all__ = ["ClientTimeout", "broken", "client_timeouts", "timed_out"]
+__all__ = ["ClientTimeout", "broken", "client_timeouts", "connect_bound", "silent", "timed_out"]
 
 
 class ClientTimeout(Exception):
@@ -80,6 +80,20 @@ def client_timeouts(config: UpstreamConfig, ext: Mapping[str, Any]) -> Timeouts 
     return Timeouts(mine_connect, mine_read, mine_write, {"timeout": timeout})
 
 
+def connect_bound(config: UpstreamConfig, bounds: Timeouts | None) -> tuple[float, bool]:
+    """The bound on the wait for a connection and the connect (``<= 0``: none), and
+    whether it is the client's own."""
+    mine = None if bounds is None else bounds.connect
+    return (config.connect_timeout_s, False) if mine is None else (mine, True)
+
+
+def silent(client_bound: bool) -> Exception:
+    """What a body the worker left silent past a read bound raises: past the
+    client's own bound (``client_bound``) the client gave up, else the worker timed
+    out (every upstream client decides it here)."""
+    return ClientTimeout("read") if client_bound else UpstreamFailure(Failure.TIMEOUT)
+
+
 #: httpcore's and httpx's timeout classes -> the phase they time
 _PHASES = {"ConnectTimeout": "connect", "ReadTimeout": "read", "WriteTimeout": "write"}
 
@@ -99,6 +113,4 @@ def broken(exc: BaseException, bounds: Timeouts | None) -> Exception:
     ``Failure.TIMEOUT``), anything else ``Failure.PROTOCOL``."""
     if type(exc).__name__ != "ReadTimeout":
         return UpstreamFailure(Failure.PROTOCOL)
-    if bounds is not None and bounds.read is not None:
-        return ClientTimeout("read")
-    return UpstreamFailure(Failure.TIMEOUT)
+    return silent(bounds is not None and bounds.read is not None)

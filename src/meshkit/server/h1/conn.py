@@ -271,7 +271,6 @@ class H1Conn(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._continue = False
         self._url = b""
         self._headers = []
         self._size = 0
