@@ -57,6 +57,7 @@ from meshkit.server.peers import PEER_SCOPE_KEY
 from meshkit.types import Receive, Scope, Send
 
 if TYPE_CHECKING:
+    from meshkit.server.accept import Shares
     from meshkit.server.peers import Peers
 
 __all__ = ["METRICS_CONTENT_TYPE", "ServeApp", "build_gateway"]
@@ -92,6 +93,8 @@ class ServeApp:
         self.mesh = mesh
         self.peers = peers
         self.draining = False
+        #: the connection counts the processes share (the built-in server's children)
+        self.shares: Shares | None = None
         self._routes: dict[str, Callable[[Scope], Reply]] = {
             "/health": self._health,
             "/liveness": self._liveness,
@@ -185,6 +188,9 @@ class ServeApp:
         obj["process"] = self.peers.index  # which one answered
         obj["processes"] = self.peers.count
         obj["processes_up"] = 1 + sum(1 for r in replies if r.status == 200)
+        if self.shares is not None:
+            # null: that process is not accepting (starting, restarting or stopping)
+            obj["connections"] = [n if n >= 0 else None for n in self.shares.held()]
         return _json(status, obj)
 
     async def _fleet_metrics(self, scope: Scope) -> Reply:
@@ -195,7 +201,10 @@ class ServeApp:
         replies = await self.peers.ask("GET", "/metrics")
         texts = [(self.peers.index, local)]
         texts += [(r.index, r.body) for r in replies if r.status == 200]
-        return 200, ctype, merge_metrics(texts, self.peers.count)
+        shares = self.shares
+        if shares is None:
+            return 200, ctype, merge_metrics(texts, self.peers.count)
+        return 200, ctype, merge_metrics(texts, self.peers.count, shares.held(), shares.handed())
 
 
 async def _whole(

@@ -19,6 +19,12 @@ gauges (and untyped, summaries)   one sample per process, with the label
 ``mesh_gateway_processes``        the configured number of processes
 ``mesh_gateway_processes_up``     this process and the siblings whose text was
                                   merged into this scrape
+``mesh_gateway_connections``      the client connections each process holds
+                                  (``process`` label; absent while it is not
+                                  accepting), from the counts the processes share
+                                  (:mod:`meshkit.server.accept`)
+``mesh_gateway_connections_``     connections a process accepted and handed to a
+``handed_total``                  sibling holding fewer
 ================================  ================================================
 
 A sibling that does not answer (or answers with something that does not parse) is
@@ -32,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client import generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -61,9 +67,16 @@ def _parse(text: str) -> list[Metric] | None:
         return None
 
 
-def merge_metrics(texts: Sequence[tuple[int, bytes]], count: int) -> bytes:
+def merge_metrics(
+    texts: Sequence[tuple[int, bytes]],
+    count: int,
+    connections: Sequence[int] | None = None,
+    handed: int | None = None,
+) -> bytes:
     """The classic Prometheus text of the processes' ``(index, /metrics body)``
-    merged as the module docstring says; ``count`` is ``--processes``."""
+    merged as the module docstring says; ``count`` is ``--processes``;
+    ``connections`` what each process holds (negative: not accepting) and
+    ``handed`` the connections handed between them, when the server shares them."""
     parsed: list[tuple[int, list[Metric]]] = []
     for index, body in sorted(texts, key=lambda t: t[0]):
         families = _parse(body.decode("utf-8", "replace"))
@@ -113,4 +126,22 @@ def merge_metrics(texts: Sequence[tuple[int, bytes]], count: int) -> bytes:
             value=len(parsed),
         )
     )
+    if connections is not None:
+        held = GaugeMetricFamily(
+            "mesh_gateway_connections",
+            "Client connections each process holds",
+            labels=[PROCESS_LABEL],
+        )
+        for index, n in enumerate(connections):
+            if n >= 0:
+                held.add_metric([str(index)], n)
+        families_out.append(held)
+    if handed is not None:
+        families_out.append(
+            CounterMetricFamily(
+                "mesh_gateway_connections_handed",
+                "Connections a process accepted and handed to a sibling holding fewer",
+                value=handed,
+            )
+        )
     return generate_latest(_Families(families_out))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -38,7 +39,9 @@ import uvicorn
 from meshkit.config import MeshConfig
 from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.mesh import Mesh
+from meshkit.server.accept import SHARES_FILE, Shares
 from meshkit.server.app import ServeApp, build_gateway
+from meshkit.server.h1.acceptor import Inboxes, Sharing
 from meshkit.server.h1.server import H1Server
 from meshkit.server.hangup import reload_on_hangup
 from meshkit.server.settings import ServeSettings
@@ -198,13 +201,16 @@ async def _run_granian(
         await gateway.aclose()
 
 
-def _h1_server(gateway: MeshMiddleware, settings: ServeSettings) -> H1Server:
+def _h1_server(
+    gateway: MeshMiddleware, settings: ServeSettings, sharing: Sharing | None = None
+) -> H1Server:
     return H1Server(
         gateway,
         keep_alive_s=settings.keep_alive_s,
         max_connections=settings.max_connections,
         max_pipelined=settings.max_pipelined,
         access_log=settings.access_log,
+        sharing=sharing,
     )
 
 
@@ -381,9 +387,24 @@ async def _serve_child(
             await copy_fleet(peers, gateway.mesh)
         except Exception:  # the configured fleet then; never a reason not to serve
             log.exception("could not copy the fleet from the other processes")
+    sharing = Sharing(
+        Shares(os.path.join(child.run_dir, SHARES_FILE), child.count),
+        Inboxes(
+            socket.socket(fileno=child.inbox_fd),
+            [socket.socket(fileno=fd) for fd in child.outbox_fds],
+        ),
+        child.index,
+    )
+    if run is _run_builtin:
+        # The children share out the connections (meshkit.server.accept).
+        run = functools.partial(_run_builtin, server=_h1_server(gateway, settings, sharing))
+        if isinstance(gateway.app, ServeApp):
+            gateway.app.shares = sharing.shares
     try:
         await run(gateway, sock, settings, ready, early)
     finally:
+        sharing.inboxes.close()
+        sharing.shares.close()
         loop.remove_reader(lifeline)
         await inner.shutdown(0.0)
         private.close()

@@ -9,6 +9,8 @@ and uvicorn's ``--workers`` do). One shared accept queue, not ``SO_REUSEPORT``: 
 connection the kernel queued is accepted by whichever child is free, so a child
 that dies leaves no queued connection behind (with per-child sockets, the
 connections queued on a dead child's socket are reset).
+The children share the connections out evenly by handing one another accepted
+sockets over inboxes this parent makes and holds (:mod:`meshkit.server.accept`).
 
 The parent serves nothing itself. It
 
@@ -41,6 +43,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +51,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from meshkit.server.accept import ABSENT, SHARES_FILE, Shares
 
 __all__ = [
     "CHILD_ENV",
@@ -88,6 +93,10 @@ class ChildPlace:
     lifeline_fd: int
     #: started again after a crash (it copies its siblings' fleet)
     restarted: bool = False
+    #: the connections its siblings hand it arrive here (meshkit.server.accept)...
+    inbox_fd: int = -1
+    #: ...and it hands them on through these, one per child
+    outbox_fds: tuple[int, ...] = ()
 
 
 def child_place(environ: dict[str, str] | None = None) -> ChildPlace | None:
@@ -104,6 +113,8 @@ def child_place(environ: dict[str, str] | None = None) -> ChildPlace | None:
         int(obj["ready_fd"]),
         int(obj["lifeline_fd"]),
         bool(obj.get("restarted", False)),
+        int(obj.get("inbox_fd", -1)),
+        tuple(int(fd) for fd in obj.get("outbox_fds", ())),
     )
 
 
@@ -158,6 +169,12 @@ class Supervisor:
         self.on_ready = on_ready
         self.clock = clock
         self.run_dir = tempfile.mkdtemp(prefix="meshkit-serve-")  # mode 0700
+        #: each child's open connections, and the socket pairs that carry the
+        #: connections one hands to another; held here for the gateway's life, so a
+        #: connection handed to a child that dies waits for its successor
+        #: (meshkit.server.accept)
+        self.shares = Shares.create(os.path.join(self.run_dir, SHARES_FILE), count)
+        self.inboxes = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(count)]
         self.children = [_Child(i) for i in range(count)]
         self.restarts = 0
         self._signals: list[int] = []
@@ -171,6 +188,8 @@ class Supervisor:
         r, w = os.pipe()
         life_r, life_w = os.pipe()
         fd = self.sock.fileno()
+        inbox = self.inboxes[child.index][0].fileno()
+        outboxes = [pair[1].fileno() for pair in self.inboxes]
         place = {
             "fd": fd,
             "index": child.index,
@@ -179,6 +198,8 @@ class Supervisor:
             "ready_fd": w,
             "lifeline_fd": life_r,
             "restarted": child.starts > 0,
+            "inbox_fd": inbox,
+            "outbox_fds": outboxes,
         }
         env = {**os.environ, CHILD_ENV: json.dumps(place)}
         try:
@@ -186,7 +207,7 @@ class Supervisor:
             child.popen = subprocess.Popen(  # noqa: S603
                 [sys.executable, "-m", "meshkit", *self.argv],
                 env=env,
-                pass_fds=(fd, w, life_r),
+                pass_fds=(fd, w, life_r, inbox, *outboxes),
                 # Signals come from this parent only: a terminal's Ctrl-C reaches the
                 # whole foreground group, and the children would each see it first.
                 start_new_session=True,
@@ -217,6 +238,8 @@ class Supervisor:
                 os.close(fd)
         child.ready_r = child.lifeline_w = None
         child.popen = None
+        # Its connections are gone: the siblings no longer leave any to it.
+        self.shares.set_open(child.index, ABSENT)
         return code
 
     def _read_ready(self) -> None:
@@ -254,7 +277,7 @@ class Supervisor:
             for s, h in previous.items():
                 signal.signal(s, h)
             self._stop_all(force=True)
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.close()
 
     def _loop(self) -> int:
         for c in self.children:
@@ -318,6 +341,14 @@ class Supervisor:
                     log.warning("processes still running after the grace: killed")
                     self._stop_all(force=True)
             time.sleep(_TICK_S)
+
+    def close(self) -> None:
+        """Release what the children shared: the counts, the inboxes, the run directory."""
+        self.shares.close()
+        for pair in self.inboxes:
+            for end in pair:
+                end.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _stop_all(self, *, force: bool) -> None:
         for c in self.children:

@@ -27,6 +27,7 @@ import socket
 from typing import Any
 
 from meshkit.frontends.asgi import MeshMiddleware
+from meshkit.server.h1.acceptor import Acceptor, Sharing
 from meshkit.server.h1.bridge import run_asgi
 from meshkit.server.h1.conn import H1Conn, Request
 
@@ -49,6 +50,7 @@ class H1Server:
         max_pipelined: int = 16,
         access_log: bool = False,
         app: Any = None,
+        sharing: Sharing | None = None,
     ) -> None:
         self.gateway = gateway
         self.mesh = gateway.mesh
@@ -65,11 +67,17 @@ class H1Server:
         self.draining = False
         self._servers: list[asyncio.Server] = []
         self._sweeper: asyncio.TimerHandle | None = None
+        #: the children ``serve --processes`` shares connections among
+        self.sharing = sharing
+        self._acceptor: Acceptor | None = None
 
     async def start(self, sock: socket.socket) -> None:
         self.loop = asyncio.get_running_loop()
-        server = await self.loop.create_server(lambda: H1Conn(self), sock=sock, backlog=2048)
-        self._servers.append(server)
+        if self.sharing is not None and self._acceptor is None:
+            self._acceptor = Acceptor(self.loop, sock, lambda: H1Conn(self), self.sharing)
+        else:
+            server = await self.loop.create_server(lambda: H1Conn(self), sock=sock, backlog=2048)
+            self._servers.append(server)
         if self._sweeper is None:
             self._sweeper = self.loop.call_later(1.0, self._sweep)
 
@@ -80,10 +88,14 @@ class H1Server:
         if len(self.conns) >= self.max_connections:
             return False
         self.conns.add(conn)
+        if self._acceptor is not None:
+            self._acceptor.counted(len(self.conns))
         return True
 
     def detach(self, conn: H1Conn) -> None:
         self.conns.discard(conn)
+        if self._acceptor is not None:
+            self._acceptor.counted(len(self.conns))
 
     async def bridge(self, conn: H1Conn, req: Request) -> None:
         await run_asgi(self.app, conn, req)
@@ -102,6 +114,8 @@ class H1Server:
         self.draining = True
         for server in self._servers:
             server.close()
+        if self._acceptor is not None:
+            self._acceptor.close()
         for conn in [c for c in self.conns if c.idle]:
             conn.close()
         deadline = self.loop.time() + grace_s
