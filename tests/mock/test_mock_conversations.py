@@ -270,7 +270,7 @@ def test_a_background_response_joins_its_conversation_when_it_completes(
     items = f"{base}/conversations/{cid}/items"
     body = {"input": "x", "conversation": cid, "background": True}
     pending = http.post(base + "/responses", json=body).json()
-    assert pending["status"] == "in_progress"
+    assert pending["status"] == "queued"
     assert pending["conversation"] == {"id": cid}
     assert http.get(items).json()["data"] == []  # not complete yet
     rid = pending["id"]

@@ -352,11 +352,36 @@ def test_responses_background_cancel(
     m = spawn(first_token_ms=2000)
     url = m.url + "/v1/responses"
     r = http.post(url, json={"input": "x", "background": True})
-    assert r.json()["status"] == "in_progress"
+    assert r.json()["status"] == "queued"
     rid = r.json()["id"]
     cancelled = http.post(f"{url}/{rid}/cancel").json()
     assert cancelled["status"] == "cancelled"
     assert http.get(f"{url}/{rid}").json()["status"] == "cancelled"
+
+
+def test_a_background_response_is_queued_then_read_back_with_its_usage(
+    spawn: Callable[..., MockWorkerThread],
+) -> None:
+    # As the API: the create answers "queued" without usage; polling the stored
+    # response finds it ended, its usage on the completed object.
+    m = spawn(output_tokens=5, first_token_ms=50)
+    client = openai.OpenAI(base_url=m.url + "/v1", api_key="k", max_retries=0)
+    created = client.responses.create(model="m", input="a b c", background=True)
+    assert (created.status, created.background, created.usage) == ("queued", True, None)
+    assert created.output == []
+    seen = {created.status}
+    deadline = time.monotonic() + 30
+    got = client.responses.retrieve(created.id)
+    while got.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        seen.add(got.status)
+        time.sleep(0.01)
+        got = client.responses.retrieve(created.id)
+    assert got.status == "completed"
+    assert seen <= {"queued", "in_progress"}
+    assert got.background is True
+    assert got.usage is not None
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (3, 5)
+    assert got.output_text
 
 
 # -- SGLang / vLLM extras ------------------------------------------------------------------

@@ -2,8 +2,10 @@
 OpenAI Responses API endpoints of the mock worker
 =================================================
 
-* ``POST /v1/responses``: non-stream, stream, ``background`` (returns
-  ``in_progress``, completes after the simulated generation time),
+* ``POST /v1/responses``: non-stream, stream, ``background`` (answers ``queued``
+  without usage, as the API does; the stored response is ``in_progress`` once its
+  simulated queue wait is over and ``completed``, with its usage, after the
+  simulated generation time: a client polls ``GET /v1/responses/{id}``),
   ``previous_response_id`` (404 unless this worker created it; the previous
   conversation is prepended to the prompt), ``conversation`` (a string or
   ``{"id": ...}``: 404 unless this worker holds it; its items are prepended to the
@@ -115,11 +117,20 @@ class ResponsesHandlers:
         conv: StoredConversation | None,
     ) -> bytes:
         final = stored.response
-        pending = responses_api.build_response(t, final["id"], msg_id, body, status="in_progress")
+        queued = responses_api.build_response(t, final["id"], msg_id, body, status="queued")
         if conv is not None:
-            pending["conversation"] = final["conversation"]
-        stored.response = pending
-        delay = self.app.total_delay(t)
+            queued["conversation"] = final["conversation"]
+        stored.response = queued
+        loop = asyncio.get_running_loop()
+        waited = t.queued_s
+        run = max(self.app.total_delay(t) - waited, 0.0)
+
+        def start() -> None:
+            if stored.response["status"] == "queued":
+                stored.response = {**queued, "status": "in_progress"}
+                stored.timer = loop.call_later(run, finish)
+            else:
+                stored.timer = None
 
         def finish() -> None:
             stored.timer = None
@@ -128,8 +139,8 @@ class ResponsesHandlers:
                 if conv is not None:
                     self._extend(conv, stored.input_items, final)
 
-        stored.timer = asyncio.get_running_loop().call_later(delay, finish)
-        return self.app.json(req, pending, rank=t.rank)
+        stored.timer = loop.call_later(waited, start)
+        return self.app.json(req, queued, rank=t.rank)
 
     def resource(self, req: Request) -> Reply:
         rid, _, sub = req.path[len(_RESP_PREFIX) :].decode("latin-1").partition("/")
