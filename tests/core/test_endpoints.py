@@ -273,6 +273,7 @@ def test_the_answers_that_are_state_objects() -> None:
     assert names == {
         "responses",
         "responses.retrieve",
+        "responses.cancel",
         "conversations.create",
         "conversations.retrieve",
         "conversations.update",

@@ -1043,3 +1043,102 @@ def test_output_with_no_output_tokens_is_read_from_the_body(body: bytes) -> None
     assert acc.usage is not None
     assert acc.usage.output_tokens == 0
     assert acc.first_token_at == 2.0  # the output counts, though usage says none
+
+
+# --------------------------------------------------------------------------------------
+# Background responses: whether the Response seen had ended in the background
+# --------------------------------------------------------------------------------------
+
+_USAGE = b'"usage":{"input_tokens":3,"output_tokens":5,"total_tokens":8}'
+_OUT = b'"output":[{"type":"message","content":[{"type":"output_text","text":"hi"}]}]'
+
+
+def _stored(status: bytes, background: bytes, usage: bytes = _USAGE) -> bytes:
+    return b'{"id":"resp_1","object":"response","status":"%s","background":%s,%s,%s}' % (
+        status,
+        background,
+        _OUT if usage else b'"output":[]',
+        usage or b'"usage":null',
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "ended"),
+    [
+        pytest.param(_stored(b"completed", b"true"), True, id="completed"),
+        pytest.param(_stored(b"incomplete", b"true"), True, id="incomplete"),
+        pytest.param(_stored(b"cancelled", b"true"), True, id="cancelled"),
+        pytest.param(_stored(b"failed", b"true", b""), True, id="failed-no-usage"),
+        pytest.param(_stored(b"queued", b"true", b""), False, id="queued"),
+        pytest.param(_stored(b"in_progress", b"true", b""), False, id="in-progress"),
+        pytest.param(_stored(b"completed", b"false"), False, id="foreground"),
+        pytest.param(_stored(b"completed", b"null"), False, id="background-null"),
+        pytest.param(_stored(b"completed", b'"true"'), False, id="background-a-string"),
+        pytest.param(
+            b'{"id":"resp_1","status":["completed"],"background":true,' + _USAGE + b"}",
+            False,
+            id="status-not-a-string",
+        ),
+    ],
+)
+def test_a_stored_response_that_ended_in_the_background(body: bytes, ended: bool) -> None:
+    acc = StreamAccountant(NONE, streaming=False, started_at=0.0, state_ids=True)
+    acc.feed(body, 1.0)
+    acc.finish(1.0)
+    assert acc.response_id == "resp_1"
+    assert acc.background_ended is ended
+
+
+def test_only_a_state_answer_is_read_for_background() -> None:
+    # A chat answer is never a stored Response: its body is not read for it.
+    acc = StreamAccountant(NONE, streaming=False, started_at=0.0)
+    acc.feed(_stored(b"completed", b"true"), 1.0)
+    acc.finish(1.0)
+    assert (acc.response_id, acc.background_ended) == (None, False)
+    assert acc.usage == Usage(3, 5, 0)
+
+
+def _responses_stream(terminal: bytes, background: bytes, named: bool = True) -> bytes:
+    def event(name: bytes, data: bytes) -> bytes:
+        return (b"event: " + name + b"\n" if named else b"") + b"data: " + data + b"\n\n"
+
+    start = b'{"id":"resp_1","status":"in_progress","background":%s,"usage":null}' % background
+    end = b'{"id":"resp_1","status":"x","background":%s,%s}' % (background, _USAGE)
+    return (
+        event(b"response.created", b'{"type":"response.created","response":%s}' % start)
+        + event(
+            b"response.output_text.delta",
+            b'{"type":"response.output_text.delta","delta":"hi"}',
+        )
+        + event(terminal, b'{"type":"%s","response":%s}' % (terminal, end))
+    )
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["event-lines", "type-only"])
+@pytest.mark.parametrize(
+    ("terminal", "background", "ended"),
+    [
+        (b"response.completed", b"true", True),
+        (b"response.incomplete", b"true", True),
+        (b"response.failed", b"true", True),
+        (b"response.completed", b"false", False),
+        (b"response.completed", b"null", False),
+    ],
+)
+def test_a_streamed_response_that_ended_in_the_background(
+    terminal: bytes, background: bytes, ended: bool, named: bool
+) -> None:
+    acc = StreamAccountant(RESPONSES, streaming=True, started_at=0.0)
+    acc.feed(_responses_stream(terminal, background, named), 1.0)
+    assert acc.done
+    assert acc.response_id == "resp_1"
+    assert acc.background_ended is ended
+    assert acc.usage == Usage(3, 5, 0)
+
+
+def test_a_stream_cut_before_its_terminal_event_has_not_ended() -> None:
+    acc = StreamAccountant(RESPONSES, streaming=True, started_at=0.0)
+    whole = _responses_stream(b"response.completed", b"true")
+    acc.feed(whole[: whole.rindex(b"event: response.completed")], 1.0)
+    acc.finish(2.0)
+    assert not acc.background_ended

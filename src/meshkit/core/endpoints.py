@@ -186,7 +186,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         state=True,
     ),
     _ep("responses.delete", Api.RESPONSES, Op.DELETE, "DELETE", "/v1/responses/{id}"),
-    _ep("responses.cancel", Api.RESPONSES, Op.CANCEL, "POST", "/v1/responses/{id}/cancel"),
+    _ep(
+        "responses.cancel",
+        Api.RESPONSES,
+        Op.CANCEL,
+        "POST",
+        "/v1/responses/{id}/cancel",
+        state=True,  # answers the response (a background one's usage is read there)
+    ),
     _ep(
         "responses.input_items",
         Api.RESPONSES,

@@ -28,6 +28,7 @@ __all__ = [
     "LifecycleResponse",
     "MessagesBody",
     "ResponsesBody",
+    "StateAnswer",
 ]
 
 Json = Any
@@ -104,6 +105,8 @@ class LifecycleResponse(msgspec.Struct):
     id: Any = None
     usage: Any = None
     error: Any = None
+    #: ``true``: generated in the background (its usage is counted once, not per read)
+    background: Any = None
 
 
 class Lifecycle(msgspec.Struct):
@@ -136,6 +139,14 @@ class Answer(msgspec.Struct):
     content: msgspec.Raw = NO_RAW
     output_ids: msgspec.Raw = NO_RAW
     text: msgspec.Raw = NO_RAW
+
+
+class StateAnswer(Answer):
+    """A whole answer that is a stored Response (a create's, or a read of one):
+    also whether it was generated in the background, and its status."""
+
+    status: Any = None
+    background: Any = None
 
 
 class Indexed(msgspec.Struct):

@@ -35,8 +35,17 @@ Laziness
     :attr:`~StreamAccountant.usage` is read.
     SGLang ``/generate`` repeats ``meta_info`` in every chunk, so only the last raw
     chunk (per batch index) is kept, for the same lazy decode. Responses lifecycle
-    events are decoded against a struct naming only ``id``, ``usage`` and ``error``,
-    so the (possibly large) output they repeat is skipped, not built.
+    events are decoded against a struct naming only ``id``, ``usage``, ``error``
+    and ``background``, so the (possibly large) output they repeat is skipped, not
+    built.
+
+Background responses
+    A Response generated in the background (``background: true``) has its usage
+    only once it has ended, and a client reads it back (``GET
+    /v1/responses/{id}``) as often as it likes. The accountant reports whether the
+    Response it saw had ended in the background
+    (:attr:`~StreamAccountant.background_ended`); whether its usage is counted
+    (once per process) is the books' decision (:mod:`meshkit.accounting`).
 
 Bounds and failure
     An event (or a non-streaming body) longer than ``max_line_bytes`` sets
@@ -65,7 +74,7 @@ from typing import Any
 import msgspec
 
 from meshkit.core.endpoints import StreamFormat
-from meshkit.core.shapes import Answer, Indexed, Lifecycle
+from meshkit.core.shapes import Answer, Indexed, Lifecycle, StateAnswer
 
 __all__ = ["StreamAccountant", "Usage"]
 
@@ -113,6 +122,7 @@ _DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
 _lifecycle_decoder = msgspec.json.Decoder(Lifecycle)
 _index_decoder = msgspec.json.Decoder(Indexed)
 _answer_decoder = msgspec.json.Decoder(Answer)
+_state_answer_decoder = msgspec.json.Decoder(StateAnswer)
 
 # Read per request: a module global is cheaper than an enum member's attribute.
 _NONE, _RESPONSES = StreamFormat.NONE, StreamFormat.RESPONSES
@@ -153,6 +163,8 @@ _R_FIRST = frozenset(
 )
 _R_TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.incomplete"})
 _R_START = frozenset({b"response.created", b"response.queued", b"response.in_progress"})
+#: the statuses of a Response that has ended (its usage is final)
+_ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
 _ANTHROPIC_USAGE = (
     "input_tokens",
@@ -238,6 +250,11 @@ def _batch_index(payload: bytes) -> int:
         return _int(_index_decoder.decode(payload).index)
     except _DECODE_ERRORS:
         return 0  # counted as malformed when the usage is read
+
+
+def _ended_in_background(background: object, status: object) -> bool:
+    """Whether a Response object says it was generated in the background and ended."""
+    return background is True and isinstance(status, str) and status in _ENDED
 
 
 def _add(a: Usage, b: Usage) -> Usage:
@@ -328,6 +345,7 @@ class StreamAccountant:
         "_stopped",
         "_usage",
         "_usage_raw",
+        "background_ended",
         "done",
         "error",
         "first_token_at",
@@ -367,6 +385,10 @@ class StreamAccountant:
         self.malformed = 0
         #: the Responses API id of the stored response (or conversation)
         self.response_id: str | None = None
+        #: the Response (a stored-state body, or a stream's terminal event) was
+        #: generated in the background (``background: true``) and has ended
+        #: (completed, incomplete, failed, cancelled): its usage is final
+        self.background_ended = False
         self._sse = streaming and fmt is not _NONE
         self._buf = bytearray()
         self._scan = 0
@@ -592,10 +614,12 @@ class StreamAccountant:
             rid: Any = None
             usage: Any = None
             err: Any = None
+            background: Any = None
             if obj is not None:
                 resp = obj.get("response")
                 if isinstance(resp, dict):
                     rid, usage, err = resp.get("id"), resp.get("usage"), resp.get("error")
+                    background = resp.get("background")
             else:
                 try:
                     ev = _lifecycle_decoder.decode(payload)
@@ -604,7 +628,7 @@ class StreamAccountant:
                 else:
                     if ev.response is not None:
                         r = ev.response
-                        rid, usage, err = r.id, r.usage, r.error
+                        rid, usage, err, background = r.id, r.usage, r.error, r.background
             if (
                 isinstance(rid, str)
                 and rid
@@ -617,6 +641,8 @@ class StreamAccountant:
                     self._usage = u
                 if name == b"response.failed":
                     self.error = _code(err, "failed")
+                # every terminal event is of a Response that has ended
+                self.background_ended = background is True
                 self._set_done()
             return
         if name == b"error":
@@ -752,12 +778,14 @@ class StreamAccountant:
             rid = obj.get("id")
             if isinstance(rid, str) and rid:
                 self.response_id = rid
+            self.background_ended = _ended_in_background(obj.get("background"), obj.get("status"))
 
     def _finish_answer(self, body: bytes | bytearray, now: float) -> bool:
         """The common answer (one object, usage with output, no error) from its
         few fields alone; False: read it whole (:meth:`_finish_body`)."""
+        state = self.state_ids
         try:
-            ans = _answer_decoder.decode(body)
+            ans = (_state_answer_decoder if state else _answer_decoder).decode(body)
         except _DECODE_ERRORS:
             return False  # the whole read counts it
         if ans.error is not None or ans.object == "error":
@@ -771,10 +799,12 @@ class StreamAccountant:
         self._usage = u
         if u.output_tokens > 0:
             self.first_token_at = now
-        if self.state_ids:
+        if state:
             rid = ans.id
             if isinstance(rid, str) and rid:
                 self.response_id = rid
+            if isinstance(ans, StateAnswer):
+                self.background_ended = _ended_in_background(ans.background, ans.status)
         return True
 
     def _json(self, payload: bytes) -> dict[str, Any] | None:
