@@ -7,10 +7,28 @@ error events), the metrics it ends with, what Responses affinity and the policy
 learn from it, and the release of its lease, exactly once. The relay
 (:mod:`meshkit.core.relay`) decides *when* the books close; this module is what
 closing them does.
+
+Reads are not generations. An operation on a stored Response or Conversation
+(``GET /v1/responses/{id}``, streamed or not, its cancel, input items, the
+Conversations resource calls) is counted in ``mesh_router_requests_total`` and
+timed in ``mesh_router_request_duration_seconds``, but observes no time to first
+token, and the usage of the Response it answers is not counted again: it was
+counted when the Response was created, by whichever router relayed the create.
+Except for a Response generated in the background: its create answers
+``queued``, without usage, so its tokens are only ever seen by a read. The first
+read (or cancel) that finds it ended (``background: true``, status completed,
+incomplete, failed or cancelled, with usage) counts them; this process remembers
+its id (:class:`CountedResponses`, ``routing.responses_counted_max`` ids) and no
+later read counts them again. A background create that is streamed carries its
+usage in its terminal event and is counted there, unless a read counted it
+first, and remembered the same way.
+Another router process does not know what this one counted: a background
+Response read through two routers is counted by each (``docs/metrics.md``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from meshkit.core.endpoints import Api
@@ -23,9 +41,42 @@ from meshkit.core.streams import StreamAccountant
 if TYPE_CHECKING:
     from meshkit.router import Router
 
-__all__ = ["Accounting"]
+__all__ = ["Accounting", "CountedResponses"]
 
 _RESPONSES = Api.RESPONSES
+
+
+class CountedResponses:
+    """The ids of the background Responses whose usage this process counted: the
+    ``max_entries`` most recently counted or read (least recently used go first;
+    one forgotten is counted again if it is read again).
+
+    Pure and unlocked: the router calls it under its lock.
+    """
+
+    __slots__ = ("_ids", "max_entries")
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def first(self, response_id: str) -> bool:
+        """True the first time ``response_id`` is given (it is remembered then),
+        False while it is remembered."""
+        ids = self._ids
+        if response_id in ids:
+            ids.move_to_end(response_id)
+            return False
+        ids[response_id] = None
+        if len(ids) > self.max_entries:
+            ids.popitem(last=False)
+        return True
+
+    def __contains__(self, response_id: object) -> bool:
+        return response_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class Accounting:
@@ -110,10 +161,29 @@ class Accounting:
         ok = completed and self.status < 400 and acct.error is None
         lease = self.attempt_lease
         lease.release(ok=ok, status=None if self._failed else self.status)
-        api = self.view.match.endpoint.label
+        match = self.view.match
+        api = match.endpoint.label
         m = router.metrics
         usage = acct.usage
         ttft = acct.ttft
+        rid = acct.response_id
+        # An operation on a stored object (a resource id in the path) is a read.
+        read = match.resource_id is not None
+        if read:
+            ttft = None  # no generation: its latency is no time to first token
+            if usage is not None and not (
+                acct.background_ended and rid and router.count_usage_once(rid)
+            ):
+                usage = None  # counted at its create, or by an earlier read
+        elif (
+            rid is not None
+            and usage is not None
+            and acct.background_ended
+            and not router.count_usage_once(rid)
+        ):
+            # A streamed background create, whose books closed after a read's that
+            # counted it (the client read it back the moment its stream ended).
+            usage = None
         duration = now - lease.started
         if not completed:
             outcome = "cancelled"
@@ -136,9 +206,8 @@ class Accounting:
             m.stream_errors.labels(api).inc()
         if acct.overflow:
             m.stream_overflows.labels(api).inc()
-        elif usage is None and ok and self.view.stream:
+        elif usage is None and ok and self.view.stream and not read:
             m.streams_without_usage.labels(api).inc()
-        rid = acct.response_id
         # Nothing to remember and nobody listening: no Completion, no lock.
         if not (rid and ok) and not router.listens:
             return

@@ -172,7 +172,14 @@ class RoutingConfig:
     responses_affinity_ttl_s: float = 3600.0
     # A referenced response no worker holds is not asked for again this long.
     responses_lookup_ttl_s: float = 60.0
+    # Background responses whose usage this process counted (so a later read of one
+    # does not count it again); the least recently read are forgotten past this.
+    responses_counted_max: int = 100_000
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.responses_counted_max < 1:
+            raise ConfigError("routing.responses_counted_max", "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@ The Router
 ==========
 
 The one owner of routing state: the fleet and its load, the policy, Responses
-affinity, the worker states and leases (:class:`~meshkit.core.states.WorkerStates`),
-the prefill/decode pair policies, and the lock that serialises them, so WSGI
+affinity (and the background Responses whose usage this process counted), the
+worker states and leases (:class:`~meshkit.core.states.WorkerStates`), the
+prefill/decode pair policies, and the lock that serialises them, so WSGI
 threads, sync transports, event loops and the lifecycle thread may share it. The
 pure core decides (placement, states, flows); the Router applies those decisions
 under its lock and offers them as methods. Nothing else takes the lock: the
@@ -28,6 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from meshkit.accounting import CountedResponses
 from meshkit.core.endpoints import Api
 from meshkit.core.engine_load import EngineLoad
 from meshkit.core.forward import WakePending
@@ -170,6 +172,8 @@ class Router:
             max_entries=config.routing.responses_affinity_max,
             ttl_s=config.routing.responses_lookup_ttl_s,
         )
+        #: background Responses whose usage this process counted (read once)
+        self.counted = CountedResponses(config.routing.responses_counted_max)
         self.states = WorkerStates(self.fleet, config.lifecycle, clock())
         pd = config.pd
         if pd.protocol not in _PD_PROTOCOLS:
@@ -420,6 +424,13 @@ class Router:
         now = self.clock()
         with self._lock:
             self.affinity.remember(response_id, origin, now)
+
+    def count_usage_once(self, response_id: str) -> bool:
+        """Whether this process is still to count the usage of the background
+        Response ``response_id``: True once (it is remembered as counted then),
+        False after (``routing.responses_counted_max`` ids are remembered)."""
+        with self._lock:
+            return self.counted.first(response_id)
 
     def completed(self, cand: Candidate, view: RequestView, done: Completion) -> None:
         """A response ended: affinity learns the id of the state object it answered
