@@ -28,6 +28,7 @@ from meshkit.core.lifecycle import State
 from meshkit.server import build_gateway
 from meshkit.server.merged_metrics import merge_metrics
 from meshkit.server.merged_workers import merge_rows
+from meshkit.server.peer_admin import gate_lifecycle
 from meshkit.server.peers import MAX_REPLY_BYTES, Peers, copy_fleet, fleet_spec, peer_app
 from meshkit.server.runner import GatewayThread
 
@@ -98,15 +99,19 @@ def run_dir() -> Iterator[str]:
 def processes(run_dir: str, mesh_factory: Any) -> Iterator[Callable[..., list[Proc]]]:
     made: list[Proc] = []
 
-    def start(n: int, workers: list[Worker], **kw: Any) -> list[Proc]:
+    def start(n: int, workers: list[Worker], *, gates: bool = False, **kw: Any) -> list[Proc]:
+        """``gates``: idle sleeps and wakes decided across the processes, as ``serve`` does."""
         kw.setdefault("lifecycle", {"probe": False})
         procs = []
         for i in range(n):
             mesh = mesh_factory(workers=list(workers), admin_key=ADMIN, **kw)
             peers = Peers(run_dir, i, n)
+            gate = gate_lifecycle(mesh, peers) if gates else None
             gateway = build_gateway(mesh, peers=peers)
             public = GatewayThread(gateway=gateway)
             public.start()
+            if gate is not None:
+                public.call(lambda g=gate: g.bind(asyncio.get_running_loop()))
             private = GatewayThread(gateway=peer_app(gateway), sock=unix_listener(peers.path(i)))
             private.start()
             procs.append(Proc(mesh, peers, public, private))

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from meshkit.router import Router
     from meshkit.upstream.base import AsyncUpstream
 
-__all__ = ["Lifecycle", "SleepGate", "WakeGate"]
+__all__ = ["Lifecycle", "SleepGate", "Undo", "WakeGate"]
 
 log = logging.getLogger("meshkit.lifecycle")
 
@@ -80,15 +80,18 @@ def _copy_outcome(task: asyncio.Future[T], cfut: concurrent.futures.Future[T]) -
         cfut.set_result(task.result())
 
 
+#: Takes an agreement of a :class:`SleepGate` back.
+Undo = Callable[[], Awaitable[None]]
+
+
 class SleepGate(Protocol):
     """The other processes' say on an idle sleep (``meshkit serve --processes``):
     :meth:`agree` asks each to mark the worker asleep, which one that used it within
-    ``idle_s`` (or holds a lease on it) refuses; :meth:`undo` takes an agreement
-    back when the engine did not go to sleep after all."""
+    ``idle_s`` (or holds a lease on it) refuses. None is a refusal; an agreement is
+    answered with what takes it back when the engine did not go to sleep after
+    all, so the gate keeps nothing per worker past the one sleep that asked."""
 
-    async def agree(self, worker: Worker, idle_s: float) -> bool: ...
-
-    async def undo(self, worker: Worker) -> None: ...
+    async def agree(self, worker: Worker, idle_s: float) -> Undo | None: ...
 
 
 class WakeGate(Protocol):
@@ -556,9 +559,10 @@ class Lifecycle:
             return
         self._gating.add(worker_id)
         try:
-            if not await gate.agree(worker, idle_s):
+            undo = await gate.agree(worker, idle_s)
+            if undo is None:
                 return  # another process used it lately, or could not be asked
             if not await self._sleep(worker_id, level, strict=False):
-                await gate.undo(worker)
+                await undo()
         finally:
             self._gating.discard(worker_id)

@@ -63,9 +63,10 @@ from meshkit.server.peers import PeerReply, Peers, fleet_spec
 from meshkit.types import Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
+    from meshkit.lifecycle.controller import Undo
     from meshkit.mesh import Mesh
 
-__all__ = ["PeerAdmin", "peer_route"]
+__all__ = ["PeerAdmin", "PeerSleepGate", "gate_lifecycle", "peer_route"]
 
 #: A forwarded drain waits for the sibling's leases (``timeout_s``); this much more
 #: covers its answer travelling back.
@@ -387,8 +388,6 @@ class PeerSleepGate:
         self.peers = peers
         self.wake_timeout_s = wake_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: worker id -> the siblings whose state an agreement changed
-        self._changed: dict[str, list[int]] = {}
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -400,23 +399,22 @@ class PeerSleepGate:
             raise RuntimeError("the sleep gate is not bound to the server's loop")
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
-    async def agree(self, worker: Worker, idle_s: float) -> bool:
+    async def agree(self, worker: Worker, idle_s: float) -> Undo | None:
         try:
             replies = await self._on_server(follow(self.peers, worker, True, idle_s=idle_s))
         except RuntimeError:
-            return False
+            return None
         changed = [r.index for r in replies if r.ok and (r.json() or {}).get("changed") is True]
-        if all(r.ok for r in replies):
-            self._changed[worker.id] = changed
-            return True
-        if changed:
-            await self._on_server(follow(self.peers, worker, False, changed))
-        return False
 
-    async def undo(self, worker: Worker) -> None:
-        changed = self._changed.pop(worker.id, [])
-        if changed:
-            await self._on_server(follow(self.peers, worker, False, changed))
+        async def undo() -> None:
+            # Only the siblings this agreement changed: one asleep before it stays so.
+            if changed:
+                await self._on_server(follow(self.peers, worker, False, changed))
+
+        if all(r.ok for r in replies):
+            return undo
+        await undo()
+        return None
 
     async def wake(self, worker: Worker) -> bool | None:
         path = f"/_peer/workers/{quote(worker.id, safe='')}/wake"
@@ -429,6 +427,18 @@ class PeerSleepGate:
         if not isinstance(obj, dict) or not isinstance(obj.get("ready"), bool):
             return None  # process 0 is down or does not know the worker: wake it here
         return bool(obj["ready"])
+
+
+def gate_lifecycle(mesh: Mesh, peers: Peers) -> PeerSleepGate:
+    """Make ``mesh``'s lifecycle that of process ``peers.index`` of many (before it
+    starts): process 0 decides idle sleeps and the others each have a veto, and
+    process 0 wakes engines for all of them. Bind the answer to the server's loop."""
+    gate = PeerSleepGate(peers, mesh.config.lifecycle.wake_timeout_s)
+    mesh.lifecycle.idle_sleeps = peers.index == 0
+    mesh.lifecycle.sleep_gate = gate
+    if peers.index != 0:
+        mesh.lifecycle.wake_gate = gate
+    return gate
 
 
 async def peer_wake(mesh: Mesh, scope: Scope) -> tuple[int, Any]:

@@ -314,16 +314,9 @@ def serve(
     gateway = build_gateway(mesh, peers=peers)
     gate = None
     if peers is not None:
-        from meshkit.server.peer_admin import PeerSleepGate
+        from meshkit.server.peer_admin import gate_lifecycle
 
-        # One process decides idle sleeps; the others each have a veto.
-        mesh.lifecycle.idle_sleeps = peers.index == 0
-        mesh.lifecycle.sleep_gate = gate = PeerSleepGate(
-            peers, mesh.config.lifecycle.wake_timeout_s
-        )
-        # ... and process 0 wakes engines for all of them.
-        if peers.index != 0:
-            mesh.lifecycle.wake_gate = gate
+        gate = gate_lifecycle(mesh, peers)
     mesh.start_lifecycle()  # probe now: /readiness waits for a verified worker
     run: Runner = {"granian": _run_granian, "uvicorn": _run_uvicorn}.get(
         settings.server, _run_builtin

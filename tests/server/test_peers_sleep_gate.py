@@ -1,0 +1,71 @@
+"""The sleep gate of many processes: an idle sleep decided by process 0 after every
+sibling agreed (real gateways talking over their Unix sockets, as in ``test_peers``,
+wired as ``serve --processes`` wires them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness import wait_until
+from lifecycle.conftest import SLEEPY
+from meshkit import Worker
+from reliability.rawworker import QuietHandler, Served
+from server.test_peers import processes, run_dir  # noqa: F401  (fixtures)
+
+#: no probes: what a process believes comes from the sleeps and their rollbacks alone
+IDLE = {"probe": False, "idle_sleep_s": 0.1}
+
+
+class SleepRefuser(Served):
+    """A sleep-mode engine whose ``POST /sleep`` fails (500): ``sleep_calls``."""
+
+    def __init__(self) -> None:
+        self.sleep_calls = 0
+        outer = self
+
+        class Handler(QuietHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                if self.path.startswith("/sleep"):
+                    outer.sleep_calls += 1
+                self.send_response(500)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+        super().__init__(Handler)
+
+
+def _states(procs: list[Any]) -> list[str]:
+    return [p.local_rows()[0]["state"] for p in procs]
+
+
+def test_an_idle_sleep_that_went_ahead_leaves_nothing_in_the_gate(
+    processes: Any,  # noqa: F811
+    mock_factory: Any,
+) -> None:
+    mock = mock_factory(name="sleepy", sleep_mode=True)
+    procs = processes(2, [Worker(mock.url, labels=SLEEPY)], gates=True, lifecycle=IDLE)
+    wid = procs[0].mesh.workers[0].id
+    assert wait_until(lambda: mock.worker.stats.sleep_calls == 1)
+    assert wait_until(lambda: _states(procs) == ["sleeping"] * 2)
+    # Workers come and go (discovery, autoscaling): what the gate kept for one
+    # sleep must end with it, not stay keyed by the worker's id for good.
+    gate = procs[0].mesh.lifecycle.sleep_gate
+    assert wid not in repr(vars(gate))
+
+
+def test_an_engine_that_did_not_go_to_sleep_wakes_every_sibling_again(
+    processes: Any,  # noqa: F811
+) -> None:
+    engine = SleepRefuser()
+    try:
+        procs = processes(2, [Worker(engine.url, labels=SLEEPY)], gates=True, lifecycle=IDLE)
+        # Process 1 agreed (asleep, state only), then the engine refused: it is
+        # rolled back, or it would hold requests for a wake nobody needs.
+        assert wait_until(lambda: engine.sleep_calls >= 2)
+        assert wait_until(lambda: _states(procs) == ["ready"] * 2)
+        gate = procs[0].mesh.lifecycle.sleep_gate
+        wid = procs[0].mesh.workers[0].id
+        assert wait_until(lambda: wid not in repr(vars(gate)))
+    finally:
+        engine.close()
