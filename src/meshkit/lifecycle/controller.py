@@ -213,13 +213,21 @@ class Lifecycle:
 
     def _wake(self, worker_id: str) -> None:
         """(router lock) The router moved ``worker_id`` to waking: send the one ``/wake_up``."""
-        fut = self.submit(lambda: self._call_wake(worker_id))
-        fut.add_done_callback(lambda f: self._wake_not_run(worker_id, f))
+        started = False
 
-    def _wake_not_run(self, worker_id: str, fut: concurrent.futures.Future[bool]) -> None:
-        # The thread stopped before performing the wake: do not leave it "waking".
-        if fut.cancelled() or fut.exception() is not None:
-            self.router.do(WorkerStates.wake_done, worker_id, False)
+        async def call() -> bool:
+            nonlocal started
+            started = True  # from here on _call_wake's finally ends the wake
+            return await self._call_wake(worker_id)
+
+        def not_run(_: concurrent.futures.Future[bool]) -> None:
+            # The thread stopped before the wake ran: do not leave it "waking". Once
+            # it ran, a second end here (it raised, or was cancelled) would end the
+            # next wake of the worker instead, which may have begun meanwhile.
+            if not started:
+                self.router.do(WorkerStates.wake_done, worker_id, False)
+
+        self.submit(call).add_done_callback(not_run)
 
     def sleep(self, worker_id: str, level: int) -> concurrent.futures.Future[bool]:
         """Put ``worker_id`` to sleep now (``POST /sleep``), unless it holds a lease."""
