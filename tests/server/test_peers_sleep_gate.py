@@ -1,16 +1,17 @@
-"""The sleep gate of many processes: an idle sleep decided by process 0 after every
-sibling agreed (real gateways talking over their Unix sockets, as in ``test_peers``,
-wired as ``serve --processes`` wires them)."""
+"""Sleeps of many processes: the engine is put to sleep only after every sibling
+agreed, by the idle sleep (process 0) and the admin's alike (real gateways talking
+over their Unix sockets, as in ``test_peers``, wired as ``serve --processes`` wires
+them)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from harness import wait_until
-from lifecycle.conftest import SLEEPY
+from lifecycle.conftest import CHAT, PATH, SLEEPY
 from meshkit import Worker
 from reliability.rawworker import QuietHandler, Served
-from server.test_peers import processes, run_dir  # noqa: F401  (fixtures)
+from server.test_peers import LONG, processes, run_dir, wid  # noqa: F401  (fixtures)
 
 #: no probes: what a process believes comes from the sleeps and their rollbacks alone
 IDLE = {"probe": False, "idle_sleep_s": 0.1}
@@ -69,3 +70,25 @@ def test_an_engine_that_did_not_go_to_sleep_wakes_every_sibling_again(
         assert wait_until(lambda: wid not in repr(vars(gate)))
     finally:
         engine.close()
+
+
+def test_an_admin_sleep_does_not_go_ahead_past_a_sibling_that_cannot_be_asked(
+    processes: Any,  # noqa: F811
+    mock_factory: Any,
+) -> None:
+    mock = mock_factory(name="sleepy", sleep_mode=True, **LONG)
+    procs = processes(3, [Worker(mock.url, labels=SLEEPY)])
+    with procs[2].client.stream("POST", PATH, json={**CHAT, "stream": True}) as s:
+        chunks = s.iter_raw()  # kept: dropped, it would close the response
+        next(chunks)
+        # Process 2 holds a lease and does not answer its siblings (restarting,
+        # stuck): nobody can tell that it holds none, so the engine must stay up.
+        procs[2].down()
+        r = procs[0].client.post(f"/workers/{wid(mock.url)}/sleep")
+        assert r.status_code == 503, (r.status_code, r.text[:300])
+        assert r.json()["error"]["code"] == "process_unavailable"
+        assert r.json()["processes"] == {"applied": 0, "failed": [2]}
+        assert mock.worker.stats.sleep_calls == 0
+        # Process 1 had agreed (state only) and was rolled back.
+        assert _states(procs[:2]) == ["ready"] * 2
+    assert wait_until(lambda: procs[2].mesh.total_load() == 0)

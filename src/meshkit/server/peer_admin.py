@@ -20,7 +20,9 @@ fan nothing out again.
 ``POST /workers/{id}/sleep``       the engine is put to sleep once, by this process,
                                    after every sibling agreed: each marks the worker
                                    asleep first, state only, and one that holds a
-                                   lease on it vetoes (409, the others roll back)
+                                   lease on it vetoes (409, the others roll back);
+                                   one that does not answer may hold one, and stops
+                                   it too (503 ``process_unavailable``)
 ``POST /workers/{id}/wake``        the engine is woken once, here; then every
                                    sibling marks it awake (state only)
 =================================  ==================================================
@@ -319,13 +321,21 @@ class PeerAdmin:
         # before the engine is asleep under its request.
         agreed = await self._follow(worker, True)
         changed = [r.index for r in agreed if r.ok and (r.json() or {}).get("changed") is True]
-        refused = [r for r in agreed if r.status == 409]
-        if refused:
+        refused = [r.index for r in agreed if r.status == 409]
+        # One that did not answer may hold a lease as well as not: a no, as for
+        # an idle sleep (PeerSleepGate.agree).
+        unasked = [r.index for r in agreed if not r.ok and r.status != 409]
+        if refused or unasked:
             await self._follow(worker, False, changed)
-            who = ", ".join(str(r.index) for r in refused)
-            obj = _error("invalid_state", f"process {who} cannot let the worker sleep now")
+            if refused:
+                status, code, why = 409, "invalid_state", "cannot let the worker sleep now"
+            else:
+                status, code = 503, "process_unavailable"
+                why = "did not answer whether it holds a lease on the worker"
+            who = ", ".join(str(i) for i in refused or unasked)
+            obj = _error(code, f"process {who} {why}")
             obj["processes"] = {"applied": 0, "failed": [r.index for r in agreed if not r.ok]}
-            await _send(send, 409, obj)
+            await _send(send, status, obj)
             return
         local = await self._local(scope)
         if local.status == 504 and isinstance(local.obj, dict):
