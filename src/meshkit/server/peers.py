@@ -17,7 +17,8 @@ their load, their share of an admin verb).
   question (answered locally, never fanned out again) from a client's;
 * :func:`fleet_spec` and :func:`copy_fleet` — a child that restarts builds its
   mesh from the configuration, which admin verbs may have changed since: it copies
-  the fleet (workers added or removed, drains) of the first sibling that answers.
+  the fleet (workers added or removed, drains, sleeps) of the first sibling that
+  answers.
   A worker the sibling's discovery put there (a ``dns://`` address, the workers
   file) stays discovery's in the copy: its own discovery removes it when the
   source drops it, as the sibling's does; one an admin added stays the admin's.
@@ -32,13 +33,15 @@ sockets: from the public socket it is an unknown endpoint. Replies are bounded
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from meshkit.core.lifecycle import State
+from meshkit.core.lifecycle import LifecycleError, State
+from meshkit.core.states import WorkerStates
 from meshkit.core.workers import Worker
 from meshkit.errors import ConfigError
 from meshkit.frontends.asgi import MeshMiddleware
@@ -67,6 +70,8 @@ MAX_REPLY_BYTES: Final = 16 * 1024 * 1024
 _MAX_SOCKET_PATH: Final = 103
 #: the URL every question names: the socket decides where it goes
 _ORIGIN: Final = "http://meshkit-peer"
+#: copied as asleep: a copy that finds it waking joins that wake (through process 0)
+_ASLEEP: Final = (State.SLEEPING.value, State.WAKING.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,10 +245,9 @@ def peer_app(app: Any) -> Any:
 def fleet_spec(mesh: Mesh) -> dict[str, Any]:
     """The workers ``mesh`` routes to, as ``GET /_peer/fleet`` answers them: what
     :class:`~meshkit.Worker` is built from (API keys included) and whether each is
-    draining. Sleep is not copied: a sleep-mode worker's probes report it."""
-    draining = {
-        row["url"] for row in mesh.router.describe() if row["state"] == State.DRAINING.value
-    }
+    draining or asleep (with ``lifecycle.probe = false`` nothing else would tell a
+    copy that an engine sleeps)."""
+    states = {row["url"]: row["state"] for row in mesh.router.describe()}
     discovery = mesh.lifecycle.discovery
     managed = discovery.managed if discovery is not None else frozenset()
     workers = []
@@ -264,7 +268,8 @@ def fleet_spec(mesh: Mesh) -> dict[str, Any]:
                 },
                 "kv_events": w.kv_events,
                 "kv_replay": w.kv_replay,
-                "draining": w.url in draining,
+                "draining": states.get(w.url) == State.DRAINING.value,
+                "asleep": states.get(w.url) in _ASLEEP,
                 # put there by this process's discovery (not by an admin)
                 "discovered": w.id in managed,
             }
@@ -272,8 +277,9 @@ def fleet_spec(mesh: Mesh) -> dict[str, Any]:
     return {"workers": workers}
 
 
-def _worker_of(spec: Any) -> tuple[Worker, bool] | None:
-    """The worker an entry of :func:`fleet_spec` describes (None: not one)."""
+def _worker_of(spec: Any) -> tuple[Worker, bool, bool] | None:
+    """The worker an entry of :func:`fleet_spec` describes, and whether it drains
+    and sleeps there (None: not one)."""
     if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
         return None
     tls = spec.get("tls") or {}
@@ -294,14 +300,15 @@ def _worker_of(spec: Any) -> tuple[Worker, bool] | None:
         )
     except (ConfigError, TypeError):
         return None
-    return worker, spec.get("draining") is True
+    return worker, spec.get("draining") is True, spec.get("asleep") is True
 
 
 async def copy_fleet(peers: Peers, mesh: Mesh, *, timeout_s: float = 5.0) -> bool:
     """Make ``mesh``'s fleet the one of the first sibling (lowest index) that answers
     ``GET /_peer/fleet``: add the workers it has and ``mesh`` lacks, remove those it
-    lacks (no drain: a starting process holds no lease), drain those it drains.
-    A worker both have keeps this process's own settings.
+    lacks (no drain: a starting process holds no lease), mark asleep (state only)
+    those asleep there, drain those it drains. A worker both have keeps this
+    process's own settings.
 
     :returns: False when no sibling answered (``mesh`` is left as it is).
     """
@@ -311,7 +318,7 @@ async def copy_fleet(peers: Peers, mesh: Mesh, *, timeout_s: float = 5.0) -> boo
             break
     else:
         return False
-    wanted: dict[str, tuple[Worker, bool]] = {}
+    wanted: dict[str, tuple[Worker, bool, bool]] = {}
     discovered: list[str] = []
     for spec in obj["workers"]:
         found = _worker_of(spec)
@@ -322,9 +329,15 @@ async def copy_fleet(peers: Peers, mesh: Mesh, *, timeout_s: float = 5.0) -> boo
     for w in mesh.workers:
         if w.id not in wanted:
             await mesh.aremove_worker(w, timeout_s=0)
-    for wid, (worker, draining) in wanted.items():
+    for wid, (worker, draining, asleep) in wanted.items():
         if mesh.router.get(wid) is None:
             mesh.add_worker(worker)
+        if asleep:
+            # Taken for ready, it would be sent requests while its engine sleeps. A
+            # worker with no sleep mode here, or not probed yet (its probes ask
+            # /is_sleeping), is refused and left as it is.
+            with contextlib.suppress(LifecycleError):
+                mesh.router.do(WorkerStates.follow_sleep, wid, True)
         if draining:
             await mesh.adrain(wid, timeout_s=0)
     discovery = mesh.lifecycle.discovery
