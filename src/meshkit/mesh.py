@@ -346,13 +346,17 @@ class Mesh:
         :returns: True when it sleeps; False when the call failed.
         :raises ~meshkit.core.lifecycle.LifecycleError: it holds a lease, is not
             ready, or has no sleep mode.
+        :raises TimeoutError: ``timeout_s`` (default ``lifecycle.wake_timeout_s``)
+            passed first. The sleep goes on: the worker takes no new requests, and
+            is asleep once the engine answers (the built-in ``TimeoutError``, which
+            ``concurrent.futures.TimeoutError`` is since Python 3.11).
         """
         return bool(self._sleep(worker, level).result(self._wait_s(timeout_s)))
 
     async def asleep(
         self, worker: Worker | str, *, level: int | None = None, timeout_s: float | None = None
     ) -> bool:
-        """:meth:`sleep` without blocking the event loop."""
+        """:meth:`sleep` without blocking the event loop (the same answers and errors)."""
         fut = asyncio.wrap_future(self._sleep(worker, level))
         async with asyncio.timeout(self._wait_s(timeout_s)):  # not wait_for: see Router
             return bool(await fut)
@@ -360,6 +364,8 @@ class Mesh:
     def wake(self, worker: Worker | str, *, timeout_s: float | None = None) -> bool:
         """Wake a sleeping worker (one ``POST /wake_up``) and wait until it is ready.
 
+        :returns: True when ready; False when the wake failed, or ``timeout_s``
+            (default ``lifecycle.wake_timeout_s``) passed first (the wake goes on).
         :raises ~meshkit.core.lifecycle.LifecycleError: no sleep mode, or a state
             that cannot be woken (failed, draining, unverified).
         """
