@@ -26,8 +26,9 @@ inference paths never reach this app, the middleware routes them first.
 One process of many (``meshkit serve --processes N``, ``peers`` given): the
 processes answer as one gateway. ``/metrics`` merges every process's text
 (:mod:`meshkit.server.merged_metrics`), ``/health`` adds ``process`` (the index of
-the one answering), ``processes`` and ``processes_up`` (this one, and the siblings
-whose ``/liveness`` answered 200), and
+the one answering), ``processes``, ``processes_up`` (this one, and the siblings
+whose ``/liveness`` answered 200) and, on the built-in server, ``connections`` (the
+client connections each process holds, ``null`` for one not accepting), and
 the admin routes list and apply across the processes
 (:mod:`meshkit.server.peer_admin`). A sibling's own request (marked by
 :func:`~meshkit.server.peers.peer_app`) is answered by this process alone, and only
