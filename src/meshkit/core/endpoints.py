@@ -107,15 +107,10 @@ class Endpoint:
     #: name it (conversations are routed as Responses state but are their own API,
     #: so their fast resource calls do not mix into the Responses latencies)
     label: str = ""
-
-    @property
-    def has_body(self) -> bool:
-        return "POST" in self.methods
-
-    @property
-    def is_resource(self) -> bool:
-        """An operation on a stored Response or Conversation (placed by its owner)."""
-        return "{id}" in self.template
+    #: a request carries a body (POST); fields, not properties: read per request
+    has_body: bool = False
+    #: an operation on a stored Response or Conversation (placed by its owner)
+    is_resource: bool = False
 
     def path(self, resource_id: str | None = None, item_id: str | None = None) -> str:
         """The canonical path to forward (the ids have been validated by :func:`resolve`).
@@ -142,8 +137,19 @@ def _ep(
     state: bool = False,
 ) -> Endpoint:
     label = "conversations" if template.startswith("/v1/conversations") else api.value
+    allowed = frozenset(methods.split("|"))
     return Endpoint(
-        name, api, op, frozenset(methods.split("|")), template, stream, shape, state, label
+        name,
+        api,
+        op,
+        allowed,
+        template,
+        stream,
+        shape,
+        state,
+        label,
+        has_body="POST" in allowed,
+        is_resource="{id}" in template,
     )
 
 
