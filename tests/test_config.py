@@ -494,3 +494,19 @@ def test_every_bound_is_at_least_one(key: str) -> None:
     with pytest.raises(ConfigError) as ei:
         MeshConfig.build(bounds={key: 0})
     assert ei.value.key == f"bounds.{key}"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("responses_affinity_max", 0),
+        ("responses_affinity_ttl_s", 0),
+        ("responses_lookup_ttl_s", -1.0),
+        ("responses_counted_max", 0),
+    ],
+)
+def test_a_bad_routing_bound_is_named_by_the_key_the_user_wrote(key: str, value: float) -> None:
+    # The affinity maps checked these themselves, naming "responses_affinity.max_entries".
+    with pytest.raises(ConfigError) as ei:
+        MeshConfig.build(routing={key: value})
+    assert ei.value.key == f"routing.{key}"

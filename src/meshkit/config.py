@@ -178,8 +178,13 @@ class RoutingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.responses_counted_max < 1:
-            raise ConfigError("routing.responses_counted_max", "must be >= 1")
+        # Checked here, so that the error names the key the user wrote.
+        for key in ("responses_affinity_max", "responses_counted_max"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"routing.{key}", "must be >= 1")
+        for key in ("responses_affinity_ttl_s", "responses_lookup_ttl_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"routing.{key}", "must be > 0")
 
 
 @dataclass(frozen=True)
