@@ -269,3 +269,19 @@ def test_an_owner_found_by_a_resource_call_is_remembered(
     assert again.status == 200, again.body
     assert asked() == [1, 1, 2]  # the owner only, now
     assert mesh.total_load() == 0
+
+
+@KINDS
+@pytest.mark.parametrize("rid", ["../etc", "resp 1", "résp", "a" * 257, "resp_1?x=2"])
+def test_an_id_that_no_stored_object_can_have_is_refused_before_any_lookup(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any, kind: str, rid: str
+) -> None:
+    # As the same id in a path is (docs/errors.md): 400, not a lookup on every
+    # origin ending in 501.
+    mocks = _fleet(mock_factory)
+    mode = run_mode(mesh_factory(workers=[m.url for m in mocks], lifecycle={"probe": False}))
+    r = mode.request("POST", "/v1/responses", json=_follow(rid, kind))
+    assert r.status == 400, r.body
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("invalid_request", kind)
+    assert sum(sum(m.worker.stats.requests_total.values()) for m in mocks) == 0

@@ -393,13 +393,20 @@ def test_responses_state_refs(
         P({"previous_response_id": "resp_1"}, "/v1/responses/resp_1", id="response"),
         P({"conversation": "conv_1"}, "/v1/conversations/conv_1", id="conversation-str"),
         P({"conversation": {"id": "conv_2"}}, "/v1/conversations/conv_2", id="conversation-obj"),
-        P({"conversation": "c/../x?y"}, "/v1/conversations/c%2F..%2Fx%3Fy", id="quoted"),
         P({"input": [{"id": "msg_1"}]}, None, id="item-reference"),
         P({"input": "x"}, None, id="stateless"),
     ],
 )
 def test_the_lookup_path_of_the_referenced_state(body: Any, path: str | None) -> None:
     assert parse(RESPONSES, {"input": "x", **body}).state_path == path
+
+
+@pytest.mark.parametrize("field", ["previous_response_id", "conversation"])
+def test_a_referenced_id_no_stored_object_can_have_is_refused(field: str) -> None:
+    # It would be looked up on every origin by that id (quoted into the path).
+    with pytest.raises(InvalidRequest) as ei:
+        parse(RESPONSES, {"input": "x", field: "c/../x?y"})
+    assert ei.value.param == field
 
 
 @pytest.mark.parametrize("body", [b"", b" \n"])

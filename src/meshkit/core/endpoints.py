@@ -41,6 +41,7 @@ __all__ = [
     "Match",
     "Op",
     "StreamFormat",
+    "check_id",
     "resolve",
 ]
 
@@ -408,11 +409,15 @@ def resolve(method: str, path: str) -> Match | None:
 
 
 def _valid_id(raw: str, param: str) -> str:
-    what = param.replace("_", " ")
     if len(raw) > 3 * MAX_RESOURCE_ID:
-        raise InvalidRequest(f"{what} is too long", param=param)
-    rid = unquote(raw)
+        raise InvalidRequest(f"{param.replace('_', ' ')} is too long", param=param)
+    return check_id(unquote(raw), param)
+
+
+def check_id(rid: str, param: str) -> str:
+    """``rid`` if it can be a stored object's id (in a path or a body), else a 400."""
     if _ID.fullmatch(rid) is None:
+        what = param.replace("_", " ")
         raise InvalidRequest(f"{what} must match [A-Za-z0-9_-]{{1,256}}", param=param)
     return rid
 

@@ -35,7 +35,7 @@ from urllib.parse import parse_qsl, quote
 
 import msgspec
 
-from meshkit.core.endpoints import ENDPOINTS, Api, Match, Op, StreamFormat
+from meshkit.core.endpoints import ENDPOINTS, Api, Match, Op, StreamFormat, check_id
 from meshkit.core.shapes import (
     AnyBody,
     ChatBody,
@@ -501,6 +501,11 @@ def _responses(view: RequestView, p: ResponsesBody, want_text: bool) -> None:
             "previous_response_id cannot be combined with conversation",
             param="previous_response_id",
         )
+    # Refused as the same id in a path is: the owner is looked up by it.
+    if view.previous_response_id:
+        check_id(view.previous_response_id, "previous_response_id")
+    elif view.conversation:
+        check_id(view.conversation, "conversation")
     parts: list[str] = []
     if p.instructions:
         parts.append("instructions\n" + p.instructions)
