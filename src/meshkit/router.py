@@ -238,6 +238,11 @@ class Router:
                 if wake.start:
                     self.on_wake(wake.worker_id)
                 wait_s = self.config.lifecycle.wake_wait_s
+                bound = view.timeout.connect if view.timeout is not None else None
+                if bound is not None:
+                    # A client that waits at most this long for a connection is not
+                    # held longer for a waking worker (it is answered 503 then).
+                    wait_s = min(wait_s, bound)
                 if wait_s <= 0 or view.no_wait:
                     raise WorkerWaking(
                         "the worker is waking up; retry shortly", retry_after_s=wake.retry_after_s

@@ -389,3 +389,39 @@ def test_an_unbounded_upstream_takes_the_clients_bounds() -> None:
     t = client_timeouts(config, _ext(3.0, 4.0, None, None))
     assert t is not None
     assert t.extensions["timeout"] == {"connect": 3.0, "pool": 3.0, "read": 4.0, "write": None}
+
+
+# -- a worker waking up -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_request_for_a_waking_worker_is_held_no_longer_than_the_clients_timeout(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh], kind: str
+) -> None:
+    # The wake takes 20 s and the hold may last 30 s (wake_wait_s): a hold past the
+    # client's 1 s would end in a 200, not the 503 the client gets at its bound.
+    from lifecycle.conftest import asleep_worker
+
+    mock, mesh, _ = asleep_worker(
+        mock_factory, mesh_factory, wake_ms=SILENT_MS, lifecycle={"wake_wait_s": 30.0}
+    )
+    if kind == "sync":
+        with (
+            _sync_openai(mesh, timeout=1.0) as client,
+            pytest.raises(openai.InternalServerError) as ei,
+        ):
+            client.chat.completions.create(model="m", messages=MESSAGES)
+    else:
+
+        async def go() -> Any:
+            async with _async_openai(mesh, timeout=1.0) as client:
+                with pytest.raises(openai.InternalServerError) as raised:
+                    await client.chat.completions.create(model="m", messages=MESSAGES)
+                return raised
+
+        ei = asyncio.run(go())
+    assert ei.value.status_code == 503
+    assert ei.value.code == "worker_waking"
+    assert ei.value.response.headers["retry-after"]
+    assert mock.worker.stats.wake_calls == 1  # the wake goes on for the next request
+    assert wait_until(lambda: settled(mesh))
