@@ -87,13 +87,20 @@ async def _ask(port: int, close: bool) -> tuple[int, asyncio.StreamWriter]:
     return json.loads(await reader.readexactly(length))["process"], writer
 
 
-async def split(port: int, n: int, processes: int) -> list[int]:
+async def burst(port: int, n: int, processes: int) -> tuple[list[int], list[asyncio.StreamWriter]]:
+    """``n`` keep-alive connections opened at once: how many each child holds, and
+    the connections (still open)."""
     got = await asyncio.gather(*(_ask(port, False) for _ in range(n)))
     per = Counter(process for process, _ in got)
-    for _, writer in got:
+    return [per[i] for i in range(processes)], [writer for _, writer in got]
+
+
+async def split(port: int, n: int, processes: int) -> list[int]:
+    per, writers = await burst(port, n, processes)
+    for writer in writers:
         writer.close()
     await asyncio.sleep(0.3)  # the children see the connections close
-    return [per[i] for i in range(processes)]
+    return per
 
 
 async def churn(gw: Gateway, seconds: float) -> tuple[float, float]:

@@ -362,32 +362,23 @@ def test_a_burst_of_keep_alive_connections_is_shared_evenly(two: Any) -> None:
     # The first child awake used to take the whole burst (measured 49/15 and 16/0):
     # a pool's connections then kept one core busy for their whole life.
     import asyncio
+    import sys
 
-    async def burst(n: int) -> list[int]:
-        async def one() -> tuple[int, asyncio.StreamWriter]:
-            host, port = two.url.removeprefix("http://").rsplit(":", 1)
-            reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next(
-                int(line.split(b":")[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length")
-            )
-            return json.loads(await reader.readexactly(length))["process"], writer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from accept_bench import burst  # the benchmark's own burst, asserted here
 
-        got = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(n))), 60)
-        per = [0, 0]
-        for process, _ in got:
-            per[process] += 1
+    port = int(two.url.rsplit(":", 1)[1])
+
+    async def shared(n: int) -> list[int]:
+        per, writers = await asyncio.wait_for(burst(port, n, 2), 60)
         h = fresh(two.url).json()  # counts while the burst's connections are open
         assert h["connections"][0] >= per[0] and h["connections"][1] >= per[1], (h, per)
-        for _, writer in got:
+        for writer in writers:
             writer.close()
         return per
 
     for n in (32, 32, 9):
-        per = asyncio.run(burst(n))
+        per = asyncio.run(shared(n))
         assert abs(per[0] - per[1]) <= 2, per  # SLACK + 1
     # closed, they leave the counts (the one asking holds the only connection left)
     assert wait_until(lambda: sum(fresh(two.url).json()["connections"]) == 1)
