@@ -168,7 +168,7 @@ class Accounting:
         ttft = acct.ttft
         rid = acct.response_id
         # An operation on a stored object (a resource id in the path) is a read.
-        read = match.resource_id is not None
+        read = match.endpoint.is_resource
         if read:
             ttft = None  # no generation: its latency is no time to first token
             if usage is not None and not (

@@ -13,24 +13,16 @@ import pytest
 from meshkit.core.endpoints import resolve
 from meshkit.core.relay import Relay
 from meshkit.core.requests import RequestView, parse_request
+from meshkit.frontends.relay import _NoBooks
 
 #: the books' ``bounds.max_sse_line_bytes``, small here
 MAX_EVENT = 4096
 
 
-class Books:
-    done = False
-    stopped = False
+class Books(_NoBooks):
+    """Books that keep nothing, but hold a stream's events up to ``MAX_EVENT``."""
+
     max_event_bytes = MAX_EVENT
-
-    def feed(self, chunk: bytes) -> None:
-        return None
-
-    def end(self) -> None:
-        return None
-
-    def abort(self, *, client_left: bool = True) -> None:
-        return None
 
 
 def _view(stream: bool = True) -> RequestView:
