@@ -50,6 +50,8 @@ def test_needs_tokens_and_a_character_fallback() -> None:
         ("share_half_life_s", 0),
         ("share_memory", 0),
         ("burst_factor", 1.0),
+        ("own_turns", 0),
+        ("own_turns", 1.5),
     ],
 )
 def test_bad_options_name_the_key(option: str, value: float) -> None:
@@ -302,6 +304,29 @@ def test_a_spilled_conversation_keeps_its_worker(kit: SimpleNamespace) -> None:
     assert p.select(kit.ctx(cs, kit.view(other))).key == owner
 
 
+def test_a_turn_taken_by_another_router_sends_the_next_back_to_the_ring(
+    kit: SimpleNamespace,
+) -> None:
+    cs = kit.cands(4)
+    turns = ["my order 123 is late", "where is it now?", "and the refund?", "thanks"]
+    texts = [chat(SYSTEM, *turns[:n], answers=n - 1) for n in range(1, 5)]
+    a, b = PrefixHash(owner_share=0), PrefixHash(owner_share=0)
+    hot = _hot(kit, a, cs, texts[0])
+    owner = max(hot, key=lambda k: hot[k])
+    spilled = a.select(kit.ctx(cs, kit.view(texts[0]), load=hot)).key
+    assert spilled != owner
+    # The second turn went through router b, which never saw the spill: the owner.
+    assert b.select(kit.ctx(cs, kit.view(texts[1]))).key == owner
+    # Router a sees two answers since its turn: the history is where b sent it.
+    assert a.select(kit.ctx(cs, kit.view(texts[2]))).key == owner
+    assert (a._turns_own, a._turns_seen) == (0.0, 1.0)
+    # Had a taken the second turn too, the conversation would stay where it spilled.
+    c = PrefixHash(owner_share=0)
+    assert c.select(kit.ctx(cs, kit.view(texts[0]), load=hot)).key == spilled
+    assert [c.select(kit.ctx(cs, kit.view(t))).key for t in texts[1:]] == [spilled] * 3
+    assert (c._turns_own, c._turns_seen) == (3.0, 3.0)
+
+
 def test_without_memory_the_conversation_returns_to_the_owner(kit: SimpleNamespace) -> None:
     cs = kit.cands(4)
     p = PrefixHash(spill_memory=0, owner_share=0)
@@ -359,7 +384,7 @@ def test_spill_memory_is_bounded_and_least_recently_used(kit: SimpleNamespace) -
     point = p.key_point(kit.ctx(cs, kit.view(texts[0])))
     assert point is not None
     convs = [p.conversation_point(kit.view(t), point) for t in texts]
-    assert list(p._spilled) == [c[0] for c in convs[1:] if c is not None]
+    assert list(p._memory) == [c[0] for c in convs[1:] if c is not None]
 
 
 def test_a_removed_worker_is_forgotten(kit: SimpleNamespace) -> None:
@@ -368,12 +393,12 @@ def test_a_removed_worker_is_forgotten(kit: SimpleNamespace) -> None:
     hot = _hot(kit, p, cs, chat(SYSTEM, "q"))
     for i in range(40):
         p.select(kit.ctx(cs, kit.view(chat(SYSTEM, f"q{i}", "more")), load=hot))
-    keys = set(p._spilled.values())
+    keys = {key for key, _ in p._memory.values()}
     assert len(keys) >= 2
     gone = next(c.worker for c in cs if c.key in keys)
     p.on_removed(gone)
-    assert p._spilled
-    assert all(not k.startswith(gone.id) for k in p._spilled.values())
+    assert p._memory
+    assert all(not k.startswith(gone.id) for k, _ in p._memory.values())
 
 
 @given(

@@ -41,10 +41,12 @@ history on a cold worker. So, for chat-shaped requests:
   conversation spills to the same worker in every process. A new conversation
   (no assistant message yet) takes the less loaded of the first two acceptable
   workers on that walk.
-- A conversation placed away from its prefix's owner is remembered (a bounded
-  LRU map of ``spill_memory`` conversation hashes to candidate keys), and its next
-  turns go back there while that worker is within the bound. The map only holds
-  spilled conversations; the others follow the ring.
+- Every conversation this router places is remembered (a bounded LRU map of
+  ``spill_memory`` conversation hashes to the candidate and how far into the
+  routing text this router saw it), and its next turn goes back there while that
+  worker is within the bound. When the new turn holds more than one answer past
+  what this router saw, other routers took the turns between; they followed the
+  ring (or the plan), and so does this one.
 - A new conversation goes to the prefix's owner only while the owner's load,
   after it, stays within ``ceil(first_turn_load_factor * (total + 1) / n)``
   (``1.0``: the mean). Moving a new conversation costs a system prompt; moving a
@@ -56,9 +58,24 @@ before: the owner, then the ring clockwise from the prefix.
 
 Placement is deterministic: the same fleet, loads and history of spills give the
 same choice in every process (hashes are blake2b, never :func:`hash`). With no
-load the choice depends on the prefix only. The spill memory is per process: a
+load the choice depends on the prefix only. The memory is per process: a
 second mesh that did not see a spill sends the conversation's next turn to the
 owner when the owner has room, else to the same spill target.
+
+One router, or a router behind a balancer that keeps conversations together
+----------------------------------------------------------------------------
+
+A hash places each conversation by a draw: 64 conversations over 4 workers land
+up to 1.4 times the mean on one of them. Only a placement by load balances
+better, and only the router that made it can find it again. So each router
+counts, over its running conversations' last ~64 turns, how often it saw the
+turn before (the memory above). When that is at least ``own_turns`` (and it has
+counted 16), no other router takes its conversations' turns: a new conversation
+of a hot prefix then takes the one of two draws from the plan's pool that started
+fewer conversations lately, and its next turns follow it there. Behind a
+balancer that spreads turns over K routers a router sees the turn before about
+1/K of the time and places by the plan's first draw alone, which every router
+makes alike.
 
 Traffic shares
 --------------
@@ -84,6 +101,7 @@ do all the balancing.
     first_turn_load_factor = 1.0
     spill_memory = 16384
     owner_share = 0.25
+    own_turns = 0.75
 
 .. autoclass:: PrefixHash
 .. autofunction:: conversation_head
@@ -93,15 +111,15 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from mypy_extensions import mypyc_attr
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.policies.ring import HashRing, bounded_load_pick, hash_bytes, hash_token_ids
-from meshkit.core.policies.shares import TrafficShares
+from meshkit.core.policies.shares import Decayed, Plan, TrafficShares
 from meshkit.core.requests import RequestView
-from meshkit.core.workers import Candidate, Worker
+from meshkit.core.workers import Candidate, Worker, candidates_for
 from meshkit.errors import ConfigError
 
 __all__ = ["PrefixHash", "RingCache", "conversation_head"]
@@ -110,6 +128,11 @@ __all__ = ["PrefixHash", "RingCache", "conversation_head"]
 _HEAD_TAIL = 512
 _USER = "\nuser\n"
 _ASSISTANT = "\nassistant\n"
+#: running-conversation turns over which a router judges whether it sees its
+#: conversations' turns itself (older ones count half, then a quarter...)
+_TURNS_WINDOW = 64.0
+#: turns seen before that judgement is made at all
+_TURNS_MIN = 16.0
 
 
 def conversation_head(text: str, limit: int) -> tuple[int, bool] | None:
@@ -178,8 +201,9 @@ class PrefixHash(BasePolicy):
         key when there are no token ids (no tokenizer configured).
     :param first_turn_load_factor: the same bound for a new conversation on its
         prefix's owner; ``> 0`` and at most ``load_factor``.
-    :param spill_memory: conversations placed away from their prefix's owner that
-        are remembered (least recently used forgotten first); ``0`` remembers none.
+    :param spill_memory: conversations this router remembers, each with its worker
+        (least recently used forgotten first); ``0`` remembers none, and the router
+        then places every turn afresh.
     :param conversation_chars: how far into the routing text the end of the first
         user message is looked for.
     :param owner_share: with the traffic-share plan, the part of a worker's fair
@@ -189,6 +213,10 @@ class PrefixHash(BasePolicy):
     :param share_memory: prefixes whose share is tracked.
     :param burst_factor: with the plan, a request moves only when its worker's
         in-flight load would pass ``ceil(burst_factor * (total + n) / n)``.
+    :param own_turns: with the plan, a router that itself saw the turn before at
+        least this share of its running conversations' turns places a new pooled
+        conversation on the less started of two draws (``1``: only when it saw
+        every one).
     """
 
     name = "prefix_hash"
@@ -206,6 +234,7 @@ class PrefixHash(BasePolicy):
         share_half_life_s: float = 300.0,
         share_memory: int = 4096,
         burst_factor: float = 2.0,
+        own_turns: float = 0.75,
     ) -> None:
         if prefix_token_count < 1:
             raise ConfigError("policies.prefix_hash.prefix_token_count", "must be >= 1")
@@ -231,6 +260,8 @@ class PrefixHash(BasePolicy):
             raise ConfigError("policies.prefix_hash.share_memory", "must be >= 1")
         if not burst_factor >= load_factor:
             raise ConfigError("policies.prefix_hash.burst_factor", "must be >= load_factor")
+        if not 0.0 < own_turns <= 1.0:
+            raise ConfigError("policies.prefix_hash.own_turns", "must be > 0 and <= 1")
 
         self.prefix_token_count = prefix_token_count
         self.virtual_nodes = virtual_nodes
@@ -248,6 +279,7 @@ class PrefixHash(BasePolicy):
         self.share_half_life_s = float(share_half_life_s)
         self.share_memory = share_memory
         self.burst_factor = float(burst_factor)
+        self.own_turns = float(own_turns)
         self._shares = (
             TrafficShares(
                 owner_share=owner_share, half_life_s=share_half_life_s, max_prefixes=share_memory
@@ -256,8 +288,14 @@ class PrefixHash(BasePolicy):
             else None
         )
         self._rings = RingCache(virtual_nodes)
-        #: conversation point -> candidate key, for conversations placed off their owner
-        self._spilled: OrderedDict[int, str] = OrderedDict()
+        #: conversation point -> (candidate key, length of the routing text placed there)
+        self._memory: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        #: conversations started lately, per candidate key
+        self._starts: Decayed[str] = Decayed(self.share_half_life_s)
+        #: running conversations' turns seen (decayed), and those whose turn before
+        #: went through this router too
+        self._turns_seen = 0.0
+        self._turns_own = 0.0
 
     def key_point(self, ctx: PlacementContext) -> int | None:
         """The request's point on the ring, or ``None`` when it has no prefix."""
@@ -302,7 +340,9 @@ class PrefixHash(BasePolicy):
         shares = self._shares
         conv_first: tuple[int, bool] | None = None
         conv_known = False
-        walk_from = point
+        walk_from = spread = point
+        plan: Plan | None = None
+        pooled: str | None = None
         if shares is None:
             share = (total + 1) / n
             owner = ring.owner(point)
@@ -317,7 +357,6 @@ class PrefixHash(BasePolicy):
                 shares.observe(point, ctx.now)
             plan = shares.plan(ring, ring.keys, ctx.now)
             kept = plan.kept.get(point)
-            pooled = None
             if kept is not None:
                 conv_first = self.conversation_point(ctx.view, point)
                 conv_known = True
@@ -337,9 +376,8 @@ class PrefixHash(BasePolicy):
             if owner is None:  # no eligible candidate is on the ring (no fleet given)
                 return bounded_load_pick(ring, point, cands, load, self.load_factor)
         owner_load = load.get(owner, 0)
-        spilled = self._spilled
-        if owner_load + 1 <= first_limit and not spilled:
-            return by_key[owner]  # room for any request, and nothing to send elsewhere
+        if not self.spill_memory and owner_load + 1 <= first_limit:
+            return by_key[owner]  # room for any request, and no memory to consult
 
         if not conv_known:
             conv_first = self.conversation_point(ctx.view, point)
@@ -349,50 +387,102 @@ class PrefixHash(BasePolicy):
                 return by_key[owner]
             return bounded_load_pick(ring, point, cands, load, self.load_factor)
         conv, first = conv_first
+        text = ctx.view.routing_text
+        seen = len(text)
+        counted = ctx.attempt == 0
 
-        # 1. A conversation spilled before goes back where its history is.
-        there = spilled.get(conv)
-        if there is not None and there in by_key and load.get(there, 0) + 1 <= bound:
-            spilled.move_to_end(conv)
-            return by_key[there]
+        # 1. A conversation this router placed goes back where its history is,
+        #    unless turns went through another router since (they followed the
+        #    plan, which step 2 follows too).
+        memory = self._memory
+        entry = memory.get(conv)
+        if entry is not None:
+            there, upto = entry
+            steps = text.count(_ASSISTANT, upto) if seen > upto else 0
+            if steps and counted:
+                self._observe(steps == 1)
+            if steps <= 1 and there in by_key and load.get(there, 0) + 1 <= bound:
+                self._remember(conv, there, seen)
+                return by_key[there]
+        elif not first and counted:
+            self._observe(False)  # a running conversation whose last turn went elsewhere
 
         # 2. The prefix's owner; a new conversation leaves it some headroom.
-        if owner_load + 1 <= (first_limit if first else bound):
-            if there is not None:
-                del spilled[conv]
-            return by_key[owner]
-
-        # 3. Spill along the conversation's own walk, so that the same
-        #    conversation spills to the same worker in every process.
         chosen: str | None = None
-        for key in ring.walk(conv):
-            if key == owner or key not in by_key or load.get(key, 0) + 1 > bound:
-                continue
-            if chosen is None:
-                chosen = key
-                if not first:
-                    break
-            else:
-                # A new conversation takes the less loaded of two acceptable workers.
-                if load.get(key, 0) < load.get(chosen, 0):
+        if owner_load + 1 <= (first_limit if first else bound):
+            chosen = owner
+            if first and plan is not None and pooled is not None and self._sees_own_turns():
+                second = plan.second(spread)
+                chosen = self._less_started(owner, second, by_key, load, first_limit, ctx.now)
+        else:
+            # 3. Spill along the conversation's own walk, so that the same
+            #    conversation spills to the same worker in every process.
+            for key in ring.walk(conv):
+                if key == owner or key not in by_key or load.get(key, 0) + 1 > bound:
+                    continue
+                if chosen is None:
                     chosen = key
-                break
-        if chosen is None:
-            # Everyone else is at the bound: the owner, if it fits, else the
-            # plain walk (the least loaded candidate always fits the bound).
-            if owner_load + 1 <= bound:
-                chosen = owner
-            else:
-                chosen = bounded_load_pick(ring, point, cands, load, self.load_factor).key
-        if chosen == owner:
-            if there is not None:
-                del spilled[conv]
-        elif self.spill_memory:
-            spilled[conv] = chosen
-            spilled.move_to_end(conv)
-            if len(spilled) > self.spill_memory:
-                spilled.popitem(last=False)
+                    if not first:
+                        break
+                else:
+                    # A new conversation takes the less loaded of two acceptable workers.
+                    if load.get(key, 0) < load.get(chosen, 0):
+                        chosen = key
+                    break
+            if chosen is None:
+                # Everyone else is at the bound: the owner, if it fits, else the
+                # plain walk (the least loaded candidate always fits the bound).
+                if owner_load + 1 <= bound:
+                    chosen = owner
+                else:
+                    chosen = bounded_load_pick(ring, point, cands, load, self.load_factor).key
+        if first and counted:
+            self._starts.add(chosen, 1.0, ctx.now)
+        self._remember(conv, chosen, seen)
         return by_key[chosen]
+
+    def _remember(self, conv: int, key: str, seen: int) -> None:
+        if not self.spill_memory:
+            return
+        memory = self._memory
+        memory[conv] = (key, seen)
+        memory.move_to_end(conv)
+        if len(memory) > self.spill_memory:
+            memory.popitem(last=False)
+
+    def _observe(self, own: bool) -> None:
+        """One running conversation's turn: did this router see the turn before it?"""
+        self._turns_seen += 1.0
+        if own:
+            self._turns_own += 1.0
+        if self._turns_seen >= _TURNS_WINDOW:  # a window of about the last 64
+            self._turns_seen *= 0.5
+            self._turns_own *= 0.5
+
+    def _sees_own_turns(self) -> bool:
+        """This router sees its conversations' turns one after another (it is the
+        only router, or the balancer in front keeps a conversation on one), so a
+        conversation it places off the plan is found again: by this router alone."""
+        seen = self._turns_seen
+        return seen >= _TURNS_MIN and self._turns_own >= self.own_turns * seen
+
+    def _less_started(
+        self,
+        first: str,
+        second: str | None,
+        by_key: dict[str, Candidate],
+        load: Mapping[str, int],
+        limit: int,
+        now: float,
+    ) -> str:
+        """Of a new conversation's two pool draws, the one that started fewer
+        conversations lately (ties: the first, the draw every router makes)."""
+        if second is None or second == first or second not in by_key:
+            return first
+        if load.get(second, 0) + 1 > limit:
+            return first
+        started = self._starts.values((first, second), now)
+        return second if started[1] < started[0] else first
 
     def _spread_point(
         self, view: RequestView, point: int, conv_first: tuple[int, bool] | None
@@ -406,10 +496,13 @@ class PrefixHash(BasePolicy):
         return point
 
     def on_removed(self, worker: Worker) -> None:
-        """Forget the conversations spilled to a worker that left the fleet."""
+        """Forget the conversations placed on a worker that left the fleet."""
         ranks = worker.id + "#dp"
+        self._starts.forget([c.key for c in candidates_for(worker)])
         gone = [
-            conv for conv, key in self._spilled.items() if key == worker.id or key.startswith(ranks)
+            conv
+            for conv, (key, _) in self._memory.items()
+            if key == worker.id or key.startswith(ranks)
         ]
         for conv in gone:
-            del self._spilled[conv]
+            del self._memory[conv]

@@ -168,6 +168,15 @@ class Plan:
         at = bisect.bisect_right(self.bounds, unit_interval(mix64(spread)))
         return self.pool[min(at, len(self.pool) - 1)]
 
+    def second(self, spread: int) -> str | None:
+        """A pool conversation's second choice: another draw against the pool's
+        shares (``None`` without a pool). A router that sees every turn of its
+        conversations may take it over the first when the first is busier."""
+        if not self.pool:
+            return None
+        at = bisect.bisect_right(self.bounds, unit_interval(mix64(mix64(spread))))
+        return self.pool[min(at, len(self.pool) - 1)]
+
     def worker(self, point: int, spread: int, ring: HashRing) -> str | None:
         """The worker for a request of prefix ``point`` whose conversation is at
         ``spread``: the same for every turn while the plan holds, and a small change
