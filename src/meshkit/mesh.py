@@ -334,7 +334,14 @@ class Mesh:
     def _wait_s(self, timeout_s: float | None) -> float:
         return timeout_s if timeout_s is not None else self.config.lifecycle.wake_timeout_s
 
+    def _check_open(self) -> None:
+        # The lifecycle thread that sends /sleep and /wake_up is gone: the call
+        # would be cancelled (a sleep) or wait its whole timeout for nothing (a wake).
+        if self._closed:
+            raise RuntimeError("the mesh is closed")
+
     def _sleep(self, worker: Worker | str, level: int | None) -> Any:
+        self._check_open()
         level = level if level is not None else self.config.lifecycle.sleep_level
         return self.lifecycle.sleep(_worker_id(worker), level)
 
@@ -350,6 +357,7 @@ class Mesh:
             passed first. The sleep goes on: the worker takes no new requests, and
             is asleep once the engine answers (the built-in ``TimeoutError``, which
             ``concurrent.futures.TimeoutError`` is since Python 3.11).
+        :raises RuntimeError: the mesh is closed.
         """
         return bool(self._sleep(worker, level).result(self._wait_s(timeout_s)))
 
@@ -368,7 +376,9 @@ class Mesh:
             (default ``lifecycle.wake_timeout_s``) passed first (the wake goes on).
         :raises ~meshkit.core.lifecycle.LifecycleError: no sleep mode, or a state
             that cannot be woken (failed, draining, unverified).
+        :raises RuntimeError: the mesh is closed.
         """
+        self._check_open()
         wid = _worker_id(worker)
         self.router.ask_wake(wid)
         deadline = self.clock() + self._wait_s(timeout_s)
@@ -376,6 +386,7 @@ class Mesh:
 
     async def awake(self, worker: Worker | str, *, timeout_s: float | None = None) -> bool:
         """:meth:`wake` without blocking the event loop."""
+        self._check_open()
         wid = _worker_id(worker)
         self.router.ask_wake(wid)
         deadline = self.clock() + self._wait_s(timeout_s)

@@ -40,3 +40,29 @@ def test_a_sleep_whose_wait_runs_out_raises_timeout_error_and_goes_on(
         asyncio.run(asleep())
     assert async_.type is TimeoutError
     assert wait_until(lambda: stats.sleep_calls == 2 and state_of(mesh, wid) is State.SLEEPING)
+
+
+def test_sleep_and_wake_after_close_say_the_mesh_is_closed(
+    mock_factory: Any, mesh_factory: Any
+) -> None:
+    mock = mock_factory(name="sleepy", sleep_mode=True)
+    mesh = mesh_factory(workers=[Worker(mock.url, labels=SLEEPY)], lifecycle=FAST)
+    wid = mesh.workers[0].id
+    mesh.start_lifecycle()
+    assert wait_until(lambda: state_of(mesh, wid) is State.READY)
+    mesh.close()
+    # Not a cancelled future's CancelledError, and no wait for a wake never sent.
+    with pytest.raises(RuntimeError, match="closed"):
+        mesh.sleep(wid)
+    with pytest.raises(RuntimeError, match="closed"):
+        mesh.wake(wid, timeout_s=30)
+
+    async def calls() -> None:
+        with pytest.raises(RuntimeError, match="closed"):
+            await mesh.asleep(wid)
+        with pytest.raises(RuntimeError, match="closed"):
+            await mesh.awake(wid, timeout_s=30)
+
+    asyncio.run(calls())
+    assert mock.worker.stats.sleep_calls == 0
+    assert state_of(mesh, wid) is State.READY
