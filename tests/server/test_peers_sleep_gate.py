@@ -92,3 +92,31 @@ def test_an_admin_sleep_does_not_go_ahead_past_a_sibling_that_cannot_be_asked(
         # Process 1 had agreed (state only) and was rolled back.
         assert _states(procs[:2]) == ["ready"] * 2
     assert wait_until(lambda: procs[2].mesh.total_load() == 0)
+
+
+def test_a_sibling_that_does_not_know_the_worker_does_not_block_a_sleep(
+    processes: Any,  # noqa: F811
+    mock_factory: Any,
+) -> None:
+    mock = mock_factory(name="sleepy", sleep_mode=True)
+    procs = processes(3, [Worker(mock.url, labels=SLEEPY)])
+    # Process 2 missed the worker's admin add (it was down): it holds no lease on
+    # it and places nothing there, so its 404 is not a "no".
+    procs[2].mesh.remove_worker(procs[2].mesh.workers[0])
+    r = procs[0].client.post(f"/workers/{wid(mock.url)}/sleep")
+    assert r.status_code == 200, (r.status_code, r.text[:300])
+    assert mock.worker.stats.sleep_calls == 1
+    assert _states(procs[:2]) == ["sleeping"] * 2
+    # A sibling that cannot be asked at all still stops it (the test above).
+
+
+def test_an_idle_sleep_goes_ahead_past_a_sibling_that_does_not_know_the_worker(
+    processes: Any,  # noqa: F811
+    mock_factory: Any,
+) -> None:
+    mock = mock_factory(name="sleepy", sleep_mode=True)
+    worker = Worker(mock.url, labels=SLEEPY)
+    procs = processes(2, [worker], gates=True, lifecycle={**IDLE, "idle_sleep_s": 0.5})
+    procs[1].mesh.remove_worker(procs[1].mesh.workers[0])
+    assert wait_until(lambda: mock.worker.stats.sleep_calls == 1)
+    assert wait_until(lambda: _states(procs[:1]) == ["sleeping"])

@@ -22,7 +22,8 @@ fan nothing out again.
                                    asleep first, state only, and one that holds a
                                    lease on it vetoes (409, the others roll back);
                                    one that does not answer may hold one, and stops
-                                   it too (503 ``process_unavailable``)
+                                   it too (503 ``process_unavailable``); one that
+                                   does not know the worker holds none
 ``POST /workers/{id}/wake``        the engine is woken once, here; then every
                                    sibling marks it awake (state only)
 =================================  ==================================================
@@ -324,7 +325,7 @@ class PeerAdmin:
         refused = [r.index for r in agreed if r.status == 409]
         # One that did not answer may hold a lease as well as not: a no, as for
         # an idle sleep (PeerSleepGate.agree).
-        unasked = [r.index for r in agreed if not r.ok and r.status != 409]
+        unasked = [r.index for r in agreed if not _no_lease(r) and r.status != 409]
         if refused or unasked:
             await self._follow(worker, False, changed)
             if refused:
@@ -421,7 +422,7 @@ class PeerSleepGate:
             if changed:
                 await self._on_server(follow(self.peers, worker, False, changed))
 
-        if all(r.ok for r in replies):
+        if all(_no_lease(r) for r in replies):
             return undo
         await undo()
         return None
@@ -437,6 +438,19 @@ class PeerSleepGate:
         if not isinstance(obj, dict) or not isinstance(obj.get("ready"), bool):
             return None  # process 0 is down or does not know the worker: wake it here
         return bool(obj["ready"])
+
+
+def _no_lease(reply: PeerReply) -> bool:
+    """A sibling's yes to a sleep: it marked the worker asleep, or it does not know
+    the worker (it missed an admin add while it was down), so it holds no lease on
+    it and places nothing there."""
+    if reply.ok:
+        return True
+    if reply.status != 404:
+        return False
+    obj = reply.json()
+    error = obj.get("error") if isinstance(obj, dict) else None
+    return isinstance(error, dict) and error.get("code") == "unknown_worker"
 
 
 def gate_lifecycle(mesh: Mesh, peers: Peers) -> PeerSleepGate:
