@@ -433,6 +433,22 @@ def test_copy_fleet_makes_a_fresh_process_match_its_siblings(
     assert [w.url for w in alone.workers] == [w.url for w in configured]
 
 
+def test_a_fresh_process_with_probes_copies_a_sleeping_worker_as_asleep(
+    processes: Any, mock_factory: Any, mesh_factory: Any, run_dir: str
+) -> None:
+    mock = mock_factory(name="sleepy", sleep_mode=True)
+    configured = [Worker(mock.url, labels=SLEEPY)]
+    p0, p1 = processes(2, configured)
+    assert p0.client.post(f"/workers/{wid(mock.url)}/sleep").status_code == 200
+    p1.close()
+    # Its probes have not run yet: the worker is not verified, and routable. Left
+    # so, requests would go to the sleeping engine until the first probe round.
+    fresh = mesh_factory(workers=configured)
+    assert [row["state"] for row in fresh.router.describe()] == ["unverified"]
+    assert asyncio.run(_copy(Peers(run_dir, 1, 2), fresh)) is True
+    assert [row["state"] for row in fresh.router.describe()] == ["sleeping"]
+
+
 def _resolved(mesh: Mesh, name: str, addresses: list[str]) -> None:
     """``name`` resolves to ``addresses`` in ``mesh``'s discovery, as a lookup would say."""
     discovery = mesh.lifecycle.discovery

@@ -448,17 +448,18 @@ class WorkerStates:
         return self.fleet.get(worker_id)
 
     def _sleep_refusal(
-        self, worker_id: str, now: float, idle_s: float = 0.0
+        self, worker_id: str, now: float, idle_s: float = 0.0, unverified: bool = False
     ) -> LifecycleError | None:
         """Why ``worker_id`` must not be put to sleep now (None: it may); with
-        ``idle_s``, also when it was not idle here for that long."""
+        ``idle_s``, also when it was not idle here for that long; ``unverified``:
+        a worker not probed yet may be too."""
         m = self.machines.get(worker_id)
         worker = self.fleet.get(worker_id)
         if m is None or worker is None:
             return LifecycleError(f"no such worker: {worker_id}")
         if worker.sleep_mode != "vllm":
             return LifecycleError("the worker has no sleep mode", state=m.state)
-        if m.state is not State.READY:
+        if m.state is not State.READY and not (unverified and m.state is State.UNVERIFIED):
             return LifecycleError(f"a {m.state.value} worker cannot be put to sleep", state=m.state)
         act = self.leases.activity(worker_id, now, tracked=is_tracked(worker))
         if not isinstance(act, Idle):
@@ -487,8 +488,8 @@ class WorkerStates:
         to the engine, so the engine is slept or woken once for the whole gateway.
 
         Going to sleep is refused like :meth:`begin_sleep` (a lease here vetoes it:
-        the other process has not called the engine yet); a worker already asleep
-        here accepts it unchanged. A probe's sleep report that raced with it is
+        the other process has not called the engine yet), but a worker not probed
+        here yet follows too; a worker already asleep here accepts it unchanged. A probe's sleep report that raced with it is
         dropped (the op epoch moves), as after a sleep or wake of this process's
         own. ``sleeps_total`` and ``wakes_total`` count only the process that called
         the engine, so summed over processes they count each call once.
@@ -505,7 +506,12 @@ class WorkerStates:
         if asleep:
             if before is State.SLEEPING:
                 return False
-            self.check_sleep(worker_id, now, idle_s)
+            # A worker this process has not probed yet (it just started) takes the
+            # sibling's word as a first look, as it would a probe's sleep report;
+            # a lease here still vetoes it.
+            refusal = self._sleep_refusal(worker_id, now, idle_s, unverified=True)
+            if refusal is not None:
+                raise refusal
             self.apply(worker_id, Event.REPORTED_SLEEPING, now)
         else:
             self.apply(worker_id, Event.REPORTED_AWAKE, now)

@@ -333,9 +333,9 @@ async def copy_fleet(peers: Peers, mesh: Mesh, *, timeout_s: float = 5.0) -> boo
         if mesh.router.get(wid) is None:
             mesh.add_worker(worker)
         if asleep:
-            # Taken for ready, it would be sent requests while its engine sleeps. A
-            # worker with no sleep mode here, or not probed yet (its probes ask
-            # /is_sleeping), is refused and left as it is.
+            # Taken for ready (or not probed yet, which is routable), it would be
+            # sent requests while its engine sleeps. A worker with no sleep mode
+            # here is refused and left as it is.
             with contextlib.suppress(LifecycleError):
                 mesh.router.do(WorkerStates.follow_sleep, wid, True)
         if draining:
