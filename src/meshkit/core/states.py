@@ -489,10 +489,11 @@ class WorkerStates:
 
         Going to sleep is refused like :meth:`begin_sleep` (a lease here vetoes it:
         the other process has not called the engine yet), but a worker not probed
-        here yet follows too; a worker already asleep here accepts it unchanged. A probe's sleep report that raced with it is
-        dropped (the op epoch moves), as after a sleep or wake of this process's
-        own. ``sleeps_total`` and ``wakes_total`` count only the process that called
-        the engine, so summed over processes they count each call once.
+        here yet follows too; a worker already asleep here accepts it unchanged. A
+        probe's sleep report that raced with it is dropped (the op epoch moves), as
+        after a sleep or wake of this process's own. ``sleeps_total`` and
+        ``wakes_total`` count only the process that called the engine, so summed
+        over processes they count each call once.
 
         :returns: whether the state changed (a veto's rollback undoes only those).
         :raises LifecycleError: (``asleep``) see :meth:`check_sleep`; (awake) no
