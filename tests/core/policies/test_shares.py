@@ -145,6 +145,11 @@ def test_a_worker_that_owns_too_much_keeps_only_its_fair_share() -> None:
     for p in mine:
         assert plan.owner(p, ring) == "w0"
         assert plan.kept[p] < 1.0
+        # What each sheds goes to one heir, the next worker of its walk: the
+        # prefix is cached on two workers, not spread over the pool.
+        assert set(_where(plan, ring, p)) == {"w0", plan.heirs[p]}
+        assert plan.heirs[p] == next(k for k in ring.walk(p) if k != "w0")
+    assert sum(plan.planned.values()) == pytest.approx(1.0)
 
 
 def test_a_small_change_in_the_shares_moves_few_conversations() -> None:

@@ -361,7 +361,7 @@ class PrefixHash(BasePolicy):
                 conv_first = self.conversation_point(ctx.view, point)
                 conv_known = True
                 spread = self._spread_point(ctx.view, point, conv_first)
-                pooled = plan.pooled(kept, spread)
+                pooled = plan.pooled(point, kept, spread)
                 if pooled is not None:
                     # If its pool worker is not a candidate, the walk from the
                     # conversation spreads the pool's share; the prefix's walk would
@@ -411,7 +411,13 @@ class PrefixHash(BasePolicy):
         chosen: str | None = None
         if owner_load + 1 <= (first_limit if first else bound):
             chosen = owner
-            if first and plan is not None and pooled is not None and self._sees_own_turns():
+            if (
+                first
+                and plan is not None
+                and pooled is not None
+                and point not in plan.heirs
+                and self._sees_own_turns()
+            ):
                 second = plan.second(spread)
                 chosen = self._less_started(owner, second, by_key, load, first_limit, ctx.now)
         else:

@@ -17,7 +17,10 @@ bounded) and turns them into a :class:`Plan`:
   hotter one the conversations whose hash (:func:`unit_interval`) falls under
   ``cap / share``;
 * a worker that owns more than its fair share ``1 / n`` keeps the same fraction of
-  each of its prefixes, so the ring's draw never overloads it;
+  each of its prefixes, so the ring's draw never overloads it; what a small
+  prefix (one under the cap) sheds goes to its *heir*, the next worker of its ring
+  walk that owns no more than its share, so the prefix is cached on two workers,
+  not spread over the pool;
 * the rest of every prefix is the *pool*; it fills the workers least planned
   first (water-filling) until the planned shares are level, and a pool
   conversation picks its worker by a second hash (:func:`mix64`) against the
@@ -135,7 +138,7 @@ class Plan:
     """Where each prefix's traffic goes: its ring owner keeps up to ``owner_share``
     of a worker's fair share, the rest joins a pool that levels the fleet."""
 
-    __slots__ = ("_owners", "bounds", "kept", "planned", "pool")
+    __slots__ = ("_owners", "bounds", "heirs", "kept", "planned", "pool")
 
     def __init__(
         self,
@@ -144,8 +147,11 @@ class Plan:
         pool: tuple[str, ...],
         bounds: tuple[float, ...],
         planned: dict[str, float],
+        heirs: dict[int, str] | None = None,
     ) -> None:
         self._owners = owners
+        #: small prefix point -> the worker that takes what its owner sheds
+        self.heirs = heirs or {}
         #: prefix point -> the fraction of its conversations its owner keeps (< 1)
         self.kept = kept
         #: the workers the pool fills, each with its upper bound in ``bounds``
@@ -159,11 +165,16 @@ class Plan:
         got = self._owners.get(point)
         return got if got is not None else _first_member(ring, point, self.planned)
 
-    def pooled(self, kept: float, spread: int) -> str | None:
-        """The pool worker of the conversation at ``spread`` of a prefix whose owner
-        keeps ``kept`` of it (``self.kept[point]``), or ``None`` when the owner keeps
-        it."""
-        if unit_interval(spread) < kept or not self.pool:
+    def pooled(self, point: int, kept: float, spread: int) -> str | None:
+        """Where the conversation at ``spread`` of the prefix at ``point`` goes when
+        its owner keeps only ``kept`` of it (``self.kept[point]``): the prefix's heir
+        or a pool worker, or ``None`` when the owner keeps it."""
+        if unit_interval(spread) < kept:
+            return None
+        heir = self.heirs.get(point)
+        if heir is not None:
+            return heir
+        if not self.pool:
             return None
         at = bisect.bisect_right(self.bounds, unit_interval(mix64(spread)))
         return self.pool[min(at, len(self.pool) - 1)]
@@ -182,7 +193,7 @@ class Plan:
         ``spread``: the same for every turn while the plan holds, and a small change
         in the shares moves few conversations (each threshold moves continuously)."""
         kept = self.kept.get(point)
-        got = None if kept is None else self.pooled(kept, spread)
+        got = None if kept is None else self.pooled(point, kept, spread)
         return got if got is not None else self.owner(point, ring)
 
 
@@ -267,15 +278,24 @@ class TrafficShares:
         for key in members:
             planned[key] = background
         pooled = 0.0
+        heirs: dict[int, str] = {}
         for point, owner, share, own in owned:
+            whole = own == share
             own *= scale[owner]
             planned[owner] += own
             owners[point] = owner
             if share - own > 1e-12:
                 kept[point] = own / share
-                pooled += share - own
+                heir = _heir(ring, point, owner, scale) if whole else None
+                if heir is not None:
+                    # Spread over the pool, a small prefix would be cached everywhere
+                    # and its few conversations would each miss it somewhere new.
+                    heirs[point] = heir
+                    planned[heir] += share - own
+                else:
+                    pooled += share - own
         pool, bounds = _level(planned, pooled)
-        return Plan(owners, kept, pool, bounds, planned)
+        return Plan(owners, kept, pool, bounds, planned, heirs)
 
 
 def _first_member(ring: HashRing, point: int, members: dict[str, float]) -> str | None:
@@ -285,6 +305,15 @@ def _first_member(ring: HashRing, point: int, members: dict[str, float]) -> str 
     if owner is None or owner in members:
         return owner
     return next((k for k in ring.walk(point) if k in members), None)
+
+
+def _heir(ring: HashRing, point: int, owner: str, scale: dict[str, float]) -> str | None:
+    """The first worker after ``owner`` on ``point``'s walk that owns no more than
+    its share (``scale`` 1), or ``None``."""
+    for key in ring.walk(point):
+        if key != owner and scale.get(key, 0.0) >= 1.0:
+            return key
+    return None
 
 
 def _level(planned: dict[str, float], pooled: float) -> tuple[tuple[str, ...], tuple[float, ...]]:
