@@ -196,16 +196,32 @@ class Mesh:
         return resolve(method, path)
 
     def prepare(
-        self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]], query: str = ""
+        self,
+        match: Match,
+        body: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
+        query: str = "",
+        within_s: float | None = None,
     ) -> RequestView:
-        """Parse and prepare a request, blocking only the calling thread."""
-        return self.preparer.prepare(match, body, headers, query)
+        """Parse and prepare a request, blocking only the calling thread.
+
+        :param within_s: the client's own bound on the wait for the prepare pool and
+            the work there (None: ``[prepare]``'s alone).
+        :raises ~meshkit.core.requests.ClientTimeout: ("pool") ``within_s`` ran out.
+        """
+        return self.preparer.prepare(match, body, headers, query, within_s)
 
     async def prepare_async(
-        self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]], query: str = ""
+        self,
+        match: Match,
+        body: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
+        query: str = "",
+        within_s: float | None = None,
     ) -> RequestView:
-        """Parse and prepare a request without blocking the event loop."""
-        return await self.preparer.prepare_async(match, body, headers, query)
+        """Parse and prepare a request without blocking the event loop (see
+        :meth:`prepare`)."""
+        return await self.preparer.prepare_async(match, body, headers, query, within_s)
 
     def forward(
         self,

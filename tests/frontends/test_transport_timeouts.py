@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -425,3 +426,36 @@ def test_a_request_for_a_waking_worker_is_held_no_longer_than_the_clients_timeou
     assert ei.value.response.headers["retry-after"]
     assert mock.worker.stats.wake_calls == 1  # the wake goes on for the next request
     assert wait_until(lambda: settled(mesh))
+
+
+# -- the prepare pool ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_request_held_in_the_prepare_queue_gets_the_clients_pool_timeout(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh], kind: str
+) -> None:
+    """The pool's one thread is busy and every body goes through the pool: the
+    request waits in its queue, which ``[prepare]`` bounds at 30 s. The client's
+    0.5 s bounds it first, and it is the client's timeout, not a 504 answer."""
+    worker = mock_factory(name="w")
+    mesh = mesh_factory(
+        workers=[Worker(worker.url)],
+        lifecycle={"probe": False},
+        prepare={"workers": 1, "inline_threshold_bytes": 1, "queue_timeout_ms": 30_000},
+    )
+    release = threading.Event()
+    busy = mesh.pool.submit(lambda: release.wait(30))
+    try:
+        _times_out(mesh, kind, 0.5)
+        assert worker.worker.stats.requests_total == {}  # never placed
+        # Gone from the queue (never run): a timeout of the pool's, not a refusal.
+        assert wait_until(lambda: mesh.pool.queued == 0)
+        assert mesh.pool.outcomes["timeout"] == 1
+        assert metric_value(mesh, "mesh_router_rejections_total", code="prepare_timeout") == 0
+    finally:
+        release.set()
+        busy.result()
+    # With the pool free again the same client is answered.
+    with _sync_openai(mesh, timeout=5.0) as client:
+        assert client.chat.completions.create(model="m", messages=MESSAGES).choices

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from meshkit.core.requests import ClientTimeout
 from meshkit.errors import (
     ConfigError,
     InvalidRequest,
@@ -284,6 +285,59 @@ def test_a_job_running_past_its_deadline_answers_504_and_is_counted_once(
     assert pool.outcomes == {"success": 0, "timeout": 1, "cancelled": 0, "failed": 0}
     assert pool.metrics.error_count("timeout") == 1
     assert pool.run(lambda: "still works") == "still works"
+
+
+def test_a_clients_own_bound_ends_a_queued_and_a_running_job_as_its_timeout(
+    make_pool: MakePool, clock: Any, wait_until: WaitUntil
+) -> None:
+    pool = make_pool(clock, workers=1, queue_timeout_ms=1000, timeout_ms=5000)
+    blockers = occupy(pool, wait_until)
+    ran = threading.Event()
+    queued = pool.submit(ran.set, within_s=0.5)
+    looser = pool.submit(ran.set, within_s=10.0)  # the pool's bound is tighter
+    clock.advance(0.4)
+    assert pool.expire_overdue() == 0
+    clock.advance(0.2)
+    assert pool.expire_overdue() == 1
+    with pytest.raises(ClientTimeout) as info:
+        queued.result()
+    assert info.value.phase == "pool"
+    clock.advance(0.5)
+    assert pool.expire_overdue() == 1
+    with pytest.raises(PrepareTimeout):
+        looser.result()
+    release(blockers)
+    wait_until(lambda: pool.running == 0)
+    assert not ran.is_set()
+    # Running: the client's bound ends the wait, the thread finishes in the background.
+    blocker = Blocker(result="late")
+    running = pool.submit(blocker, within_s=1.0)
+    wait_until(blocker.started.is_set)
+    clock.advance(1.1)
+    assert pool.expire_overdue() == 1
+    with pytest.raises(ClientTimeout):
+        running.result()
+    blocker.release.set()
+    wait_until(lambda: pool.running == 0)
+    assert pool.outcomes["timeout"] == 3
+    # No bound, or one <= 0, is the pool's alone.
+    assert pool.run(lambda: "ok", within_s=0) == "ok"
+    assert pool.run(lambda: "ok", within_s=None) == "ok"
+
+
+def test_a_job_past_its_clients_bound_at_dequeue_never_runs(
+    make_pool: MakePool, clock: Any, wait_until: WaitUntil
+) -> None:
+    pool = make_pool(clock, workers=1, queue_timeout_ms=1000)
+    blockers = occupy(pool, wait_until)
+    ran = threading.Event()
+    job = pool.submit(ran.set, within_s=0.5)
+    clock.advance(0.6)  # nobody calls expire_overdue: the worker notices
+    release(blockers)
+    wait_until(job.done)
+    assert not ran.is_set()
+    with pytest.raises(ClientTimeout):
+        job.result()
 
 
 def test_tiny_real_deadline_with_run(make_pool: MakePool) -> None:

@@ -49,6 +49,7 @@ from meshkit.errors import HeadersTooLarge, InvalidRequest, UnsupportedMediaType
 
 __all__ = [
     "MAX_JSON_DEPTH",
+    "ClientTimeout",
     "LocalResponse",
     "RequestView",
     "Timeouts",
@@ -81,6 +82,16 @@ class LocalResponse:
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
+
+
+class ClientTimeout(Exception):
+    """A bound of the client's own fired: ``phase`` is "connect", "read", "write", or
+    "pool" (its request waited that long to be prepared). The client transports
+    raise their library's timeout for it, as a direct connection would."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(phase)
+        self.phase = phase
 
 
 class Timeouts:

@@ -180,12 +180,18 @@ def _cut_short(lib: ModuleType) -> Callable[[], BaseException]:
     return lambda: lib.RemoteProtocolError("the worker closed the connection mid-response")
 
 
-_PHASES = {"connect": "ConnectTimeout", "read": "ReadTimeout", "write": "WriteTimeout"}
+_PHASES = {
+    "connect": "ConnectTimeout",
+    "read": "ReadTimeout",
+    "write": "WriteTimeout",
+    "pool": "PoolTimeout",
+}
 
 
 def _timed_out(lib: ModuleType, phase: str = "read") -> BaseException:
     """What a bound that ran out raises in the client (as a direct connection)."""
-    exc: BaseException = getattr(lib, _PHASES[phase])(f"the worker's {phase} timed out")
+    what = "the wait to prepare the request" if phase == "pool" else f"the worker's {phase}"
+    exc: BaseException = getattr(lib, _PHASES[phase])(f"{what} timed out")
     return exc
 
 
@@ -293,7 +299,10 @@ class _Common:
                 attempt.timeout = timeouts
                 plain = yield (SEND, attempt)
                 return self._relayed(lib, plain, Relay(NO_BOOKS, None))
-            view = yield (PREPARE, (mesh, match, body, headers, query))
+            # The client's bound on waiting for a connection bounds waiting for the
+            # prepare pool too: both are waits for a resource before any worker.
+            within = timeouts.connect if timeouts is not None else None
+            view = yield (PREPARE, (mesh, match, body, headers, query, within))
             view.timeout = timeouts
             final = yield from flow_steps(mesh.forward(view, headers, request.method))
         except UpstreamTimeout as exc:

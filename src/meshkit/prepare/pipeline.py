@@ -89,22 +89,33 @@ class Preparer:
     # -- the entry points ---------------------------------------------------------------
 
     def prepare(
-        self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]], query: str = ""
+        self,
+        match: Match,
+        body: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
+        query: str = "",
+        within_s: float | None = None,
     ) -> RequestView:
-        """Parse and prepare a request, blocking only the calling thread."""
+        """Parse and prepare a request, blocking only the calling thread; ``within_s``:
+        the client's own bound on the pool's part (see :meth:`PreparePool.submit`)."""
         heads, view, job = self._start(match, body, headers)
         if job is not None:
-            view = self.pool.run(job) or view
+            view = self.pool.run(job, within_s) or view
         assert view is not None
         return self._finish(view, heads, query)
 
     async def prepare_async(
-        self, match: Match, body: bytes, headers: Iterable[tuple[bytes, bytes]], query: str = ""
+        self,
+        match: Match,
+        body: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
+        query: str = "",
+        within_s: float | None = None,
     ) -> RequestView:
         """Parse and prepare a request without blocking the event loop."""
         heads, view, job = self._start(match, body, headers)
         if job is not None:
-            view = await self.pool.run_async(job) or view
+            view = await self.pool.run_async(job, within_s) or view
         assert view is not None
         return self._finish(view, heads, query)
 

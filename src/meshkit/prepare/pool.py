@@ -94,6 +94,7 @@ from typing import Any, Final, Generic, Literal, TypeVar, cast
 from prometheus_client import CollectorRegistry
 
 from meshkit.config import PrepareConfig
+from meshkit.core.requests import ClientTimeout
 from meshkit.errors import (
     MeshError,
     PoolUnavailable,
@@ -172,6 +173,7 @@ class Job(Generic[T]):
         "_pool",
         "_result",
         "_state",
+        "client_deadline",
         "deadline",
         "queue_deadline",
         "submitted_at",
@@ -184,10 +186,17 @@ class Job(Generic[T]):
         submitted_at: float,
         queue_deadline: float,
         deadline: float,
+        client_deadline: float | None = None,
     ) -> None:
         self._pool = pool
         self._fn: Callable[[], T] | None = fn
         self.submitted_at = submitted_at
+        #: the client's own bound, when it is the tighter: it then settles the job
+        #: with :class:`~meshkit.core.requests.ClientTimeout` ("pool")
+        self.client_deadline = client_deadline
+        if client_deadline is not None:
+            queue_deadline = min(queue_deadline, client_deadline)
+            deadline = min(deadline, client_deadline)
         self.queue_deadline = queue_deadline
         self.deadline = deadline
         self._state = _QUEUED
@@ -333,8 +342,13 @@ class PreparePool:
 
     # -- submission ---------------------------------------------------------------
 
-    def submit(self, fn: Callable[[], T]) -> Job[T]:
+    def submit(self, fn: Callable[[], T], within_s: float | None = None) -> Job[T]:
         """Queue ``fn``; return its :class:`Job` at once.
+
+        ``within_s``: the client's own bound on the whole job (None or ``<= 0``:
+        only the pool's). When it fires first the job settles with
+        :class:`~meshkit.core.requests.ClientTimeout` ("pool"), as the client's
+        library would time out a wait for a connection.
 
         :raises PrepareQueueFull: (503, with ``retry_after_s``) when
             ``queue_capacity`` jobs already wait.
@@ -351,13 +365,14 @@ class PreparePool:
                     f"the preparation queue is full ({self.config.queue_capacity} jobs wait)",
                     retry_after_s=self._retry_hint_locked(),
                 )
-            job = Job(self, fn, now, now + self._queue_timeout_s, now + self._timeout_s)
+            mine = now + within_s if within_s is not None and within_s > 0 else None
+            job = Job(self, fn, now, now + self._queue_timeout_s, now + self._timeout_s, mine)
             self._queue.append(job)
             self._gauges_locked()
             self._work.notify()
         return job
 
-    def run(self, fn: Callable[[], T]) -> T:
+    def run(self, fn: Callable[[], T], within_s: float | None = None) -> T:
         """Run ``fn`` in the pool, blocking only the calling thread.
 
         Called from one of this pool's own threads, ``fn`` runs inline: waiting for
@@ -367,9 +382,9 @@ class PreparePool:
         """
         if getattr(_local, "pool", None) is self:
             return fn()
-        return self._wait(self.submit(fn))
+        return self._wait(self.submit(fn, within_s))
 
-    async def run_async(self, fn: Callable[[], T]) -> T:
+    async def run_async(self, fn: Callable[[], T], within_s: float | None = None) -> T:
         """Run ``fn`` in the pool and await it without blocking the event loop.
 
         If the awaiting task is cancelled (the client disconnected) before a worker
@@ -379,7 +394,7 @@ class PreparePool:
         :raises PrepareTimeout: (504) when the job's deadline passes first.
         """
         loop = asyncio.get_running_loop()
-        job = self.submit(fn)
+        job = self.submit(fn, within_s)
         future: asyncio.Future[T] = loop.create_future()
 
         def deliver() -> None:
@@ -446,6 +461,13 @@ class PreparePool:
     def _expire_locked(self, job: Job[Any], now: float) -> _Callbacks:
         if job._outcome is not None:
             return []
+        mine = job.client_deadline
+        if mine is not None and now >= mine and job._state in (_QUEUED, _RUNNING):
+            # The client gave up, as it would on a direct connection: its own timeout,
+            # not a 504 of meshkit's.
+            if job._state == _QUEUED:
+                self._dequeue_locked(job)
+            return self._settle_locked(job, "timeout", exc=ClientTimeout("pool"), reason="timeout")
         if job._state == _QUEUED and now >= job.queue_deadline:
             self._dequeue_locked(job)
             return self._settle_locked(

@@ -80,7 +80,7 @@ LEG = 5  # an attempt -> a handle on it running beside (sent, its body read whol
 JOIN = 6  # a handle -> the leg's AttemptResult
 CANCEL = 7  # a handle -> None
 BODY = 8  # (a request body's chunks, limit) -> the body (413 past limit)
-PREPARE = 9  # (mesh, match, body, headers, query) -> the RequestView
+PREPARE = 9  # (mesh, match, body, headers, query[, within_s]) -> the RequestView
 
 Op = tuple[int, Any]
 Steps = Generator[Op, Any, T]

@@ -16,6 +16,10 @@ then read one attribute and go on as before).
 * ``read`` and ``write``: against ``read_timeout_s``, meshkit's bound on both;
 * a value that is None or ``<= 0`` is unbounded on that side.
 
+The transports also hold the prepare pool's wait and work to ``connect``
+(:meth:`~meshkit.prepare.pool.PreparePool.submit`'s ``within_s``): a wait before
+any worker, as the wait for a pooled connection is.
+
 A bound of the client's that fires is the client giving up, as it would on a
 direct connection: the upstream clients raise :class:`ClientTimeout`, not
 :class:`~meshkit.upstream.base.UpstreamFailure`. The flow then abandons the lease
@@ -32,18 +36,10 @@ from typing import Any
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Failure
-from meshkit.core.requests import Timeouts
+from meshkit.core.requests import ClientTimeout, Timeouts
 from meshkit.upstream.base import UpstreamFailure
 
 __all__ = ["ClientTimeout", "broken", "client_timeouts", "connect_bound", "silent", "timed_out"]
-
-
-class ClientTimeout(Exception):
-    """A bound of the client's own fired: ``phase`` is "connect", "read" or "write"."""
-
-    def __init__(self, phase: str) -> None:
-        super().__init__(phase)
-        self.phase = phase
 
 
 def _bound(value: Any) -> float | None:
