@@ -384,6 +384,34 @@ def test_a_background_response_is_queued_then_read_back_with_its_usage(
     assert got.output_text
 
 
+def test_a_streamed_background_response_is_queued_first_and_streams_while_generating(
+    spawn: Callable[..., MockWorkerThread],
+) -> None:
+    m = spawn(output_tokens=4, first_token_ms=1000)
+    client = openai.OpenAI(base_url=m.url + "/v1", api_key="k", max_retries=0)
+    # Streamed: created and queued (status queued), then in_progress, as the API.
+    events = list(client.responses.create(model="m", input="a b", background=True, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert [e.response.status for e in events[:3]] == ["queued", "queued", "in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # Not streamed: a retrieve with stream=true while it generates streams it from
+    # the start at its pace, to its usage (not the in-progress object as JSON).
+    created = client.responses.create(model="m", input="a b c", background=True)
+    assert created.status == "queued"
+    assert client.responses.retrieve(created.id).status in ("queued", "in_progress")
+    got = list(client.responses.retrieve(created.id, stream=True))
+    assert got[0].type == "response.created"
+    assert got[-1].type == "response.completed"
+    final = got[-1].response
+    assert final.usage is not None and final.usage.output_tokens == 4
+    assert final.output_text
+    # Resumed past an event: the rest only.
+    again = list(client.responses.retrieve(created.id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in again] == [e.sequence_number for e in got[3:]]
+
+
 # -- SGLang / vLLM extras ------------------------------------------------------------------
 
 

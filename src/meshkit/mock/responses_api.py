@@ -69,6 +69,10 @@ class StoredResponse:
     context: list[Token]
     background: bool = False
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    #: a background response still generating: what it will be, and its turn (a
+    #: streamed retrieve meanwhile streams it at the turn's pace)
+    final: dict[str, Any] | None = field(default=None, repr=False)
+    turn: Turn | None = field(default=None, repr=False)
 
 
 class ResponseStore:
@@ -190,7 +194,13 @@ def response_events(resp: dict[str, Any], pieces: tuple[str, ...]) -> list[Event
 
     start = copy.copy(resp)
     start.update(status="in_progress", output=[], usage=None, incomplete_details=None)
-    add("response.created", response=start)
+    if resp.get("background") is True:
+        # A background response is created queued, as the API streams it.
+        queued = {**start, "status": "queued"}
+        add("response.created", response=queued)
+        add("response.queued", response=queued)
+    else:
+        add("response.created", response=start)
     add("response.in_progress", response=start)
     for index, item in enumerate(resp["output"]):
         part = item["content"][0]

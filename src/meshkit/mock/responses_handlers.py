@@ -11,7 +11,10 @@ OpenAI Responses API endpoints of the mock worker
   ``{"id": ...}``: 404 unless this worker holds it; its items are prepended to the
   prompt, and the response's input and output items are appended to it when the
   response completes), ``store: false`` (not retrievable).
-* ``GET /v1/responses/{id}`` (``?stream=true&starting_after=N`` replays the events),
+* ``GET /v1/responses/{id}`` (``?stream=true&starting_after=N`` replays the events;
+  a background response still generating streams them at its pace). A streamed
+  background create starts with ``response.created`` and ``response.queued``
+  (status ``queued``), as the API streams it,
   ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (only background
   responses, as the API says; others → 400) and ``GET /v1/responses/{id}/input_items``.
 """
@@ -121,6 +124,7 @@ class ResponsesHandlers:
         if conv is not None:
             queued["conversation"] = final["conversation"]
         stored.response = queued
+        stored.final, stored.turn = final, t
         loop = asyncio.get_running_loop()
         waited = t.queued_s
         run = max(self.app.total_delay(t) - waited, 0.0)
@@ -134,6 +138,7 @@ class ResponsesHandlers:
 
         def finish() -> None:
             stored.timer = None
+            stored.final = stored.turn = None
             if stored.response["status"] == "in_progress":
                 stored.response = final
                 if conv is not None:
@@ -175,8 +180,11 @@ class ResponsesHandlers:
         )
 
     def _replay(self, req: Request, stored: StoredResponse, params: dict[str, list[str]]) -> Reply:
-        resp = stored.response
-        if resp["status"] not in ("completed", "incomplete"):
+        resp, turn = stored.response, None
+        if resp["status"] in ("queued", "in_progress") and stored.final is not None:
+            # Still generating: the events from the start, at the generation's pace.
+            resp, turn = stored.final, stored.turn
+        elif resp["status"] not in ("completed", "incomplete"):
             return self.app.json(req, resp)
         text = resp["output"][0]["content"][0]["text"] if resp["output"] else ""
         events = responses_api.response_events(resp, tuple(w + " " for w in text.split()))
@@ -185,4 +193,4 @@ class ResponsesHandlers:
         except ValueError:
             after = -1
         events = events[after + 1 :] if after >= 0 else events
-        return self.app.stream(req, events, None)
+        return self.app.stream(req, events, turn)
