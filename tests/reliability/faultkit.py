@@ -336,8 +336,8 @@ def count_submits(mesh: Mesh) -> Callable[[], int]:
     accepted = [0]
     lock = threading.Lock()
 
-    def submit(fn: Any) -> Any:
-        job = inner(fn)
+    def submit(fn: Any, within_s: float | None = None) -> Any:
+        job = inner(fn, within_s)
         with lock:
             accepted[0] += 1
         return job

@@ -61,13 +61,13 @@ def _gate_preparation(mesh: Mesh) -> threading.Event:
     pool = mesh.pool
     inner = pool.submit
 
-    def submit(fn: Any) -> Any:
+    def submit(fn: Any, within_s: float | None = None) -> Any:
         def slow() -> Any:
             if current_worker_index() is not None:  # only in the pool's threads
                 gate.wait(60)
             return fn()
 
-        return inner(slow)
+        return inner(slow, within_s)
 
     pool.submit = submit  # type: ignore[method-assign]
     return gate
