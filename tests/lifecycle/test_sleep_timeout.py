@@ -19,7 +19,9 @@ from meshkit.core.lifecycle import State
 def test_a_sleep_whose_wait_runs_out_raises_timeout_error_and_goes_on(
     mock_factory: Any, mesh_factory: Any
 ) -> None:
-    mock = mock_factory(name="sleepy", sleep_mode=True, wake_ms=300)
+    # The engine takes its time to sleep and wake, or a loaded machine could see a
+    # call end before the zero wait is checked.
+    mock = mock_factory(name="sleepy", sleep_mode=True, wake_ms=300, sleep_ms=300)
     mesh = mesh_factory(workers=[Worker(mock.url, labels=SLEEPY)], lifecycle=FAST)
     wid = mesh.workers[0].id
     mesh.start_lifecycle()

@@ -10,8 +10,8 @@ Non-inference endpoints of the mock worker
 * ``GET /v1/models``; ``POST /tokenize``, ``/detokenize`` (also under ``/v1``), in
   vLLM's shapes: ``{"count", "max_model_len", "tokens"}`` and ``{"prompt"}``.
 * vLLM sleep mode (only with ``MockConfig.sleep_mode``): ``GET /is_sleeping``,
-  ``POST /sleep?level=N&mode=M`` (or ``tags=...``), ``POST /wake_up`` (optionally
-  ``tags=...``; takes ``wake_ms``). Level >= 1 drops the prefix cache. Level 0
+  ``POST /sleep?level=N&mode=M`` (or ``tags=...``; takes ``sleep_ms``), ``POST
+  /wake_up`` (optionally ``tags=...``; takes ``wake_ms``). Level >= 1 drops the prefix cache. Level 0
   only pauses scheduling; an untagged ``/wake_up`` resumes it.
 """
 
@@ -190,9 +190,16 @@ class AdminHandlers:
         tags = set(params.get("tags") or [])
         if not tags:
             tags = {"weights", "kv_cache"} if level >= 1 else {"scheduling"}
-        app.sleeping_tags |= tags
-        if "kv_cache" in tags and app.cache is not None:
-            app.cache.clear()
+
+        def sleep() -> None:
+            app.sleeping_tags |= tags
+            if "kv_cache" in tags and app.cache is not None:
+                app.cache.clear()
+
+        delay = app.config.sleep_ms / 1000.0
+        if delay > 0.0:
+            return Delayed(delay, app.plain(req), req.keep_alive, before=sleep)
+        sleep()
         return app.plain(req)
 
     def wake_up(self, req: Request) -> Reply:

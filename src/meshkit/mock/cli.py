@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-ms-per-token", type=float, default=d.prefill_ms_per_token)
     p.add_argument("--sleep-mode", action="store_true")
     p.add_argument("--wake-ms", type=float, default=d.wake_ms)
+    p.add_argument("--sleep-ms", type=float, default=d.sleep_ms)
     p.add_argument("--name", default=d.name)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
@@ -101,6 +102,7 @@ def config_from_args(ns: argparse.Namespace) -> MockConfig:
         prefill_ms_per_token=ns.prefill_ms_per_token,
         sleep_mode=ns.sleep_mode,
         wake_ms=ns.wake_ms,
+        sleep_ms=ns.sleep_ms,
         name=ns.name,
         seed=ns.seed,
         block_size=ns.block_size,

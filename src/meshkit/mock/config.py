@@ -79,6 +79,8 @@ class MockConfig:
     sleep_mode: bool = False
     #: How long ``POST /wake_up`` takes.
     wake_ms: float = 0.0
+    #: How long ``POST /sleep`` takes (vLLM offloads or drops the weights first).
+    sleep_ms: float = 0.0
     #: Shows in ``x-mock-worker``, ``system_fingerprint`` and chat/completion ids.
     name: str = ""
     seed: int = 0
