@@ -10,9 +10,10 @@ Non-inference endpoints of the mock worker
 * ``GET /v1/models``; ``POST /tokenize``, ``/detokenize`` (also under ``/v1``), in
   vLLM's shapes: ``{"count", "max_model_len", "tokens"}`` and ``{"prompt"}``.
 * vLLM sleep mode (only with ``MockConfig.sleep_mode``): ``GET /is_sleeping``,
-  ``POST /sleep?level=N&mode=M`` (or ``tags=...``; takes ``sleep_ms``), ``POST
-  /wake_up`` (optionally ``tags=...``; takes ``wake_ms``). Level >= 1 drops the prefix cache. Level 0
-  only pauses scheduling; an untagged ``/wake_up`` resumes it.
+  ``POST /sleep?level=N&mode=M`` (or ``tags=...``; takes ``sleep_ms``),
+  ``POST /wake_up`` (optionally ``tags=...``; takes ``wake_ms``). Level >= 1 drops
+  the prefix cache. Level 0 only pauses scheduling; an untagged ``/wake_up``
+  resumes it.
 """
 
 from __future__ import annotations
