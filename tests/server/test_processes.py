@@ -296,8 +296,9 @@ def test_hash_placement_agrees_across_the_processes(
     assert wait_until(lambda: processes_seen(gw.url, 20) == {0, 1}, timeout=60)
     picked: dict[int, dict[int, str]] = {0: {}, 1: {}}
     # The same prompts, in opposite orders: only a placement that is a function of
-    # the prompt (not of a counter or of what came before) agrees.
-    for process, order in ((0, range(24)), (1, reversed(range(24)))):
+    # the prompt (not of a counter or of what came before) agrees. 64 of them: with
+    # 24, one worker got none on 0.3 % of the rings the ports draw.
+    for process, order in ((0, range(64)), (1, reversed(range(64)))):
         with _client_of(gw.url, process) as c:
             for i in order:
                 body = {"model": "m", "messages": [{"role": "user", "content": f"tenant {i}"}]}
