@@ -103,7 +103,6 @@ import platform
 import queue
 import random
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -114,7 +113,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from _common import cpu_model, kept_reading, source_state
+from _common import cpu_model, free_ports, kept_reading, source_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "tests", "prepare", "data", "tiny")
@@ -680,18 +679,6 @@ class Bound:
             cache.insert(hashes)
             total += len(ids)
         return hit / total if total else 0.0
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` ports nothing listens on now (the kernel's picks, released at once)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def run_one(
@@ -1332,7 +1319,7 @@ def _main(args: argparse.Namespace, configs: list[str], argv: list[str], t0: flo
         if args.base_port:  # the same rings in another invocation (another version)
             ports = [args.base_port + rep * args.workers + i for i in range(args.workers)]
         elif not args.vllm:
-            ports = _free_ports(args.workers)
+            ports = free_ports(args.workers)
         for wl, config, k in [(w, c, k) for w in wls for c in configs for k in args.routers]:
             run = run_one(ctx, args, wl, config, k, bound, ports)
             runs.append(run)
