@@ -442,7 +442,7 @@ class PrefixHash(BasePolicy):
                     chosen = owner
                 else:
                     chosen = bounded_load_pick(ring, point, cands, load, self.load_factor).key
-        if first and counted:
+        if first and counted and plan is not None:  # read only with the plan
             self._starts.add(chosen, 1.0, ctx.now)
         self._remember(conv, chosen, seen)
         return by_key[chosen]
@@ -503,12 +503,8 @@ class PrefixHash(BasePolicy):
 
     def on_removed(self, worker: Worker) -> None:
         """Forget the conversations placed on a worker that left the fleet."""
-        ranks = worker.id + "#dp"
-        self._starts.forget([c.key for c in candidates_for(worker)])
-        gone = [
-            conv
-            for conv, (key, _) in self._memory.items()
-            if key == worker.id or key.startswith(ranks)
-        ]
+        keys = {c.key for c in candidates_for(worker)}
+        self._starts.forget(keys)
+        gone = [conv for conv, (key, _) in self._memory.items() if key in keys]
         for conv in gone:
             del self._memory[conv]
