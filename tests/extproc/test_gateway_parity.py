@@ -455,20 +455,17 @@ def _head_then_reset(srv: RawServer, s: socket.socket, n: int, head: bytes, body
     return False
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Envoy answers a worker that resets right after its head with its own "
-    "text/plain 502 ('upstream connect error or disconnect/reset before headers. "
-    "reset reason: protocol error'), a local reply that never reaches the picker "
-    "(no response_headers message, or one after the picker already passed the "
-    "worker's 200): only Envoy's local_reply_config could put it in the API's shape",
+@pytest.mark.parametrize(
+    ("path", "body", "shape"),
+    [("/v1/chat/completions", CHAT, "openai"), ("/v1/messages", MESSAGES, "anthropic")],
 )
 def test_a_worker_that_dies_after_its_head_is_answered_in_the_apis_shape(
-    mesh_factory: Any,
+    mesh_factory: Any, path: str, body: dict[str, Any], shape: str
 ) -> None:
     """What the client gets is the API's own: a 200 whose stream ends in meshkit's
-    error event, or a reset (a worker that broke mid-stream, documented), or
-    meshkit's 502 ``upstream_error`` in JSON; never Envoy's text/plain reply."""
+    error event, or a reset (a worker that broke mid-stream, documented), or a 502
+    ``upstream_error`` in the API's JSON (meshkit's, or Envoy's own reply through the
+    bootstrap's ``local_reply_config``); never Envoy's text/plain reply."""
     with RawServer(_head_then_reset) as worker:
         mesh = mesh_factory(
             workers=[Worker(worker.url)],
@@ -480,18 +477,24 @@ def test_a_worker_that_dies_after_its_head_is_answered_in_the_apis_shape(
             out = []
             for _ in range(10):  # Envoy sees the head, or not, by the RST's timing
                 try:
-                    r = m.request("POST", "/v1/chat/completions", json={**CHAT, "stream": True})
+                    r = m.request("POST", path, json={**body, "stream": True})
                 except httpx2.TransportError:
                     continue  # Envoy reset the client's stream: documented
                 out.append((r.status, r.headers.get("content-type", ""), r.body))
             return out
 
+        refused: dict[str, int] = {}
         for mode, replies in in_both(mesh, answers).items():
-            for status, ctype, body in replies:
+            refused[mode] = 0
+            for status, ctype, got in replies:
                 if status == 200:
-                    assert ctype == "text/event-stream", (mode, body)
-                    assert b"upstream_error" in body.rsplit(b"data: ", 1)[-1], (mode, body)
-                else:
-                    assert (status, ctype) == (502, "application/json"), (mode, status, body)
-                    assert json.loads(body)["error"]["code"] == "upstream_error"
+                    assert ctype == "text/event-stream", (mode, got)
+                    assert b"upstream_error" in got.rsplit(b"data: ", 1)[-1], (mode, got)
+                    continue
+                assert (status, ctype) == (502, "application/json"), (mode, status, got)
+                error = json.loads(got)
+                assert error["error"]["code"] == "upstream_error", (mode, got)
+                assert ("type" in error) == (shape == "anthropic"), (mode, got)
+                refused[mode] += 1
+        assert refused["extproc"] > 0  # Envoy's own 502 was among the replies
         assert wait_until(lambda: mesh.total_load() == 0)

@@ -100,12 +100,15 @@ def bootstrap(
     buffer_limit_bytes: int = 32 * 1024 * 1024,
     failure_mode_allow: bool = False,
     subset_hint: list[str] | None = None,
+    api_error_replies: bool = True,
 ) -> dict[str, Any]:
     """An Envoy v3 bootstrap (envoy/config/bootstrap/v3/bootstrap.proto) as a dict.
 
     :param subset_hint: endpoints (``IP:port``) every request may go to, set as the
         GIE subset hint (metadata ``envoy.lb.subset_hint``) by a ``set_metadata``
         filter before ext_proc, the way a gateway that knows the pool would.
+    :param api_error_replies: Envoy's own 502 replies in the called API's error shape
+        (:func:`_api_error_replies`) instead of its ``text/plain``.
     """
     for mode in (request_body_mode, response_body_mode):
         if mode not in _BODY_MODES:
@@ -152,6 +155,7 @@ def bootstrap(
         filters.insert(0, {"name": "envoy.filters.http.set_metadata", "typed_config": setter})
     # The default route timeout (15 s) would cut long generations.
     route = {"match": {"prefix": "/"}, "route": {"cluster": "workers", "timeout": "0s"}}
+    local_replies = _api_error_replies() if api_error_replies else None
     # envoy/extensions/filters/network/http_connection_manager/v3/http_connection_manager.proto
     hcm = _typed(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -163,6 +167,8 @@ def bootstrap(
         route_config={"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [route]}]},
         http_filters=filters,
     )
+    if local_replies is not None:
+        hcm["local_reply_config"] = local_replies
     extproc_cluster = {
         "name": "extproc",
         "type": "STATIC",
@@ -209,6 +215,68 @@ def bootstrap(
             "clusters": [extproc_cluster, workers_cluster],
         },
     }
+
+
+#: Envoy's own replies put in the API's shape: status, meshkit's code, Anthropic's type.
+#: Only the 502 (a worker that reset or broke the protocol): Envoy's 504 with an empty
+#: body is its ext_proc ``message_timeout`` (the picker was late, not a worker), and
+#: this bootstrap has no route timeout to time a worker out.
+_LOCAL_ERRORS = ((502, "upstream_error", "api_error"),)
+
+
+def _api_error_replies() -> dict[str, Any]:
+    """``local_reply_config`` for the replies Envoy writes itself that the picker
+    never sees (a worker that resets right after its head: the picker has already
+    passed the 200), in the called API's error shape, as meshkit's ``errors.py``
+    writes them: Anthropic's on ``/v1/messages``, OpenAI's elsewhere.
+
+    envoy/extensions/filters/network/http_connection_manager/v3/http_connection_manager.proto
+    (``LocalReplyConfig``, ``ResponseMapper``), envoy/config/accesslog/v3/accesslog.proto
+    (the filters) and envoy/config/core/v3/substitution_format_string.proto. Only
+    Envoy's local replies are mapped; a worker's own 502 passes as it was.
+    """
+    anthropic_path = {
+        "header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/v1/messages"}}}
+    }
+    mappers: list[dict[str, Any]] = []
+    for status, code, anthropic_type in _LOCAL_ERRORS:
+        is_status = {
+            "status_code_filter": {
+                "comparison": {
+                    "op": "EQ",
+                    "value": {"default_value": status, "runtime_key": f"meshkit.local_{status}"},
+                }
+            }
+        }
+        message = "%LOCAL_REPLY_BODY%"
+        anthropic = {
+            "type": "error",
+            "error": {"type": anthropic_type, "message": message, "code": code},
+        }
+        openai = {
+            "error": {"message": message, "type": "server_error", "param": None, "code": code}
+        }
+        retry = [
+            {
+                "header": {"key": "x-should-retry", "value": "true"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
+        ]
+        mappers.append(
+            {
+                "filter": {"and_filter": {"filters": [is_status, anthropic_path]}},
+                "body_format_override": {"json_format": anthropic},
+                "headers_to_add": retry,
+            }
+        )
+        mappers.append(
+            {
+                "filter": is_status,
+                "body_format_override": {"json_format": openai},
+                "headers_to_add": retry,
+            }
+        )
+    return {"mappers": mappers}
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
