@@ -52,6 +52,12 @@ Usage::
 
     python benchmarks/routing_quality.py [--workers 6] [--png out.png]
     python benchmarks/routing_quality.py --micro 7   # time select alone (see micro)
+    python benchmarks/routing_quality.py --routers 1,4 [multi_router.py options]
+
+``--routers K`` (or a list) is the live benchmark of K independent router
+processes over one fleet of mock workers (finite prefix caches in token blocks, KV
+events, ``/metrics``): every other option is :mod:`multi_router`'s, and the
+simulation here does not run.
 
 Prints a Markdown table. ``--png`` writes a plot when matplotlib is importable.
 """
@@ -69,6 +75,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from meshkit.core.endpoints import resolve
@@ -517,6 +524,13 @@ def micro(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--routers" or a.startswith("--routers=") for a in argv):
+        # Routers are processes with their own state: the simulation cannot stand in.
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import multi_router
+
+        return multi_router.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--workers", type=int, default=6)
     ap.add_argument("--tenants", type=int, default=20)

@@ -1,0 +1,59 @@
+"""``benchmarks/routing_quality.py --routers K`` (``multi_router.py``): K router
+processes over one fleet of mock workers with KV events, end to end, in small."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_quality.py"
+
+
+def test_two_router_processes_place_over_one_fleet_with_and_without_events(
+    tmp_path: Path,
+) -> None:
+    dump = tmp_path / "runs.jsonl"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--routers",
+            "1,2",
+            "--quick",
+            "--configs",
+            "prefix_hash,cache_aware+events",
+            "--workloads",
+            "conversations",
+            "--dump",
+            str(dump),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    # One line per run: every request answered, a hit ratio against the bound.
+    lines = re.findall(r"conversations +(\S+) +K=(\d): .* ratio ([\d.]+) .* failed (\d+)", out)
+    assert sorted((c, k) for c, k, _, _ in lines) == [
+        ("cache_aware+events", "1"),
+        ("cache_aware+events", "2"),
+        ("prefix_hash", "1"),
+        ("prefix_hash", "2"),
+    ], out
+    assert all(failed == "0" and 0.5 < float(ratio) <= 1.0 for _, _, ratio, failed in lines), out
+    # Every router of the events config matched every worker on KV events.
+    events_rows = "| conversations | cache_aware+events"
+    table = [row for row in out.splitlines() if row.startswith(events_rows)]
+    assert len(table) == 2 and all("| 4/4 |" in row for row in table), out
+    # At K = 2 both router processes took requests (one shared queue).
+    routers: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for line in dump.read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["status"] == 200
+        routers[(rec["config"], rec["k"])].add(rec["router"])
+    assert routers[("prefix_hash", 2)] == routers[("cache_aware+events", 2)] == {0, 1}
+    assert routers[("prefix_hash", 1)] == {0}
