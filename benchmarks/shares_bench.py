@@ -24,7 +24,7 @@ from meshkit.core.policies.ring import HashRing
 from meshkit.core.policies.shares import TrafficShares
 
 ring = HashRing([f"http://w{i}" for i in range(4)], 150)
-shares = TrafficShares(fit=1.1, half_life_s=300, max_prefixes=4096)
+shares = TrafficShares(owner_share=0.25, half_life_s=300, max_prefixes=4096)
 rng = random.Random(1)
 times = {"observe": [], "plan": []}
 for i in range(40000):
