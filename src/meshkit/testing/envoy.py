@@ -217,11 +217,14 @@ def bootstrap(
     }
 
 
-#: Envoy's own replies put in the API's shape: status, meshkit's code, Anthropic's type.
-#: Only the 502 (a worker that reset or broke the protocol): Envoy's 504 with an empty
-#: body is its ext_proc ``message_timeout`` (the picker was late, not a worker), and
-#: this bootstrap has no route timeout to time a worker out.
-_LOCAL_ERRORS = ((502, "upstream_error", "api_error"),)
+#: Envoy's own replies put in the API's shape: status, the response flags that mark
+#: them, meshkit's code and Anthropic's type. The picker's own answers are local
+#: replies to Envoy too (meshkit's 502 for a worker Envoy could not reach carries the
+#: stream's UF flag), so a mapper by status alone would wrap meshkit's body in a
+#: second one; UPE (upstream protocol error: a reset right after the head) is a reply
+#: the picker never answers. Envoy's 504 with an empty body is its ext_proc
+#: ``message_timeout`` (the picker was late, not a worker) and stays as it is.
+_LOCAL_ERRORS = ((502, ("UPE",), "upstream_error", "api_error"),)
 
 
 def _api_error_replies() -> dict[str, Any]:
@@ -239,8 +242,8 @@ def _api_error_replies() -> dict[str, Any]:
         "header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/v1/messages"}}}
     }
     mappers: list[dict[str, Any]] = []
-    for status, code, anthropic_type in _LOCAL_ERRORS:
-        is_status = {
+    for status, flags, code, anthropic_type in _LOCAL_ERRORS:
+        by_status = {
             "status_code_filter": {
                 "comparison": {
                     "op": "EQ",
@@ -248,6 +251,8 @@ def _api_error_replies() -> dict[str, Any]:
                 }
             }
         }
+        by_flags = {"response_flag_filter": {"flags": list(flags)}}
+        envoys_own = {"and_filter": {"filters": [by_status, by_flags]}}
         message = "%LOCAL_REPLY_BODY%"
         anthropic = {
             "type": "error",
@@ -264,14 +269,14 @@ def _api_error_replies() -> dict[str, Any]:
         ]
         mappers.append(
             {
-                "filter": {"and_filter": {"filters": [is_status, anthropic_path]}},
+                "filter": {"and_filter": {"filters": [by_status, by_flags, anthropic_path]}},
                 "body_format_override": {"json_format": anthropic},
                 "headers_to_add": retry,
             }
         )
         mappers.append(
             {
-                "filter": is_status,
+                "filter": envoys_own,
                 "body_format_override": {"json_format": openai},
                 "headers_to_add": retry,
             }
