@@ -98,3 +98,25 @@ def test_placement_weighs_other_routers_requests() -> None:
     assert fleet.placement_load()[ca.key] == 2
     fleet.remove(dp.id)
     assert not fleet.others and not fleet.engine
+
+
+def test_other_routers_load_is_a_mean_over_reports_not_the_last_snapshot() -> None:
+    a = Worker("http://a:1")
+    fleet = Fleet([a])
+    (ca,) = fleet.candidates_of(a)
+    # Snapshots of a load that flickers (short requests, a slow poll): 0, 8, 0, 8...
+    seen = []
+    for running in (0, 8, 0, 8, 0, 8, 0, 8):
+        fleet.report_load(a.id, EngineLoad(running=running, waiting=0))
+        seen.append(fleet.placement_load().get(ca.key, 0))
+    assert seen[0] == 0  # the first report is taken as it is
+    # A snapshot would swing 0 <-> 8; the mean settles between them.
+    assert all(2 <= x <= 6 for x in seen[2:]), seen
+    # A lasting change is followed within a few reports.
+    for _ in range(4):
+        fleet.report_load(a.id, EngineLoad(running=20, waiting=0))
+    assert fleet.placement_load()[ca.key] >= 19
+    # No report (the engine stopped answering) forgets the mean: the next starts anew.
+    fleet.report_load(a.id, None)
+    fleet.report_load(a.id, EngineLoad(running=3, waiting=0))
+    assert fleet.placement_load()[ca.key] == 3

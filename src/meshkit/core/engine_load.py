@@ -25,8 +25,12 @@ the worker then counts only this router's requests.
 
 :func:`others` turns a report into the load *other* routers put there: what the
 engine holds minus what this router had in flight when it read the report. The
-router adds it to its own live count until the next report, so its own new
-requests count at once and the others' at the next poll.
+router keeps a running mean of it over reports (the newest weighs
+``workers.OTHERS_WEIGHT``, a half) and adds that to its own live count, so its own
+new requests count at once and the others' at the next poll. A single report is
+a snapshot: where requests last less than the probe interval it is stale before
+it is used, and four routers at 32 clients that added each snapshot as it came
+spilled on its noise (``benchmarks/MULTI_ROUTER_LONG.md``).
 
 Pure: the lifecycle thread fetches the text.
 """

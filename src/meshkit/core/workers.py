@@ -46,6 +46,8 @@ __all__ = ["Candidate", "Fleet", "Tls", "Worker", "candidates_for"]
 _ROLES = frozenset({"regular", "prefill", "decode"})
 #: weight of the newest sample in :attr:`Fleet.hold_s`
 _HOLD_ALPHA = 0.1
+#: the weight of the newest engine report in the other routers' mean load on a worker
+OTHERS_WEIGHT = 0.5
 _API_NAMES = frozenset(a.value for a in Api)
 # Aliases users write in labels.
 _API_ALIASES = {"chat_completions": "chat", "completion": "completions", "message": "messages"}
@@ -300,6 +302,8 @@ class Fleet:
         self.engine: dict[str, EngineLoad] = {}
         #: per candidate key: those requests, spread over the worker's ranks
         self.others: dict[str, int] = {}
+        #: per worker id: the other routers' requests there, averaged over reports
+        self._others_mean: dict[str, float] = {}
         self.candidates: tuple[Candidate, ...] = ()
         self._by_worker: dict[str, tuple[Candidate, ...]] = {}
         #: in-flight requests per candidate key
@@ -397,11 +401,20 @@ class Fleet:
         cands = self._by_worker.get(worker_id, ())
         if report is None or not cands:
             self.engine.pop(worker_id, None)
+            self._others_mean.pop(worker_id, None)
             for c in cands:
                 self.others.pop(c.key, None)
             return
         self.engine[worker_id] = report
-        extra = others(report, self.worker_load.get(worker_id, 0))
+        sample = others(report, self.worker_load.get(worker_id, 0))
+        # One report is a snapshot held until the next one: where requests last less
+        # than the probe interval it is mostly stale, and the in-flight gates spill
+        # on its noise. The mean of the last few reports is what the next requests
+        # will meet on average; where requests last longer it follows in ~2 reports.
+        mean = self._others_mean.get(worker_id)
+        mean = float(sample) if mean is None else mean + OTHERS_WEIGHT * (sample - mean)
+        self._others_mean[worker_id] = mean
+        extra = int(mean + 0.5)
         share, rest = divmod(extra, len(cands))
         for i, c in enumerate(cands):
             n = share + (1 if i < rest else 0)
