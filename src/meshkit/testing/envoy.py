@@ -217,71 +217,54 @@ def bootstrap(
     }
 
 
-#: Envoy's own replies put in the API's shape: status, the response flags that mark
-#: them, meshkit's code and Anthropic's type. The picker's own answers are local
-#: replies to Envoy too (meshkit's 502 for a worker Envoy could not reach carries the
-#: stream's UF flag), so a mapper by status alone would wrap meshkit's body in a
-#: second one; UPE (upstream protocol error: a reset right after the head) is a reply
-#: the picker never answers. Envoy's 504 with an empty body is its ext_proc
-#: ``message_timeout`` (the picker was late, not a worker) and stays as it is.
-_LOCAL_ERRORS = ((502, ("UPE",), "upstream_error", "api_error"),)
-
-
 def _api_error_replies() -> dict[str, Any]:
-    """``local_reply_config`` for the replies Envoy writes itself that the picker
-    never sees (a worker that resets right after its head: the picker has already
-    passed the 200), in the called API's error shape, as meshkit's ``errors.py``
-    writes them: Anthropic's on ``/v1/messages``, OpenAI's elsewhere.
+    """``local_reply_config`` that writes Envoy's own 502 for a worker that broke the
+    protocol (a reset right after its head, response flag UPE: the picker has
+    already passed the 200 and never sees it) in the called API's error shape, as
+    meshkit's ``errors.py`` writes ``upstream_error``: Anthropic's on
+    ``/v1/messages``, OpenAI's elsewhere.
+
+    By status alone the mapper would also take the picker's own answers, which are
+    local replies to Envoy too (meshkit's 502 for a worker Envoy could not reach
+    carries the stream's UF flag), and wrap meshkit's body in a second one. Envoy's
+    504 with an empty body is its ext_proc ``message_timeout`` (the picker was late,
+    not a worker) and stays as it is. A worker's own 502 is never a local reply.
 
     envoy/extensions/filters/network/http_connection_manager/v3/http_connection_manager.proto
     (``LocalReplyConfig``, ``ResponseMapper``), envoy/config/accesslog/v3/accesslog.proto
-    (the filters) and envoy/config/core/v3/substitution_format_string.proto. Only
-    Envoy's local replies are mapped; a worker's own 502 passes as it was.
+    (the filters) and envoy/config/core/v3/substitution_format_string.proto.
     """
-    anthropic_path = {
+    comparison = {"op": "EQ", "value": {"default_value": 502, "runtime_key": "meshkit.local_502"}}
+    envoys_own = [
+        {"status_code_filter": {"comparison": comparison}},
+        {"response_flag_filter": {"flags": ["UPE"]}},
+    ]
+    messages_api = {
         "header_filter": {"header": {"name": ":path", "string_match": {"prefix": "/v1/messages"}}}
     }
-    mappers: list[dict[str, Any]] = []
-    for status, flags, code, anthropic_type in _LOCAL_ERRORS:
-        by_status = {
-            "status_code_filter": {
-                "comparison": {
-                    "op": "EQ",
-                    "value": {"default_value": status, "runtime_key": f"meshkit.local_{status}"},
-                }
-            }
+    message, code = "%LOCAL_REPLY_BODY%", "upstream_error"
+    anthropic = {"type": "error", "error": {"type": "api_error", "message": message, "code": code}}
+    openai = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    retry = [
+        {
+            "header": {"key": "x-should-retry", "value": "true"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
         }
-        by_flags = {"response_flag_filter": {"flags": list(flags)}}
-        envoys_own = {"and_filter": {"filters": [by_status, by_flags]}}
-        message = "%LOCAL_REPLY_BODY%"
-        anthropic = {
-            "type": "error",
-            "error": {"type": anthropic_type, "message": message, "code": code},
-        }
-        openai = {
-            "error": {"message": message, "type": "server_error", "param": None, "code": code}
-        }
-        retry = [
+    ]
+    return {
+        "mappers": [
             {
-                "header": {"key": "x-should-retry", "value": "true"},
-                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-            }
-        ]
-        mappers.append(
-            {
-                "filter": {"and_filter": {"filters": [by_status, by_flags, anthropic_path]}},
+                "filter": {"and_filter": {"filters": [*envoys_own, messages_api]}},
                 "body_format_override": {"json_format": anthropic},
                 "headers_to_add": retry,
-            }
-        )
-        mappers.append(
+            },
             {
-                "filter": envoys_own,
+                "filter": {"and_filter": {"filters": envoys_own}},
                 "body_format_override": {"json_format": openai},
                 "headers_to_add": retry,
-            }
-        )
-    return {"mappers": mappers}
+            },
+        ]
+    }
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
