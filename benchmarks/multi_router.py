@@ -64,6 +64,11 @@ Metrics
 - **bound**: the hit rate of ONE cache of unlimited size, same block size and
   tokenization (``meshkit.mock.cache.PrefixCache``), fed the requests in the order
   the routers sent them. No placement can beat it.
+- **fleet LRU**: the hit rate of one LRU cache as large as the fleet's caches
+  together, fed the same requests in the same order: what one engine that big
+  would get. Where the working set is larger than the fleet's cache (many tenants,
+  many conversations in flight) the unlimited bound counts hits that no placement
+  keeps, and ``hit / fleet LRU`` says how much of the loss is placement.
 - **ratio** = hit / bound; **max/mean** = requests per worker (from
   ``x-mock-worker``), max over mean; **wall** = seconds of traffic (start-up
   excluded); **failed** = requests that did not answer 200 (counted, not fatal).
@@ -529,6 +534,8 @@ class Run:
     usage_prompt: int = 0
     usage_cached: int = 0
     bound: float = 0.0
+    #: one LRU cache as large as the fleet's caches together, same requests
+    fleet_lru: float = 0.0
     per_worker: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     events: int | None = None
@@ -602,6 +609,10 @@ class Cell:
         return self._mean([r.ratio for r in self.runs])
 
     @property
+    def fleet_lru(self) -> float:
+        return self._mean([r.fleet_lru for r in self.runs])
+
+    @property
     def ratios(self) -> list[float]:
         return [r.ratio for r in self.runs if not math.isnan(r.ratio)]
 
@@ -661,24 +672,39 @@ class Bound:
             ids = self.ids[key] = prompt_ids(self.tok, body)
         return ids
 
-    def hit_rate(self, served: Sequence[tuple[dict[str, Any], str]], outputs: bool) -> float:
+    def hit_rate(
+        self, served: Sequence[tuple[dict[str, Any], str]], outputs: bool, capacity: int = 0
+    ) -> tuple[float, float]:
         """``served``: (body, reply) in the order sent. With ``outputs``, the cache
-        also keeps each answer (as engines that cache what they generate do)."""
+        also keeps each answer (as engines that cache what they generate do).
+
+        Returns the hit rate of one unlimited cache (the bound) and of one LRU cache
+        of ``capacity`` tokens (the fleet's caches together; 0: not measured). The
+        second is what one engine as large as the fleet would get: where the
+        working set is larger than the fleet's cache, the unlimited bound counts
+        hits no placement can keep."""
         from meshkit.mock.cache import PrefixCache
 
         cache = PrefixCache(1 << 62, self.block)
-        hit = total = 0
+        fleet = PrefixCache(capacity, self.block) if capacity else None
+        hit = fleet_hit = total = 0
         for body, reply in served:
             ids = self.prompt_ids(body)
             lora = body["model"] if body["model"] in LORAS else None  # blocks of its own
             hashes = cache.block_hashes(ids, lora)
             hit += cache.lookup(hashes, len(ids))
+            if fleet is not None:
+                fleet_hit += fleet.lookup(hashes, len(ids))
             if outputs and reply:  # the prompt's blocks and the answer's after them
                 more = self.tok.encode(reply, add_special_tokens=False)
                 hashes = cache.block_hashes(ids + more, lora)
             cache.insert(hashes)
+            if fleet is not None:
+                fleet.insert(hashes)
             total += len(ids)
-        return hit / total if total else 0.0
+        if not total:
+            return 0.0, 0.0
+        return hit / total, fleet_hit / total
 
 
 def run_one(
@@ -840,7 +866,10 @@ def run_one(
     served.sort(key=lambda x: x[0])
     # engines that cache what they generate (vLLM, --vllm-cache) can hit answers too
     outputs = bool(args.vllm or args.vllm_cache)
-    run.bound = bound.hit_rate([(b, reply) for _, b, _, reply in served], outputs)
+    capacity = sum(args.cache_tokens[i % len(args.cache_tokens)] for i in range(args.workers))
+    run.bound, run.fleet_lru = bound.hit_rate(
+        [(b, reply) for _, b, _, reply in served], outputs, capacity
+    )
     run.token_mismatch = sum(1 for _, b, p, _ in served if len(bound.prompt_ids(b)) != p)
     return run
 
@@ -931,8 +960,8 @@ def drive(
 def fmt_table(runs: Sequence[Cell]) -> list[str]:
     lines = [
         "| workload | config | K | requests | failed | hit | bound | ratio | ratio range "
-        "| max/mean | per worker | moved | events | wall (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| fleet LRU | hit / fleet LRU | max/mean | per worker | moved | events | wall (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in runs:
         ratio = "—" if math.isnan(r.ratio) else f"{r.ratio:.3f}"
@@ -944,7 +973,9 @@ def fmt_table(runs: Sequence[Cell]) -> list[str]:
         mv = f"{moved}/{later}" if later else "—"
         lines.append(
             f"| {r.workload} | {r.config} | {r.routers} | {r.requests} | {r.failed} "
-            f"| {r.hit:.1%} | {r.bound:.1%} | {ratio} | {spread} | {r.imbalance:.2f} | {per} "
+            f"| {r.hit:.1%} | {r.bound:.1%} | {ratio} | {spread} | {r.fleet_lru:.1%} "
+            f"| {r.hit / r.fleet_lru if r.fleet_lru > 0.01 else math.nan:.3f} "
+            f"| {r.imbalance:.2f} | {per} "
             f"| {mv} | {ev} "
             f"| {r.wall_s:.1f} |"
         )
@@ -1072,7 +1103,8 @@ def write_report(
         f"Each cell is the mean of {args.repeat} run(s) of the same workload; ratio range: "
         "the runs' extremes; requests, per worker and moved are summed over them. "
         "hit = cached / prompt tokens (the workers' counters); bound = one unlimited cache, "
-        "same blocks, requests in the order sent; ratio = hit / bound; max/mean = requests "
+        "same blocks, requests in the order sent; ratio = hit / bound; fleet LRU = one LRU "
+        "cache of the fleet's total size, same requests; max/mean = requests "
         "per worker; moved = turns of a running conversation sent to another worker than its "
         "previous turn; events = workers matched on KV events by every router at the end.",
         "",
@@ -1326,6 +1358,7 @@ def _main(args: argparse.Namespace, configs: list[str], argv: list[str], t0: flo
             ratio = "—" if math.isnan(run.ratio) else f"{run.ratio:.3f}"
             print(
                 f"  {wl.name:14} {config:19} K={k}: hit {run.hit:.1%} bound {run.bound:.1%} "
+                f"fleet LRU {run.fleet_lru:.1%} "
                 f"ratio {ratio} max/mean {run.imbalance:.2f} failed {run.failed} "
                 f"{run.wall_s:.1f} s {'; '.join(run.notes)}",
                 flush=True,

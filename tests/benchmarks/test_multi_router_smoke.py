@@ -45,6 +45,10 @@ def test_two_router_processes_place_over_one_fleet_with_and_without_events(
         ("prefix_hash", "2"),
     ], out
     assert all(failed == "0" and 0.5 < float(ratio) <= 1.0 for _, _, ratio, failed in lines), out
+    # One cache as large as the fleet's never beats the unlimited one, and holds
+    # this small workload's prompts well enough to hit.
+    refs = re.findall(r"conversations .* bound ([\d.]+)% fleet LRU ([\d.]+)%", out)
+    assert len(refs) == 4 and all(0 < float(f) <= float(b) for b, f in refs), out
     # Every router of the events config matched every worker on KV events.
     events_rows = "| conversations | cache_aware+events"
     table = [row for row in out.splitlines() if row.startswith(events_rows)]
