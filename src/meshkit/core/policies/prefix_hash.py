@@ -84,7 +84,9 @@ With ``owner_share`` set (the default), a prefix's worker comes from a plan made
 of each prefix's share of recent traffic (:mod:`meshkit.core.policies.shares`):
 the one thing K independent routers see alike. A prefix's ring owner keeps up to
 ``owner_share`` of a worker's fair share of it; the rest of a hot prefix fills the
-workers the owners left under theirs, a conversation picking its worker by hash.
+workers the owners left under theirs, a conversation picking its worker by hash
+within the prefix's own stretch of that pool (so a tenant is cached on its owner
+and the few workers its stretch spans, not on all).
 The in-flight bound becomes a guard against bursts (``burst_factor``).
 
 Choose ``prefix_token_count`` deeper than prompts' shared part (a common system

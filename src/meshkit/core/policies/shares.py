@@ -16,15 +16,25 @@ bounded) and turns them into a :class:`Plan`:
   ``cap = owner_share / n`` of the traffic: all of a small prefix, and of a
   hotter one the conversations whose hash (:func:`unit_interval`) falls under
   ``cap / share``;
-* a worker that owns more than its fair share ``1 / n`` keeps the same fraction of
-  each of its prefixes, so the ring's draw never overloads it; what a small
-  prefix (one under the cap) sheds goes to its *heir*, the next worker of its ring
-  walk that owns no more than its share, so the prefix is cached on two workers,
-  not spread over the pool;
+* a worker that owns more than its fair share ``1 / n`` sheds the excess, so the
+  ring's draw never overloads it: its prefixes in point order, whole prefixes first
+  and the last one split (the split moves continuously with the estimates). What a
+  small prefix (one under the cap) sheds goes to its *heir*, the next worker of its
+  ring walk that owns no more than its share, so the prefix is cached on one or two
+  workers, not spread over the pool;
 * the rest of every prefix is the *pool*; it fills the workers least planned
-  first (water-filling) until the planned shares are level, and a pool
-  conversation picks its worker by a second hash (:func:`mix64`) against the
-  pool's cumulative shares, the workers in key order;
+  first (water-filling) until the planned shares are level. The pooled prefixes
+  lie on the pool's line one after another in point order, each on a segment as
+  long as its pooled share, and a pool conversation picks the point of its
+  prefix's segment its second hash (:func:`mix64`) gives, the workers in key
+  order along the line. A prefix is then cached on the pool workers its
+  segment spans (one or two unless it is longer than a worker's stretch), not
+  on every one: under a cache that holds little more
+  than the tenants' system prompts, every extra copy evicts another tenant's.
+  A segment's start depends on the estimates of the prefixes before it, which
+  routers that have seen few requests disagree on, so a router puts only
+  ``recent requests / PACK_AFTER`` of the pooled conversations on the segments
+  (a third hash decides which) and spreads the rest over the whole line;
 * prefixes under an eighth of the cap are background (they go to their owner and
   count as spread evenly).
 
@@ -54,9 +64,14 @@ K = TypeVar("K", bound=Hashable)
 
 #: observations between two plans once the first ones are made
 REPLAN_EVERY = 128
+#: recent observations (decayed) at which every pooled conversation lies on its
+#: prefix's segment; under it, that part grows in proportion
+PACK_AFTER = 512.0
 #: prefixes below this fraction of the owner's cap are background, not planned
 _BACKGROUND = 0.125
 _MASK64 = (1 << 64) - 1
+#: a third draw from a conversation point: on its prefix's segment or not
+_PACK_SALT = 0x5BD1E9955BD1E995
 _MASK53 = (1 << 53) - 1
 _TO_UNIT = 1.0 / (1 << 53)
 
@@ -138,7 +153,7 @@ class Plan:
     """Where each prefix's traffic goes: its ring owner keeps up to ``owner_share``
     of a worker's fair share, the rest joins a pool that levels the fleet."""
 
-    __slots__ = ("_owners", "bounds", "heirs", "kept", "planned", "pool")
+    __slots__ = ("_owners", "bounds", "heirs", "kept", "packed", "planned", "pool", "segments")
 
     def __init__(
         self,
@@ -148,8 +163,15 @@ class Plan:
         bounds: tuple[float, ...],
         planned: dict[str, float],
         heirs: dict[int, str] | None = None,
+        segments: dict[int, tuple[float, float]] | None = None,
+        packed: float = 1.0,
     ) -> None:
         self._owners = owners
+        #: pooled prefix point -> (start, width) of its segment of the pool line
+        self.segments = segments or {}
+        #: the part of each pooled prefix's conversations placed on its segment
+        #: (the rest anywhere on the line)
+        self.packed = packed
         #: small prefix point -> the worker that takes what its owner sheds
         self.heirs = heirs or {}
         #: prefix point -> the fraction of its conversations its owner keeps (< 1)
@@ -176,7 +198,11 @@ class Plan:
             return heir
         if not self.pool:
             return None
-        at = bisect.bisect_right(self.bounds, unit_interval(mix64(spread)))
+        u = unit_interval(mix64(spread))
+        seg = self.segments.get(point)
+        if seg is not None and unit_interval(mix64(spread ^ _PACK_SALT)) < self.packed:
+            u = seg[0] + u * seg[1]
+        at = bisect.bisect_right(self.bounds, u)
         return self.pool[min(at, len(self.pool) - 1)]
 
     def second(self, spread: int) -> str | None:
@@ -270,32 +296,52 @@ class TrafficShares:
             owned.append((point, owner, share, own))
             by_owner[owner] += own
         background = max(0.0, 1.0 - sum(share for _, _, share, _ in owned)) / n
-        # A worker that owns more than its fair share keeps a scaled part of each of
-        # its prefixes (the scale moves with the estimates, no step): the ring
-        # alone gives some worker half of the small prefixes.
         room = max(0.0, 1.0 / n - background)
-        scale = {key: min(1.0, room / v) if v > 0 else 1.0 for key, v in by_owner.items()}
+        # A worker that owns more than its fair share sheds the excess from its
+        # prefixes in point order: whole prefixes, and one split at the boundary,
+        # which moves continuously with the estimates. A fraction shed from every
+        # prefix would cache each of them twice.
+        excess = {key: max(0.0, v - room) for key, v in by_owner.items()}
+        fits = {key for key, v in by_owner.items() if v <= room}
+        owned.sort()
         for key in members:
             planned[key] = background
         pooled = 0.0
         heirs: dict[int, str] = {}
+        spilled: list[tuple[int, float]] = []
         for point, owner, share, own in owned:
             whole = own == share
-            own *= scale[owner]
+            cut = min(own, excess[owner])
+            if cut > 0.0:
+                excess[owner] -= cut
+                own -= cut
             planned[owner] += own
             owners[point] = owner
             if share - own > 1e-12:
                 kept[point] = own / share
-                heir = _heir(ring, point, owner, scale) if whole else None
+                heir = _heir(ring, point, owner, fits) if whole else None
                 if heir is not None:
                     # Spread over the pool, a small prefix would be cached everywhere
                     # and its few conversations would each miss it somewhere new.
                     heirs[point] = heir
                     planned[heir] += share - own
                 else:
+                    spilled.append((point, share - own))
                     pooled += share - own
         pool, bounds = _level(planned, pooled)
-        return Plan(owners, kept, pool, bounds, planned, heirs)
+        # Each pooled prefix takes one segment of the pool's line, in point order:
+        # it is cached on the few pool workers its segment spans.
+        segments: dict[int, tuple[float, float]] = {}
+        at = 0.0
+        for point, part in spilled:
+            width = part / pooled
+            segments[point] = (at, width)
+            at += width
+        # Where each prefix's segment starts depends on the estimates of the ones
+        # before it: routers that have seen few requests disagree on it more than
+        # on a spread over the whole pool, so they put fewer conversations on it.
+        packed = min(1.0, total / PACK_AFTER)
+        return Plan(owners, kept, pool, bounds, planned, heirs, segments, packed)
 
 
 def _first_member(ring: HashRing, point: int, members: dict[str, float]) -> str | None:
@@ -307,11 +353,11 @@ def _first_member(ring: HashRing, point: int, members: dict[str, float]) -> str 
     return next((k for k in ring.walk(point) if k in members), None)
 
 
-def _heir(ring: HashRing, point: int, owner: str, scale: dict[str, float]) -> str | None:
+def _heir(ring: HashRing, point: int, owner: str, fits: set[str]) -> str | None:
     """The first worker after ``owner`` on ``point``'s walk that owns no more than
-    its share (``scale`` 1), or ``None``."""
+    its share (one of ``fits``), or ``None``."""
     for key in ring.walk(point):
-        if key != owner and scale.get(key, 0.0) >= 1.0:
+        if key != owner and key in fits:
             return key
     return None
 
