@@ -200,7 +200,10 @@ class Plan:
             return None
         u = unit_interval(mix64(spread))
         seg = self.segments.get(point)
-        if seg is not None and unit_interval(mix64(spread ^ _PACK_SALT)) < self.packed:
+        packed = self.packed
+        if seg is not None and (
+            packed >= 1.0 or unit_interval(mix64(spread ^ _PACK_SALT)) < packed
+        ):
             u = seg[0] + u * seg[1]
         at = bisect.bisect_right(self.bounds, u)
         return self.pool[min(at, len(self.pool) - 1)]
