@@ -2,7 +2,8 @@
 The mesh core's CPU per request, in-process
 ===========================================
 
-``python benchmarks/core_bench.py [--size 1024] [--policy round_robin] [--profile]``
+``python benchmarks/core_bench.py [--size 1024] [--api completions|chat]
+[--policy round_robin] [--profile]``
 
 What every mode pays on top of its sockets: ``Mesh.prepare`` (parse), the forward
 flow driven by ``drive_sync`` (place, lease, the attempt), accounting (feed, end)
@@ -32,9 +33,14 @@ ANSWER = (
     b'"choices":[{"index":0,"text":"hello world","finish_reason":"length","logprobs":null}],'
     b'"usage":{"prompt_tokens":10,"completion_tokens":2,"total_tokens":12}}'
 )
+CHAT_ANSWER = (
+    b'{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"mock-model",'
+    b'"choices":[{"index":0,"message":{"role":"assistant","content":"hello world"},'
+    b'"finish_reason":"length","logprobs":null}],'
+    b'"usage":{"prompt_tokens":10,"completion_tokens":2,"total_tokens":12}}'
+)
 ANSWER_HEADERS = [
     (b"content-type", b"application/json"),
-    (b"content-length", b"%d" % len(ANSWER)),
     (b"date", b"Mon, 30 Nov 2026 00:00:00 GMT"),
     (b"server", b"mock"),
 ]
@@ -43,32 +49,43 @@ WORKERS = [f"http://127.0.0.1:{port}" for port in (1, 2, 3, 4)]
 
 class _Exchange:
     status = 200
-    headers = ANSWER_HEADERS
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.headers = [*ANSWER_HEADERS, (b"content-length", b"%d" % len(answer))]
 
     def chunks(self) -> Iterator[bytes]:
-        yield ANSWER
+        yield self.answer
 
     def read(self, limit: int) -> bytes:
-        return ANSWER
+        return self.answer
 
     def close(self) -> None:
         pass
 
 
-def _send(attempt: Attempt) -> _Exchange:
-    return _Exchange()
-
-
-def run(size: int, policy: str, rounds: int = 5, n: int = 20_000, profile: bool = False) -> float:
+def run(
+    size: int,
+    policy: str,
+    rounds: int = 5,
+    n: int = 20_000,
+    profile: bool = False,
+    api: str = "completions",
+) -> float:
     mesh = Mesh(workers=WORKERS, policy=policy, lifecycle={"probe": False})
-    body = bodies(size, 1)[0]
+    body = bodies(size, 1, api)[0]
+    exchange_ = _Exchange(CHAT_ANSWER if api == "chat" else ANSWER)
+
+    def _send(attempt: Attempt) -> _Exchange:
+        return exchange_
+
     headers = [
         (b"host", b"127.0.0.1:8000"),
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),
         (b"user-agent", b"bench"),
     ]
-    match = mesh.resolve("POST", "/v1/completions")
+    match = mesh.resolve("POST", "/v1/chat/completions" if api == "chat" else "/v1/completions")
     assert match is not None
 
     def one() -> None:
@@ -181,6 +198,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/core_bench.py")
     ap.add_argument("--size", type=int, default=1024, help="request body bytes")
     ap.add_argument("--policy", default="round_robin")
+    ap.add_argument("--api", choices=("completions", "chat"), default="completions")
     ap.add_argument("--profile", action="store_true", help="also print a cProfile table")
     ap.add_argument(
         "--kv-index", action="store_true", help="the KV index instead: match cost and memory"
@@ -193,7 +211,8 @@ def main() -> int:
         per, n = kv_memory()
         print(f"kv index memory: {per:.0f} bytes per entry ({n} entries, 64 workers)")
         return 0
-    print(f"mesh core: {run(ns.size, ns.policy, profile=ns.profile):.2f} µs/request (best of 5)")
+    us = run(ns.size, ns.policy, profile=ns.profile, api=ns.api)
+    print(f"mesh core ({ns.api}): {us:.2f} µs/request (best of 5)")
     return 0
 
 

@@ -27,6 +27,17 @@ def test_core_bench_runs_requests_through_the_core() -> None:
     assert _printed(code) == "True"
 
 
+def test_core_bench_runs_chat_requests_through_the_core() -> None:
+    # A chat body to /v1/chat/completions with a chat answer: a body the route
+    # refuses or a flow that does not relay fails the run.
+    code = (
+        "import core_bench\n"
+        "us = core_bench.run(1024, 'round_robin', rounds=1, n=50, api='chat')\n"
+        "print(us > 0)\n"
+    )
+    assert _printed(code) == "True"
+
+
 def test_the_kv_index_bench_runs() -> None:
     code = (
         "import core_bench\n"
