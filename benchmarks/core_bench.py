@@ -74,10 +74,10 @@ def run(
 ) -> float:
     mesh = Mesh(workers=WORKERS, policy=policy, lifecycle={"probe": False})
     body = bodies(size, 1, api)[0]
-    exchange_ = _Exchange(CHAT_ANSWER if api == "chat" else ANSWER)
+    answer = _Exchange(CHAT_ANSWER if api == "chat" else ANSWER)
 
     def _send(attempt: Attempt) -> _Exchange:
-        return exchange_
+        return answer
 
     headers = [
         (b"host", b"127.0.0.1:8000"),

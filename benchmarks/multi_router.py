@@ -673,38 +673,35 @@ class Bound:
         return ids
 
     def hit_rate(
-        self, served: Sequence[tuple[dict[str, Any], str]], outputs: bool, capacity: int = 0
+        self, served: Sequence[tuple[dict[str, Any], str]], outputs: bool, capacity: int
     ) -> tuple[float, float]:
-        """``served``: (body, reply) in the order sent. With ``outputs``, the cache
-        also keeps each answer (as engines that cache what they generate do).
+        """``served``: (body, reply) in the order sent. With ``outputs``, the caches
+        also keep each answer (as engines that cache what they generate do).
 
         Returns the hit rate of one unlimited cache (the bound) and of one LRU cache
-        of ``capacity`` tokens (the fleet's caches together; 0: not measured). The
-        second is what one engine as large as the fleet would get: where the
-        working set is larger than the fleet's cache, the unlimited bound counts
-        hits no placement can keep."""
+        of ``capacity`` tokens (the fleet's caches together). The second is what one
+        engine as large as the fleet would get: where the working set is larger than
+        the fleet's cache, the unlimited bound counts hits no placement can keep."""
         from meshkit.mock.cache import PrefixCache
 
-        cache = PrefixCache(1 << 62, self.block)
-        fleet = PrefixCache(capacity, self.block) if capacity else None
-        hit = fleet_hit = total = 0
+        caches = (PrefixCache(1 << 62, self.block), PrefixCache(capacity, self.block))
+        hits = [0, 0]
+        total = 0
         for body, reply in served:
             ids = self.prompt_ids(body)
             lora = body["model"] if body["model"] in LORAS else None  # blocks of its own
-            hashes = cache.block_hashes(ids, lora)
-            hit += cache.lookup(hashes, len(ids))
-            if fleet is not None:
-                fleet_hit += fleet.lookup(hashes, len(ids))
+            hashes = caches[0].block_hashes(ids, lora)
+            for i, cache in enumerate(caches):
+                hits[i] += cache.lookup(hashes, len(ids))
             if outputs and reply:  # the prompt's blocks and the answer's after them
                 more = self.tok.encode(reply, add_special_tokens=False)
-                hashes = cache.block_hashes(ids + more, lora)
-            cache.insert(hashes)
-            if fleet is not None:
-                fleet.insert(hashes)
+                hashes = caches[0].block_hashes(ids + more, lora)
+            for cache in caches:
+                cache.insert(hashes)
             total += len(ids)
         if not total:
             return 0.0, 0.0
-        return hit / total, fleet_hit / total
+        return hits[0] / total, hits[1] / total
 
 
 def run_one(

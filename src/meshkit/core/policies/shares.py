@@ -29,8 +29,8 @@ bounded) and turns them into a :class:`Plan`:
   prefix's segment its second hash (:func:`mix64`) gives, the workers in key
   order along the line. A prefix is then cached on the pool workers its
   segment spans (one or two unless it is longer than a worker's stretch), not
-  on every one: under a cache that holds little more
-  than the tenants' system prompts, every extra copy evicts another tenant's.
+  on every one: under a cache that holds little more than the tenants' system
+  prompts, every extra copy evicts another tenant's.
   A segment's start depends on the estimates of the prefixes before it, which
   routers that have seen few requests disagree on, so a router puts only
   ``recent requests / PACK_AFTER`` of the pooled conversations on the segments
