@@ -74,6 +74,11 @@ Metrics
   excluded); **failed** = requests that did not answer 200 (counted, not fatal).
 - **events**: for ``cache_aware+events``, the smallest number of workers any router
   matched on events at the end (``router.describe()`` ``prefix_match``).
+- **index age p50/p90**: how old the KV-event batches were when they reached the
+  routers' indexes (``mesh_kv_event_age_seconds``, all routers; each figure is the
+  upper edge of its histogram bucket). A request placed within that window does
+  not see what the one before it stored; on a machine whose cores the routers
+  share with the fleet it grows with K.
 
 Usage::
 
@@ -248,7 +253,8 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
             total += turns
         note = f"{len(LORAS)} adapters, Zipf {args.zipf}, one system prompt"
         out.append(Workload("lora C=8", 8, convs, note))
-    return [w for w in out if not args.workloads or w.name.split()[0] in args.workloads]
+    wanted = set(args.workloads)
+    return [w for w in out if not wanted or wanted & {w.name, w.name.split()[0]}]
 
 
 # -- fleet process -------------------------------------------------------------------
@@ -266,6 +272,29 @@ def kv_breaks(mesh: Any) -> dict[str, int]:
                 what = sample.labels.get("outcome", "undecodable")
                 out[what] = out.get(what, 0) + int(sample.value)
     return out
+
+
+def kv_age(mesh: Any) -> dict[float, float]:
+    """How old the KV-event batches were when they reached the router's index:
+    ``mesh_kv_event_age_seconds``' cumulative buckets (upper bound in seconds ->
+    batches), summed over the workers."""
+    out: dict[float, float] = {}
+    for family in mesh.metrics.registry.collect():
+        if family.name != "mesh_kv_event_age_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                out[le] = out.get(le, 0.0) + sample.value
+    return out
+
+
+def age_quantile(buckets: dict[float, float], q: float) -> float:
+    """The upper bound of the bucket that holds quantile ``q`` (nan: no batches)."""
+    total = buckets.get(math.inf, 0.0)
+    if not total:
+        return math.nan
+    return next(le for le in sorted(buckets) if buckets[le] >= q * total)
 
 
 def _worker_stats(
@@ -511,6 +540,7 @@ def router_main(
             "kv_evicted": kv.evicted if kv is not None else 0,
             "kv_unchained": kv.unchained if kv is not None else 0,
             "kv_gaps": kv_breaks(mesh),
+            "kv_age": kv_age(mesh),
         }
         results.put(("bye", idx, info))
     except Exception as exc:
@@ -540,6 +570,8 @@ class Run:
     wall_s: float = 0.0
     events: int | None = None
     token_mismatch: int = 0
+    #: the routers' mesh_kv_event_age_seconds, cumulative buckets summed
+    kv_age: dict[float, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     #: one record per answer (``--dump``)
     log: list[dict[str, Any]] = field(default_factory=list)
@@ -641,6 +673,14 @@ class Cell:
     @property
     def wall_s(self) -> float:
         return self._mean([r.wall_s for r in self.runs])
+
+    @property
+    def kv_age(self) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for r in self.runs:
+            for le, n in r.kv_age.items():
+                out[le] = out.get(le, 0.0) + n
+        return out
 
 
 def cells(runs: Sequence[Run]) -> list[Cell]:
@@ -849,6 +889,8 @@ def run_one(
         run.events = min(int(i.get("events", 0)) for i in infos)
         # Each router's index should hold exactly what the engines hold.
         for r, info in enumerate(infos):
+            for le, n in (info.get("kv_age") or {}).items():
+                run.kv_age[le] = run.kv_age.get(le, 0.0) + n
             seen = info.get("kv_blocks") or []
             if len(seen) == len(true_blocks) and list(seen) != true_blocks:
                 run.notes.append(f"router {r}: index blocks {seen}, engines hold {true_blocks}")
@@ -957,8 +999,9 @@ def drive(
 def fmt_table(runs: Sequence[Cell]) -> list[str]:
     lines = [
         "| workload | config | K | requests | failed | hit | bound | ratio | ratio range "
-        "| fleet LRU | hit / fleet LRU | max/mean | per worker | moved | events | wall (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| fleet LRU | hit / fleet LRU | max/mean | per worker | moved | events "
+        "| index age p50/p90 (ms) | wall (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in runs:
         ratio = "—" if math.isnan(r.ratio) else f"{r.ratio:.3f}"
@@ -968,12 +1011,14 @@ def fmt_table(runs: Sequence[Cell]) -> list[str]:
         ev = "—" if r.events is None else f"{r.events}/{len(r.per_worker)}"
         moved, later = r.moved
         mv = f"{moved}/{later}" if later else "—"
+        p50, p90 = (age_quantile(r.kv_age, q) for q in (0.5, 0.9))
+        age = "—" if math.isnan(p50) else f"≤{p50 * 1000:g}/≤{p90 * 1000:g}"
         lines.append(
             f"| {r.workload} | {r.config} | {r.routers} | {r.requests} | {r.failed} "
             f"| {r.hit:.1%} | {r.bound:.1%} | {ratio} | {spread} | {r.fleet_lru:.1%} "
             f"| {r.hit / r.fleet_lru if r.fleet_lru > 0.01 else math.nan:.3f} "
             f"| {r.imbalance:.2f} | {per} "
-            f"| {mv} | {ev} "
+            f"| {mv} | {ev} | {age} "
             f"| {r.wall_s:.1f} |"
         )
     return lines
@@ -1215,7 +1260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--routers", default="1,4", help="router process counts, e.g. 1,4")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument(
-        "--workloads", default="", help="zipf,conversations,one-off (default all), lora"
+        "--workloads",
+        default="",
+        help="zipf,conversations,one-off (default all), lora; or one by its name ('zipf C=32')",
     )
     ap.add_argument("--tenants", type=int, default=12)
     ap.add_argument("--zipf", type=float, default=1.1)

@@ -55,6 +55,9 @@ _LATENCY: Final[Sequence[float]] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 _PD_LATENCY = tuple(_LATENCY[:-1])
+# A batch is applied within a millisecond on an idle router; tens of milliseconds
+# are as long as a short request, seconds a subscriber that fell behind.
+_KV_AGE = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class _Hist:
@@ -228,6 +231,14 @@ class RouterMetrics:
             "mesh_kv_batches",
             "KV-event batches applied to the index, per worker",
             ["worker"],
+            registry=r,
+        )
+        self.kv_age = Histogram(
+            "mesh_kv_event_age_seconds",
+            "How old a live KV-event batch was when it reached the index (this host's "
+            "clock minus the engine's ts): how far placement trails the engine's cache",
+            ["worker"],
+            buckets=_KV_AGE,
             registry=r,
         )
         self.kv_gaps = Counter(

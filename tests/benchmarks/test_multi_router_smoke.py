@@ -53,6 +53,11 @@ def test_two_router_processes_place_over_one_fleet_with_and_without_events(
     events_rows = "| conversations | cache_aware+events"
     table = [row for row in out.splitlines() if row.startswith(events_rows)]
     assert len(table) == 2 and all("| 4/4 |" in row for row in table), out
+    # ... and timed the batches from the engines' stamps into its index.
+    ages = [re.search(r"\| 4/4 \| ≤([\d.]+)/≤([\d.]+) \|", row) for row in table]
+    assert all(a and 0 < float(a[1]) <= float(a[2]) for a in ages), table
+    plain = [row for row in out.splitlines() if row.startswith("| conversations | prefix_hash")]
+    assert len(plain) == 2 and all("| — | — |" in row for row in plain), out
     # At K = 2 both router processes took requests (one shared queue).
     routers: dict[tuple[str, int], set[int]] = defaultdict(set)
     for line in dump.read_text().splitlines():

@@ -63,9 +63,11 @@ class Publisher:
                     self.router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
             self.router.send_multipart([ident, b"", (-1).to_bytes(8, "big", signed=True), b""])
 
-    def payload(self, hashes: list[int], parent: int | None, tokens: list[int]) -> bytes:
+    def payload(
+        self, hashes: list[int], parent: int | None, tokens: list[int], ts: float | None = None
+    ) -> bytes:
         event = BlockStored(hashes, parent, tokens, BLOCK, None, "GPU", None)
-        return msgspec.msgpack.encode(KVEventBatch(time.time(), [event], 0))
+        return msgspec.msgpack.encode(KVEventBatch(time.time() if ts is None else ts, [event], 0))
 
     def send(self, payload: bytes, *, publish: bool = True) -> None:
         self.kept.append((self.seq, payload))
@@ -150,6 +152,32 @@ def test_batches_reach_the_index_and_chain(pub: Publisher) -> None:
         assert row["prefix_match"] == "events" and row["kv_blocks"] >= 3
         text = mesh.metrics.render().decode()
         assert f'mesh_worker_prefix_match{{kind="events",worker="{URL}"}} 1.0' in text
+
+
+def age_buckets(mesh: Mesh) -> dict[str, float]:
+    return {
+        le: mesh.metrics.registry.get_sample_value(
+            "mesh_kv_event_age_seconds_bucket", {"worker": URL, "le": le}
+        )
+        or 0.0
+        for le in ("0.5", "2.0", "5.0", "+Inf")
+    }
+
+
+def test_the_index_age_is_measured_from_the_engines_stamp(pub: Publisher) -> None:
+    with mesh_for(pub) as mesh:
+        connected(mesh, pub)
+        before = age_buckets(mesh)
+        assert before["0.5"] == before["+Inf"]  # live batches arrive fresh
+        pub.send(pub.payload([7], None, [7, 7, 7, 7], ts=time.time() - 3.0))
+        pub.send(pub.payload([8], None, [8, 8, 8, 8], ts=time.time() + 60.0))  # skewed
+        until(lambda: holds(mesh, [8, 8, 8, 8]) == 4, "the stamped batches")
+        after = age_buckets(mesh)
+        # The old batch lies between 2 and 5 s; the one from a clock ahead reads 0.
+        assert after["+Inf"] - before["+Inf"] == 2
+        assert after["0.5"] - before["0.5"] == 1
+        assert after["2.0"] - before["2.0"] == 1
+        assert after["5.0"] - before["5.0"] == 2
 
 
 def test_a_gap_is_replayed_or_forgotten(pub: Publisher) -> None:

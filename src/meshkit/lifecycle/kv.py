@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from meshkit.core.kv_events import (
@@ -255,6 +256,14 @@ class KvSubscribers:
                         metrics.kv_silent.labels(worker_id).set(0)
                         log.info("kv events: %s publishes again", worker_id)
                     metrics.kv_batches.labels(worker_id).inc(len(batches))
+                    age = metrics.kv_age.labels(worker_id)
+                    # vLLM stamps a batch with time.time() as it publishes a step's
+                    # events (0.32, vllm/v1/core/sched/scheduler.py, update_from_output:
+                    # KVEventBatch(ts=time.time(), events=events)).
+                    now = time.time()
+                    for batch in batches:
+                        # A clock behind the engine's reads as fresh, not negative.
+                        age.observe(max(0.0, now - batch.ts))
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
