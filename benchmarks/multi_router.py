@@ -1148,7 +1148,9 @@ def write_report(
         "same blocks, requests in the order sent; ratio = hit / bound; fleet LRU = one LRU "
         "cache of the fleet's total size, same requests; max/mean = requests "
         "per worker; moved = turns of a running conversation sent to another worker than its "
-        "previous turn; events = workers matched on KV events by every router at the end.",
+        "previous turn; events = workers matched on KV events by every router at the end; "
+        "index age = how old the KV-event batches were when they reached the routers' "
+        "indexes, p50/p90 (upper edges of mesh_kv_event_age_seconds' buckets).",
         "",
         *fmt_table(table),
         "",
