@@ -1016,7 +1016,7 @@ def fmt_table(runs: Sequence[Cell]) -> list[str]:
         lines.append(
             f"| {r.workload} | {r.config} | {r.routers} | {r.requests} | {r.failed} "
             f"| {r.hit:.1%} | {r.bound:.1%} | {ratio} | {spread} | {r.fleet_lru:.1%} "
-            f"| {r.hit / r.fleet_lru if r.fleet_lru > 0.01 else math.nan:.3f} "
+            f"| {f'{r.hit / r.fleet_lru:.3f}' if r.fleet_lru > 0.01 else '—'} "
             f"| {r.imbalance:.2f} | {per} "
             f"| {mv} | {ev} | {age} "
             f"| {r.wall_s:.1f} |"
