@@ -339,37 +339,6 @@ def test_long_conversations_are_balanced_by_their_starts(kit: SimpleNamespace) -
     assert all(len(keys) == 1 for keys in where.values())
 
 
-def test_routers_agree_where_a_tenants_overflow_goes(kit: SimpleNamespace) -> None:
-    # Two routers whose starts put the tenant's worker over its share, each reading
-    # other in-flight loads: the overflow goes to one worker for both (the least
-    # loaded would differ, and each router would copy the prompt elsewhere).
-    cs = kit.cands(4)
-    routers = [CacheAware(), CacheAware(), CacheAware()]
-    for p in routers:
-        for i in range(8):
-            p.on_placed(cs[0], kit.view(_turns(i, 1)), float(i))
-    new = kit.view(_turns(100, 1))
-    loads = [
-        {cs[1].key: 2, cs[2].key: 0, cs[3].key: 1},
-        {cs[1].key: 0, cs[2].key: 1, cs[3].key: 2},
-    ]
-    picks = {
-        p.select(kit.ctx(cs, new, load=ld, now=8.0)).key
-        for p, ld in zip(routers[:2], loads, strict=True)
-    }
-    assert len(picks) == 1 and cs[0].key not in picks
-    (target,) = picks
-    # A router that sees that worker hot takes the next one of the head's ranking.
-    hot = routers[2].select(kit.ctx(cs, new, load={target: 10}, now=8.0))
-    assert hot.key not in (target, cs[0].key)
-    # Other heads spill elsewhere: the overflow of many tenants spreads.
-    heads = {
-        routers[0].select(kit.ctx(cs, kit.view(f"tenant {i}: " + _turns(i, 1)), now=8.0)).key
-        for i in range(40)
-    }
-    assert heads == {c.key for c in cs[1:]}
-
-
 def test_conversation_slack_is_validated() -> None:
     with pytest.raises(ConfigError, match="conversation_slack"):
         create_policy("cache_aware", {"conversation_slack": -1})

@@ -21,12 +21,6 @@ Selection, for the eligible candidates:
    best match keeps its requests. The slack matters for shared system prompts:
    without it, a request that happens to share two more characters with one
    worker's history (``"user: H"``) pins a whole tenant to that worker.
-   Candidates past ``load_factor`` times their share of the recent work (or, for
-   a new conversation, of the conversations started lately) are skipped here.
-   When that leaves no good match, the request spills to the first candidate of
-   the prompt head's own ranking (a hash of its first ``spill_prefix_chars``
-   characters with each candidate) that is neither past its share nor hot, so
-   every router sends a tenant's overflow to the same next worker.
 3. Otherwise (a cache miss) the least-loaded candidate wins. Ties go to a hash of
    the prompt's first ``spill_prefix_chars`` characters, not to the fleet order:
    misses of different heads spread over all idle replicas instead of all landing
@@ -210,16 +204,9 @@ class CacheAware(BasePolicy):
                 if picked is not None:
                     return picked
         if over:
-            # Spilling: the first of the prompt head's own ranking that is neither
-            # over its share nor hot, so every router sends a tenant's overflow to
-            # the same next worker. The least loaded would differ from router to
-            # router (each counts its own requests and a sample of the engines'),
-            # and each would copy the tenant's prompt onto another worker.
-            mean = sum(loads) / len(cands)
+            # Spilling: the least loaded of the rest, ties by the prompt's head, so
+            # every router sends a tenant's overflow to the same next worker.
             rest = [(c, load) for c, load, o in zip(cands, loads, over, strict=True) if not o]
-            cool = [c for c, load in rest if not self.is_hot(load, mean)]
-            if cool:
-                return min(cool, key=lambda c: _spread_key(spread, c))
             if rest:
                 low = min(load for _, load in rest)
                 return min(
