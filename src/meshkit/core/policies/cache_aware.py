@@ -204,8 +204,11 @@ class CacheAware(BasePolicy):
                 if picked is not None:
                     return picked
         if over:
-            # Spilling: the least loaded of the rest, ties by the prompt's head, so
-            # every router sends a tenant's overflow to the same next worker.
+            # Spilling: the least loaded of the rest, ties by the prompt's head (so
+            # routers that read the same loads agree). The head's own ranking
+            # instead, the same next worker in every router, was better at start-up
+            # and worse past it (MULTI_ROUTER_LONG.md, "Where every router spills a
+            # tenant").
             rest = [(c, load) for c, load, o in zip(cands, loads, over, strict=True) if not o]
             if rest:
                 low = min(load for _, load in rest)
