@@ -103,6 +103,11 @@ def test_a_second_router_follows_vllms_own_events(
     )
     r2.lifecycle.start()
     assert wait_until(lambda: r1.fleet.kv.blocks_of(vllm.url) > 0, 30), "no event from vLLM"
+    # vLLM's own stamps (time.time() on this host) time the index: live, not stale.
+    sample = r1.metrics.registry.get_sample_value
+    count = sample("mesh_kv_event_age_seconds_count", {"worker": vllm.url})
+    age = sample("mesh_kv_event_age_seconds_sum", {"worker": vllm.url})
+    assert count and 0 < age / count < 5, (count, age)
     held = r1.fleet.kv.blocks_of(vllm.url)
     assert wait_until(lambda: r2.fleet.kv.blocks_of(vllm.url) >= held, 30), (
         "router 2's index never caught up with vLLM's replay"
