@@ -118,10 +118,10 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from _common import cpu_model, free_ports, kept_reading, source_state
 
@@ -286,6 +286,19 @@ def kv_age(mesh: Any) -> dict[float, float]:
             if sample.name.endswith("_bucket"):
                 le = float(sample.labels["le"])
                 out[le] = out.get(le, 0.0) + sample.value
+    return out
+
+
+KeyT = TypeVar("KeyT")
+NumT = TypeVar("NumT", int, float)
+
+
+def summed(counts: Iterable[Mapping[KeyT, NumT]]) -> dict[KeyT, NumT]:
+    """Counts with the same key added up."""
+    out: dict[KeyT, NumT] = {}
+    for c in counts:
+        for key, n in c.items():
+            out[key] = out[key] + n if key in out else n
     return out
 
 
@@ -654,11 +667,7 @@ class Cell:
 
     @property
     def per_worker(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for r in self.runs:
-            for w, n in r.per_worker.items():
-                out[w] = out.get(w, 0) + n
-        return out
+        return summed(r.per_worker for r in self.runs)
 
     @property
     def moved(self) -> tuple[int, int]:
@@ -676,11 +685,7 @@ class Cell:
 
     @property
     def kv_age(self) -> dict[float, float]:
-        out: dict[float, float] = {}
-        for r in self.runs:
-            for le, n in r.kv_age.items():
-                out[le] = out.get(le, 0.0) + n
-        return out
+        return summed(r.kv_age for r in self.runs)
 
 
 def cells(runs: Sequence[Run]) -> list[Cell]:
@@ -888,9 +893,8 @@ def run_one(
     if config == "cache_aware+events" and infos:
         run.events = min(int(i.get("events", 0)) for i in infos)
         # Each router's index should hold exactly what the engines hold.
+        run.kv_age = summed(info.get("kv_age") or {} for info in infos)
         for r, info in enumerate(infos):
-            for le, n in (info.get("kv_age") or {}).items():
-                run.kv_age[le] = run.kv_age.get(le, 0.0) + n
             seen = info.get("kv_blocks") or []
             if len(seen) == len(true_blocks) and list(seen) != true_blocks:
                 run.notes.append(f"router {r}: index blocks {seen}, engines hold {true_blocks}")
