@@ -892,8 +892,8 @@ def run_one(
             q.cancel_join_thread()
     if config == "cache_aware+events" and infos:
         run.events = min(int(i.get("events", 0)) for i in infos)
-        # Each router's index should hold exactly what the engines hold.
         run.kv_age = summed(info.get("kv_age") or {} for info in infos)
+        # Each router's index should hold exactly what the engines hold.
         for r, info in enumerate(infos):
             seen = info.get("kv_blocks") or []
             if len(seen) == len(true_blocks) and list(seen) != true_blocks:

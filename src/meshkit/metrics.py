@@ -235,7 +235,7 @@ class RouterMetrics:
         )
         self.kv_age = Histogram(
             "mesh_kv_event_age_seconds",
-            "How old a live KV-event batch was when it reached the index (this host's "
+            "How old a KV-event batch was when it reached the index (this host's "
             "clock minus the engine's ts): how far placement trails the engine's cache",
             ["worker"],
             buckets=_KV_AGE,

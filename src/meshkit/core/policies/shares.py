@@ -309,7 +309,6 @@ class TrafficShares:
         owned.sort()
         for key in members:
             planned[key] = background
-        pooled = 0.0
         heirs: dict[int, str] = {}
         spilled: list[tuple[int, float]] = []
         for point, owner, share, own in owned:
@@ -330,7 +329,7 @@ class TrafficShares:
                     planned[heir] += share - own
                 else:
                     spilled.append((point, share - own))
-                    pooled += share - own
+        pooled = sum(part for _, part in spilled)
         pool, bounds = _level(planned, pooled)
         # Each pooled prefix takes one segment of the pool's line, in point order:
         # it is cached on the few pool workers its segment spans.
