@@ -77,3 +77,34 @@ def test_the_kv_bounds_reach_the_index() -> None:
         workers=["http://127.0.0.1:9"], kv={"max_lora_names": 3, "max_blocks_per_model": 77}
     )
     assert (mesh.router.fleet.kv.max_loras, mesh.router.fleet.kv.max_blocks) == (3, 77)
+
+
+def test_the_relay_keys_are_read_from_a_file_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "meshkit.toml"
+    path.write_text(
+        '[kv]\nrelay = "tcp://relay:5600"\n\n'
+        '[kv_relay]\nbind = "tcp://*:5600"\npublishers = ["tcp://gpu:5557"]\nsend_hwm = 50\n'
+    )
+    config = MeshConfig.from_file(str(path))
+    assert config.kv.relay == "tcp://relay:5600"
+    assert config.kv_relay.bind == "tcp://*:5600"
+    assert config.kv_relay.publishers == ("tcp://gpu:5557",)
+    assert config.kv_relay.send_hwm == 50
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "key"),
+    [
+        ("kv", {"relay": "tcp://*:5600"}, "kv.relay"),  # one connects to a relay
+        ("kv", {"relay": "http://relay:5600"}, "kv.relay"),
+        ("kv_relay", {"bind": "relay:5600"}, "kv_relay.bind"),
+        ("kv_relay", {"publishers": "tcp://gpu:5557"}, "kv_relay.publishers"),
+        ("kv_relay", {"publishers": ["tcp://*:5557"]}, "kv_relay.publishers"),
+        ("kv_relay", {"send_hwm": 0}, "kv_relay.send_hwm"),
+        ("kv_relay", {"metrics_port": 70000}, "kv_relay.metrics_port"),
+    ],
+)
+def test_bad_relay_keys_name_themselves(section: str, values: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        MeshConfig.build(**{section: values})
+    assert info.value.key == key

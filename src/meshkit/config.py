@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from meshkit.core.discovery import DNS_SCHEME, DnsWorkers
-from meshkit.core.workers import Worker
+from meshkit.core.workers import Worker, zmq_endpoint
 from meshkit.errors import ConfigError
 
 __all__ = [
@@ -302,6 +302,10 @@ class KvConfig:
     # A worker placed on whose publisher then sends nothing for this long is matched on
     # the approximate tree until it publishes again (kv_silence.py says why); 0: never.
     silence_s: float = 60.0
+    # A `meshkit kv-relay` to take every worker's events from instead of its engine
+    # (one subscription per engine for any number of routers); replays still go to
+    # the workers' kv_replay endpoints.
+    relay: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -319,6 +323,34 @@ class KvConfig:
             raise ConfigError("kv.replay_timeout_s", "must be > 0")
         if not self.silence_s >= 0:
             raise ConfigError("kv.silence_s", "must be >= 0 (0: never)")
+        if self.relay is not None:
+            zmq_endpoint("kv.relay", self.relay)
+
+
+@dataclass(frozen=True)
+class KvRelayConfig:
+    """``meshkit kv-relay`` (``[kv_relay]``; its flags take precedence): it subscribes
+    once to every publisher the workers name and republishes for the routers."""
+
+    # Where routers subscribe (`[kv] relay` on their side).
+    bind: str = "tcp://127.0.0.1:5600"
+    # Publishers besides the workers' kv_events (engines this config does not route to).
+    publishers: tuple[str, ...] = ()
+    # Messages queued per router that falls behind; past it that router sees a gap.
+    send_hwm: int = 10_000
+    # /metrics over HTTP on metrics_host; 0 = none.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        zmq_endpoint("kv_relay.bind", self.bind, bind=True)
+        object.__setattr__(self, "publishers", tuple(self.publishers))
+        for endpoint in self.publishers:
+            zmq_endpoint("kv_relay.publishers", endpoint)
+        if self.send_hwm < 1:
+            raise ConfigError("kv_relay.send_hwm", "must be at least 1")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("kv_relay.metrics_port", "must be in [0, 65535]")
 
 
 @dataclass(frozen=True)
@@ -446,6 +478,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "discovery": DiscoveryConfig,
     "extproc": ExtProcConfig,
     "kv": KvConfig,
+    "kv_relay": KvRelayConfig,
 }
 
 #: the keys a reload (SIGHUP, ``Mesh.reconfigure``) applies; the rest need a restart
@@ -476,6 +509,7 @@ class MeshConfig:
     server: ServerConfig = ServerConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     kv: KvConfig = KvConfig()
+    kv_relay: KvRelayConfig = KvRelayConfig()
     extproc: ExtProcConfig = ExtProcConfig()
 
     @classmethod
@@ -683,4 +717,8 @@ def _check(key: str, hint: Any, value: Any, source: str | None) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(key, "must be a table", source=source)
         return dict(value)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(key, "must be a list", source=source)
+        return tuple(_check(key, args[0], item, source) for item in value)
     return value

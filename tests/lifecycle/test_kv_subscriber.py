@@ -26,10 +26,12 @@ URL = "http://127.0.0.1:9"  # never called: probes are off
 BLOCK = 4
 
 
-def free_endpoint(ctx: zmq.Context, kind: int) -> tuple[zmq.Socket, str]:
+def free_endpoint(
+    ctx: zmq.Context, kind: int, where: str = "tcp://127.0.0.1:*"
+) -> tuple[zmq.Socket, str]:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind("tcp://127.0.0.1:*")
+    sock.bind(where)
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
@@ -37,9 +39,9 @@ class Publisher:
     """A vLLM-like publisher the test steers: it can skip sequence numbers, start
     again from 0, and answer replays from what it kept."""
 
-    def __init__(self, replay: bool) -> None:
+    def __init__(self, replay: bool, endpoint: str = "tcp://127.0.0.1:*") -> None:
         self.ctx = zmq.Context()
-        self.pub, self.endpoint = free_endpoint(self.ctx, zmq.PUB)
+        self.pub, self.endpoint = free_endpoint(self.ctx, zmq.PUB, endpoint)
         self.kept: list[tuple[int, bytes]] = []
         self.seq = 0
         self.replays = 0

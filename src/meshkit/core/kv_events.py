@@ -39,6 +39,12 @@ order). Both are accepted. Events:
 
 Unknown event types are skipped (a newer engine must not break the index); a
 payload that is not a batch at all is a :class:`KvEventError`.
+
+Through ``meshkit kv-relay`` (:mod:`meshkit.lifecycle.kv_relay`) the same messages
+arrive with the topic frame replaced by :func:`relay_topic` of the engine's
+endpoint, so a router subscribes to the engines it routes to and nothing else;
+``[topic, PUBLISHER_LOST, b""]`` says the relay lost that engine's connection (a
+router treats it as its own dropped connection).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import msgspec
 
 __all__ = [
     "END_OF_REPLAY",
+    "PUBLISHER_LOST",
     "AllBlocksCleared",
     "Batch",
     "BlockRemoved",
@@ -60,6 +67,7 @@ __all__ = [
     "decode_batch",
     "decode_frames",
     "decode_replay",
+    "relay_topic",
     "replay_request",
     "split",
 ]
@@ -68,6 +76,8 @@ BlockHash = int | bytes
 
 #: the sequence number that ends a replay (``(-1).to_bytes(8, "big", signed=True)``)
 END_OF_REPLAY = -1
+#: the sequence number of a relay's "this engine's connection was lost" message
+PUBLISHER_LOST = -2
 _DECODE = msgspec.msgpack.Decoder()
 _STORED_FIELDS = (
     "block_hashes",
@@ -130,7 +140,8 @@ class Batch:
 @dataclass(frozen=True, slots=True)
 class Frame:
     """One decoded message: ``topic`` is None in a replay reply; a batch of None
-    with ``seq == END_OF_REPLAY`` ends a replay."""
+    with ``seq == END_OF_REPLAY`` ends a replay, with ``PUBLISHER_LOST`` it is a
+    relay's word that the engine's connection was lost."""
 
     topic: bytes | None
     seq: int
@@ -207,6 +218,13 @@ def _pieces(event: Event, limit: int) -> list[Event]:
     return out
 
 
+def relay_topic(endpoint: str) -> bytes:
+    """The topic a relay publishes ``endpoint``'s messages under. ZeroMQ matches a
+    subscription as a prefix of the topic: the NUL end keeps ``tcp://h:5557`` from
+    matching ``tcp://h:55570``'s messages (an endpoint holds no NUL)."""
+    return endpoint.encode("utf-8", "surrogatepass") + b"\0"
+
+
 def replay_request(start_seq: int) -> bytes:
     """What a DEALER sends the publisher's ROUTER to replay from ``start_seq``."""
     return int(start_seq).to_bytes(8, "big")
@@ -226,6 +244,8 @@ def decode_frames(frames: Sequence[bytes]) -> Frame:
     if number == END_OF_REPLAY and not payload:
         # vLLM 0.32's replay replies carry the topic frame, its end marker an empty one.
         return Frame(None, number, None)
+    if number == PUBLISHER_LOST and not payload and topic is not None:
+        return Frame(bytes(topic), number, None)
     if number < 0:
         raise KvEventError("a negative sequence number outside a replay's end")
     return Frame(bytes(topic) if topic is not None else None, number, decode_batch(payload))

@@ -41,7 +41,7 @@ from meshkit.core.kv_index import KvIndex
 from meshkit.core.kv_silence import KvSilence
 from meshkit.errors import ConfigError
 
-__all__ = ["Candidate", "Fleet", "Tls", "Worker", "candidates_for"]
+__all__ = ["Candidate", "Fleet", "Tls", "Worker", "candidates_for", "zmq_endpoint"]
 
 _ROLES = frozenset({"regular", "prefill", "decode"})
 #: weight of the newest sample in :attr:`Fleet.hold_s`
@@ -150,8 +150,8 @@ class Worker:
         )
         #: None: the defaults (verify against the system's CAs, no client certificate)
         self.tls: Tls | None = None if tls == _DEFAULT_TLS else tls
-        self.kv_events = _zmq_endpoint("workers.kv_events", kv_events, host)
-        self.kv_replay = _zmq_endpoint("workers.kv_replay", kv_replay, host)
+        self.kv_events = zmq_endpoint("workers.kv_events", kv_events, host)
+        self.kv_replay = zmq_endpoint("workers.kv_replay", kv_replay, host)
         if self.kv_replay and not self.kv_events:
             raise ConfigError("workers.kv_replay", "a replay endpoint needs kv_events too")
 
@@ -179,13 +179,16 @@ class Worker:
         return hash(self.id)
 
 
-def _zmq_endpoint(key: str, raw: str | None, host: str) -> str | None:
+def zmq_endpoint(key: str, raw: str | None, host: str = "", *, bind: bool = False) -> str | None:
+    """``raw`` checked as a ZeroMQ endpoint to connect to (``bind``: to bind, where
+    ``tcp://*:port`` is allowed), ``{host}`` replaced by ``host``."""
     if not raw:
         return None
     value = raw.strip().replace("{host}", host)
     scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest or "*" in rest:
-        raise ConfigError(key, f"not a ZeroMQ endpoint to connect to: {raw!r} (tcp://host:port)")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest or ("*" in rest and not bind):
+        what = "bind" if bind else "connect"
+        raise ConfigError(key, f"not a ZeroMQ endpoint to {what} to: {raw!r} (tcp://host:port)")
     return value
 
 

@@ -53,10 +53,12 @@ from typing import TYPE_CHECKING, Any
 
 from meshkit.core.kv_events import (
     END_OF_REPLAY,
+    PUBLISHER_LOST,
     Batch,
     KvEventError,
     decode_frames,
     decode_replay,
+    relay_topic,
     replay_request,
     split,
 )
@@ -187,15 +189,18 @@ class KvSubscribers:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
         sub.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        relay = self.config.relay
+        # Through a relay, this engine's messages only (the relay's topic for it).
+        sub.setsockopt(zmq.SUBSCRIBE, b"" if relay is None else relay_topic(endpoint))
         # libzmq drops a connection that sent a message over MAXMSGSIZE and does
         # not connect again: the task ends, and sync() starts a new subscription.
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        sub.connect(endpoint)
-        log.info("kv events: subscribed to %s for %s", endpoint, worker_id)
+        sub.connect(endpoint if relay is None else relay)
+        via = "" if relay is None else f" through the relay at {relay}"
+        log.info("kv events: subscribed to %s%s for %s", endpoint, via, worker_id)
         expected: int | None = None
         #: batches the first replay brought (number -> its ts): their live copies
         #: may still arrive; one with another ts is a restarted publisher's
@@ -236,6 +241,9 @@ class KvSubscribers:
                         self.router.kv_clear(worker_id)
                         expected, window = None, {}
                         continue
+                    if frame.seq == PUBLISHER_LOST:
+                        # What the monitor says of a direct connection: start again.
+                        raise ConnectionError("the relay lost the publisher's connection")
                     if frame.batch is None:
                         continue
                     seq = frame.seq

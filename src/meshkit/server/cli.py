@@ -7,6 +7,7 @@ The ``meshkit`` command
     meshkit serve --worker http://10.0.0.5:8000 --worker 'http://10.0.0.6:8000#mesh.apis=chat'
     meshkit serve --config meshkit.toml --port 9000
     meshkit mock-worker --port 9001 --name w1
+    meshkit kv-relay --config meshkit.toml --bind 'tcp://*:5600'
     meshkit demo
 
 ``serve`` prints ``meshkit gateway listening on <url>`` on stdout once it accepts
@@ -102,6 +103,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     x.add_argument("--grace", type=float, metavar="SECONDS", help="(default 30)")
     x.add_argument("--log-level", choices=LOG_LEVELS, help="(default info)")
+
+    r = sub.add_parser(
+        "kv-relay",
+        help="relay the engines' KV events to many routers (meshkit[kv])",
+        description="Subscribe once to each engine's KV-event publisher and republish "
+        "for routers with [kv] relay. See docs/many-routers.md.",
+    )
+    r.add_argument("--config", metavar="PATH", help="TOML file (default: $MESHKIT_CONFIG)")
+    r.add_argument(
+        "--bind", metavar="ENDPOINT", help="where routers subscribe (default tcp://127.0.0.1:5600)"
+    )
+    r.add_argument(
+        "--publisher",
+        metavar="ENDPOINT",
+        action="append",
+        default=[],
+        help="an engine's publisher besides the workers' kv_events (repeatable)",
+    )
+    r.add_argument("--metrics-port", type=int, help="/metrics over HTTP (default 0: none)")
+    r.add_argument("--log-level", choices=LOG_LEVELS, help="(default info)")
 
     sub.add_parser(
         "mock-worker",
@@ -252,6 +273,60 @@ def _extproc(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_relay(ns: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    try:
+        config, settings = resolve_settings(
+            config=ns.config, workers=[], policy=None, log_level=ns.log_level
+        )
+        values = {"bind": ns.bind, "metrics_port": ns.metrics_port}
+        relay_config = dataclasses.replace(
+            config.kv_relay, **{k: v for k, v in values.items() if v is not None}
+        )
+        from meshkit.core.workers import zmq_endpoint
+
+        extra = [zmq_endpoint("--publisher", p) or "" for p in ns.publisher]
+    except ConfigError as exc:
+        return _fail(str(exc))
+    try:
+        import zmq
+    except ImportError:
+        return _fail("meshkit kv-relay needs pyzmq: pip install 'meshkit[kv]'")
+    from meshkit.lifecycle.kv_relay import KvRelay, publishers_of, relay_registry
+
+    _setup_logging(settings.log_level)
+    try:
+        relay = KvRelay(publishers_of(config, extra), relay_config, config.kv)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except zmq.ZMQError as exc:
+        print(f"meshkit: error: cannot bind {relay_config.bind}: {exc}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if relay_config.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(
+                relay_config.metrics_port,
+                relay_config.metrics_host,
+                registry=relay_registry(relay),
+            )
+        print(f"meshkit kv-relay listening on {relay.endpoint}", flush=True)
+        log.info("relaying %d publishers", len(relay.sources))
+        relay.serve(stop)
+    except OSError as exc:
+        print(f"meshkit: error: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        relay.close()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``meshkit`` console script; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -265,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(ns, args)
     if ns.command == "extproc":
         return _extproc(ns)
+    if ns.command == "kv-relay":
+        return _kv_relay(ns)
     from meshkit.demo.run import run_demo
 
     return run_demo(real=ns.real)

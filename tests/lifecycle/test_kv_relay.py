@@ -1,0 +1,402 @@
+"""``meshkit kv-relay`` (:mod:`meshkit.lifecycle.kv_relay`) between real ZeroMQ
+publishers and routers with ``[kv] relay``: routers that never subscribe to an
+engine follow its cache, each takes only its own workers' topics, a lost engine
+clears its worker and the routers start again, a router that falls behind sees a
+gap, malformed messages stop at the relay, and the command's exits."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from harness import MODE_CLASSES  # noqa: E402
+from lifecycle.test_kv_subscriber import URL, Publisher, until  # noqa: E402
+from meshkit import Mesh  # noqa: E402
+from meshkit.config import KvConfig, KvRelayConfig  # noqa: E402
+from meshkit.core.kv_events import relay_topic  # noqa: E402
+from meshkit.core.workers import Worker  # noqa: E402
+from meshkit.lifecycle.kv_relay import KvRelay, relay_registry  # noqa: E402
+from meshkit.mock.thread import MockWorkerThread  # noqa: E402
+
+TOKENIZER = str(Path(__file__).resolve().parents[1] / "prepare" / "data" / "tiny")
+TOPICS = ["billing", "weather", "recipes", "travel", "music", "gardens"]
+
+
+def first_turn(topic: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": f"You answer questions about {topic} only. " * 6},
+        {"role": "user", "content": f"tell me about {topic} today"},
+    ]
+
+
+@contextmanager
+def running(relay: KvRelay) -> Iterator[KvRelay]:
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield relay
+    finally:
+        stop.set()
+        thread.join()
+        relay.close()
+
+
+@pytest.fixture
+def publisher() -> Iterator[Callable[..., Publisher]]:
+    """``publisher(endpoint=...)``: a vLLM-like publisher, closed at teardown (a
+    context left open would hang the interpreter's exit)."""
+    made: list[Publisher] = []
+
+    def make(endpoint: str = "tcp://127.0.0.1:*") -> Publisher:
+        p = Publisher(replay=False, endpoint=endpoint)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def relay_of(*publishers: str, send_hwm: int = 10_000, kv: KvConfig | None = None) -> KvRelay:
+    return KvRelay(
+        list(publishers),
+        KvRelayConfig(bind="tcp://127.0.0.1:*", send_hwm=send_hwm),
+        kv or KvConfig(),
+    )
+
+
+def mesh_via(relay: KvRelay, endpoint: str, url: str = URL) -> Mesh:
+    w = Worker(url, kv_events=endpoint)
+    mesh = Mesh(
+        workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv={"relay": relay.endpoint}
+    )
+    mesh.lifecycle.start()
+    return mesh
+
+
+def blocks(mesh: Mesh, url: str = URL) -> int:
+    return int(mesh.router.fleet.kv.blocks_of(url))
+
+
+def store_until_seen(mesh: Mesh, pub: Publisher) -> None:
+    """Publish root blocks until the router has one (the slow joiner, twice over)."""
+    deadline = time.monotonic() + 20
+    while not blocks(mesh):
+        assert time.monotonic() < deadline, "the router never received a batch through the relay"
+        pub.store([pub.seq + 10_000], None, [0, 0, 0, pub.seq])
+        time.sleep(0.05)
+
+
+def test_relay_topics_are_prefix_free() -> None:
+    a, b = relay_topic("tcp://10.0.0.1:5557"), relay_topic("tcp://10.0.0.1:55570")
+    assert not b.startswith(a) and not a.startswith(b)
+
+
+def test_routers_behind_a_relay_follow_the_engines_cache(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
+) -> None:
+    fleet = [
+        mock_factory(
+            name=name,
+            cache_tokens=1_000_000,
+            block_size=4,
+            tokenizer=TOKENIZER,
+            kv_events="tcp://127.0.0.1:0",
+            kv_replay="tcp://127.0.0.1:0",
+        )
+        for name in ("a", "b")
+    ]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshkit",
+            "kv-relay",
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--metrics-port",
+            "0",
+            *[arg for w in fleet for arg in ("--publisher", w.kv_events_endpoint)],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.match(r"meshkit kv-relay listening on (\S+)", line)
+        assert found, (line, proc.stderr.read() if proc.poll() is not None else "")
+        endpoint = found.group(1)
+
+        def router() -> Mesh:
+            workers = [
+                Worker(w.url, kv_events=w.kv_events_endpoint, kv_replay=w.kv_replay_endpoint)
+                for w in fleet
+            ]
+            mesh = mesh_factory(
+                workers=workers,
+                policy="cache_aware",
+                tokenizer=TOKENIZER,
+                lifecycle={"probe": False},
+                kv={"relay": endpoint},
+            )
+            mesh.lifecycle.start()
+            return mesh
+
+        r1, r2 = router(), router()
+        firsts: dict[str, tuple[str, str]] = {}
+        mode = MODE_CLASSES["transport"](r1)  # routing in the client's own process
+        try:
+            client = mode.openai(max_retries=0)
+            for topic in TOPICS:
+                raw = client.chat.completions.with_raw_response.create(
+                    model="tiny", messages=first_turn(topic), max_tokens=4
+                )
+                reply = raw.parse().choices[0].message.content or ""
+                firsts[topic] = (raw.headers["x-mock-worker"], reply)
+        finally:
+            mode.close()
+        # Router 2 never subscribed to an engine: it hears them through the relay.
+        deadline = time.monotonic() + 20
+        expected = sum(r1.fleet.kv.blocks_of(w.url) for w in fleet)
+        assert expected > 0
+        while sum(r2.fleet.kv.blocks_of(w.url) for w in fleet) < expected:
+            assert time.monotonic() < deadline, "router 2's index stayed behind router 1's"
+            time.sleep(0.05)
+        assert [row["prefix_match"] for row in r2.router.describe()] == ["events", "events"]
+        mode = MODE_CLASSES["transport"](r2)
+        try:
+            client = mode.openai(max_retries=0)
+            for topic, (worker, reply) in firsts.items():
+                follow = [
+                    *first_turn(topic),
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "and tomorrow?"},
+                ]
+                raw = client.chat.completions.with_raw_response.create(
+                    model="tiny", messages=follow, max_tokens=4
+                )
+                assert raw.headers["x-mock-worker"] == worker, topic
+                details = raw.parse().usage.prompt_tokens_details  # type: ignore[union-attr]
+                assert details is not None and (details.cached_tokens or 0) > 0
+        finally:
+            mode.close()
+        assert len(set(firsts.values())) == 2  # both workers took conversations
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+
+
+def test_a_router_takes_only_its_own_workers_messages(
+    tmp_path: Path, publisher: Callable[..., Publisher]
+) -> None:
+    # Endpoints one of which starts with the other: a topic that were a bare
+    # prefix would hand the first worker's router both engines' blocks.
+    short = publisher(f"ipc://{tmp_path}/kv")
+    long = publisher(f"ipc://{tmp_path}/kv0")
+    with running(relay_of(short.endpoint, long.endpoint)) as relay:
+        mesh = mesh_via(relay, short.endpoint)
+        try:
+            store_until_seen(mesh, short)
+            before = blocks(mesh)
+            for i in range(20):
+                long.store([50_000 + i], None, [9, 9, 9, i])
+            until(lambda: relay.sources[1].forwarded >= 20, "the long endpoint's messages")
+            short.store([60_000], None, [1, 2, 3, 4])
+            until(lambda: blocks(mesh) == before + 1, "the short endpoint's block")
+            time.sleep(0.2)  # room for a stray message to arrive
+            assert blocks(mesh) == before + 1
+        finally:
+            mesh.close()
+
+
+def test_a_lost_engine_clears_its_worker_and_the_router_starts_again(
+    publisher: Callable[..., Publisher],
+) -> None:
+    pub = publisher()
+    endpoint = pub.endpoint
+    with running(relay_of(endpoint)) as relay:
+        mesh = mesh_via(relay, endpoint)
+        try:
+            store_until_seen(mesh, pub)
+            until(lambda: relay.sources[0].connected, "the relay's connection")
+            pub.close()  # the engine goes away
+            until(lambda: blocks(mesh) == 0, "the worker's entries dropped")
+            assert relay.sources[0].lost == 1
+            samples = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in relay_registry(relay).collect()
+                for s in family.samples
+            }
+            assert samples[("mesh_kv_relay_lost_total", (("publisher", endpoint),))] == 1
+            # The engine comes back on the same endpoint: the router hears it again.
+            store_until_seen(mesh, publisher(endpoint))
+        finally:
+            mesh.close()
+
+
+def test_a_message_over_the_bound_costs_the_engine_its_routers_not_the_relay_its_engine(
+    publisher: Callable[..., Publisher],
+) -> None:
+    # libzmq drops a connection that sent a message over MAXMSGSIZE and never
+    # connects it again: the relay opens a new one, and the routers start afresh.
+    pub = publisher()
+    with running(relay_of(pub.endpoint, kv=KvConfig(max_message_bytes=4096))) as relay:
+        mesh = mesh_via(relay, pub.endpoint)
+        try:
+            store_until_seen(mesh, pub)
+            pub.send(os.urandom(8192))
+            until(lambda: relay.sources[0].lost == 1, "the relay's lost connection")
+            until(lambda: blocks(mesh) == 0, "the worker's entries dropped")
+            store_until_seen(mesh, pub)  # heard again over the new connection
+        finally:
+            mesh.close()
+
+
+def test_a_router_behind_by_send_hwm_sees_a_gap_and_the_relay_does_not_wait(
+    publisher: Callable[..., Publisher],
+) -> None:
+    pub = publisher()
+    payload = os.urandom(32 * 1024)
+    with running(relay_of(pub.endpoint, send_hwm=4)) as relay:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 4)
+        sub.setsockopt(zmq.RCVBUF, 64 * 1024)
+        sub.setsockopt(zmq.SUBSCRIBE, relay_topic(pub.endpoint))
+        sub.connect(relay.endpoint)
+        try:
+            # Joined once a message comes through.
+            deadline = time.monotonic() + 20
+            while not sub.poll(50):
+                assert time.monotonic() < deadline
+                pub.send(b"join")
+            sub.recv_multipart()
+            start = pub.seq
+            for _ in range(1000):
+                pub.send(payload)  # the subscriber reads none of these yet
+            until(lambda: relay.sources[0].forwarded >= start + 1000, "the relay's forwarding")
+            seqs = []
+            while sub.poll(200):
+                seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))
+            seqs = [s for s in seqs if s >= start]
+            assert seqs and len(seqs) < 1000
+            assert any(b - a > 1 for a, b in itertools.pairwise(seqs)) or seqs[0] > start
+        finally:
+            sub.close(linger=0)
+            ctx.destroy(linger=0)
+
+
+def test_messages_not_in_three_frames_stop_at_the_relay(
+    publisher: Callable[..., Publisher],
+) -> None:
+    pub = publisher()
+    with running(relay_of(pub.endpoint)) as relay:
+        mesh = mesh_via(relay, pub.endpoint)
+        try:
+            store_until_seen(mesh, pub)
+            before = blocks(mesh)
+            pub.pub.send_multipart([b"kv", b"half"])
+            until(lambda: relay.sources[0].malformed == 1, "the malformed count")
+            pub.store([70_000], None, [5, 6, 7, 8])
+            until(lambda: blocks(mesh) == before + 1, "the next batch")
+            assert mesh.metrics.registry.get_sample_value(
+                "mesh_kv_errors_total", {"worker": URL}
+            ) in (None, 0.0)
+        finally:
+            mesh.close()
+
+
+def _relay_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshkit", "kv-relay", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "MESHKIT_CONFIG": ""},
+    )
+
+
+def test_kv_relay_without_a_publisher_or_with_a_bad_endpoint_exits_2() -> None:
+    done = _relay_cli("--bind", "tcp://127.0.0.1:*")
+    assert done.returncode == 2
+    assert "no publisher to relay" in done.stderr
+    done = _relay_cli("--publisher", "tcp://*:5557")
+    assert done.returncode == 2 and "--publisher" in done.stderr
+    done = _relay_cli("--publisher", "tcp://127.0.0.1:5557", "--bind", "http://x")
+    assert done.returncode == 2 and "kv_relay.bind" in done.stderr
+
+
+def test_kv_relay_serves_its_metrics(tmp_path: Path, publisher: Callable[..., Publisher]) -> None:
+    pub = publisher()
+    config = tmp_path / "meshkit.toml"
+    config.write_text(
+        f'[[workers]]\nurl = "{URL}"\nkv_events = "{pub.endpoint}"\n\n'
+        '[kv_relay]\nbind = "tcp://127.0.0.1:*"\n'
+    )
+    with socket_port() as port:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshkit",
+                "kv-relay",
+                "--config",
+                str(config),
+                "--metrics-port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("meshkit kv-relay listening on tcp://127.0.0.1:")
+
+        def scraped() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                return str(r.read().decode())
+
+        def forwarded() -> bool:
+            pub.store([pub.seq + 1], None, [1, 1, 1, 1])
+            text = scraped()
+            return bool(
+                re.search(
+                    rf'mesh_kv_relay_messages_total{{outcome="forwarded",'
+                    rf'publisher="{re.escape(pub.endpoint)}"}} [1-9]',
+                    text,
+                )
+            )
+
+        until(forwarded, "a forwarded message in the relay's metrics")
+        assert f'mesh_kv_relay_connected{{publisher="{pub.endpoint}"}} 1.0' in scraped()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+
+
+@contextmanager
+def socket_port() -> Iterator[int]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    yield port
