@@ -4,8 +4,10 @@ KV-event subscribers
 
 One task per worker that names a publisher (``Worker(kv_events=...)``), on the
 lifecycle thread's loop: a ZeroMQ SUB socket connected to the engine's publisher
-(all topics), each message decoded (:mod:`meshkit.core.kv_events`) and applied to
-the fleet's :class:`~meshkit.core.kv_index.KvIndex` under the routing lock, at most
+(all topics), or with ``kv.relay`` to ``meshkit kv-relay`` (the engine's topic
+there, :mod:`meshkit.lifecycle.kv_relay`), each message decoded
+(:mod:`meshkit.core.kv_events`) and applied to the fleet's
+:class:`~meshkit.core.kv_index.KvIndex` under the routing lock, at most
 ``kv.apply_blocks`` blocks per hold (a bigger batch, a replayed gap, even one long
 event is applied in pieces, the loop turning between them) so a burst never
 stalls placement for longer than one piece takes.
