@@ -134,6 +134,8 @@ def run_point(n: int, via_relay: bool, ns: argparse.Namespace) -> dict[str, floa
                 endpoint,
                 "--bind",
                 "tcp://127.0.0.1:*",
+                "--replay-bind",
+                "",
                 "--log-level",
                 "warning",
             ],

@@ -303,9 +303,11 @@ class KvConfig:
     # the approximate tree until it publishes again (kv_silence.py says why); 0: never.
     silence_s: float = 60.0
     # A `meshkit kv-relay` to take every worker's events from instead of its engine
-    # (one subscription per engine for any number of routers); replays still go to
-    # the workers' kv_replay endpoints.
+    # (one subscription per engine for any number of routers).
     relay: str | None = None
+    # The relay's replay endpoint: joins and gaps are replayed from its buffer, not
+    # asked of the engines (without it, of the workers' kv_replay endpoints).
+    relay_replay: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -325,6 +327,10 @@ class KvConfig:
             raise ConfigError("kv.silence_s", "must be >= 0 (0: never)")
         if self.relay is not None:
             zmq_endpoint("kv.relay", self.relay)
+        if self.relay_replay is not None:
+            if self.relay is None:
+                raise ConfigError("kv.relay_replay", "a relay's replay endpoint needs kv.relay")
+            zmq_endpoint("kv.relay_replay", self.relay_replay)
 
 
 @dataclass(frozen=True)
@@ -338,6 +344,10 @@ class KvRelayConfig:
     publishers: tuple[str, ...] = ()
     # Messages queued per router that falls behind; past it that router sees a gap.
     send_hwm: int = 10_000
+    # Where routers ask for replays ("": none): answered from the messages kept below.
+    replay_bind: str = "tcp://127.0.0.1:5601"
+    # Bytes of each engine's newest messages kept for replays (the oldest go first).
+    replay_bytes: int = 16 * 1024 * 1024
     # /metrics over HTTP on metrics_host; 0 = none.
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
@@ -347,8 +357,11 @@ class KvRelayConfig:
         object.__setattr__(self, "publishers", tuple(self.publishers))
         for endpoint in self.publishers:
             zmq_endpoint("kv_relay.publishers", endpoint)
-        if self.send_hwm < 1:
-            raise ConfigError("kv_relay.send_hwm", "must be at least 1")
+        if self.replay_bind:
+            zmq_endpoint("kv_relay.replay_bind", self.replay_bind, bind=True)
+        for name in ("send_hwm", "replay_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"kv_relay.{name}", "must be at least 1")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError("kv_relay.metrics_port", "must be in [0, 65535]")
 

@@ -72,21 +72,56 @@ def publisher() -> Iterator[Callable[..., Publisher]]:
         p.close()
 
 
-def relay_of(*publishers: str, send_hwm: int = 10_000, kv: KvConfig | None = None) -> KvRelay:
+def relay_of(
+    *publishers: str,
+    send_hwm: int = 10_000,
+    kv: KvConfig | None = None,
+    replay_bytes: int = 16 * 1024 * 1024,
+) -> KvRelay:
     return KvRelay(
         list(publishers),
-        KvRelayConfig(bind="tcp://127.0.0.1:*", send_hwm=send_hwm),
+        KvRelayConfig(
+            bind="tcp://127.0.0.1:*",
+            send_hwm=send_hwm,
+            replay_bind="tcp://127.0.0.1:*",
+            replay_bytes=replay_bytes,
+        ),
         kv or KvConfig(),
     )
 
 
-def mesh_via(relay: KvRelay, endpoint: str, url: str = URL) -> Mesh:
+def mesh_via(relay: KvRelay, endpoint: str, url: str = URL, replays: bool = False) -> Mesh:
     w = Worker(url, kv_events=endpoint)
-    mesh = Mesh(
-        workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv={"relay": relay.endpoint}
-    )
+    kv = {"relay": relay.endpoint}
+    if replays:
+        kv["relay_replay"] = relay.replay_endpoint or ""
+    mesh = Mesh(workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv=kv)
     mesh.lifecycle.start()
     return mesh
+
+
+def replay(relay: KvRelay, start: int, topic: bytes) -> list[int]:
+    """What the relay's replay endpoint answers, as a DEALER asking it: the
+    sequence numbers up to the end marker (-2: it kept nothing of that engine)."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    try:
+        dealer.connect(relay.replay_endpoint)
+        dealer.send_multipart([b"", start.to_bytes(8, "big"), topic])
+        got = []
+        while True:
+            frames = dealer.recv_multipart()
+            assert frames[0] == b""
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq == -1:
+                return got
+            assert frames[1] == topic
+            got.append(seq)
+    finally:
+        dealer.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 def blocks(mesh: Mesh, url: str = URL) -> int:
@@ -129,6 +164,8 @@ def test_routers_behind_a_relay_follow_the_engines_cache(
             "kv-relay",
             "--bind",
             "tcp://127.0.0.1:*",
+            "--replay-bind",
+            "tcp://127.0.0.1:*",
             "--metrics-port",
             "0",
             *[arg for w in fleet for arg in ("--publisher", w.kv_events_endpoint)],
@@ -140,21 +177,19 @@ def test_routers_behind_a_relay_follow_the_engines_cache(
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        found = re.match(r"meshkit kv-relay listening on (\S+)", line)
+        found = re.match(r"meshkit kv-relay listening on (\S+) \(replays on (\S+)\)", line)
         assert found, (line, proc.stderr.read() if proc.poll() is not None else "")
-        endpoint = found.group(1)
+        endpoint, replays = found.groups()
 
         def router() -> Mesh:
-            workers = [
-                Worker(w.url, kv_events=w.kv_events_endpoint, kv_replay=w.kv_replay_endpoint)
-                for w in fleet
-            ]
+            # No router asks an engine anything: events and replays come from the relay.
+            workers = [Worker(w.url, kv_events=w.kv_events_endpoint) for w in fleet]
             mesh = mesh_factory(
                 workers=workers,
                 policy="cache_aware",
                 tokenizer=TOKENIZER,
                 lifecycle={"probe": False},
-                kv={"relay": endpoint},
+                kv={"relay": endpoint, "relay_replay": replays},
             )
             mesh.lifecycle.start()
             return mesh
@@ -251,6 +286,62 @@ def test_a_lost_engine_clears_its_worker_and_the_router_starts_again(
             mesh.close()
 
 
+def test_the_relay_replays_what_it_kept_and_says_when_it_kept_nothing(
+    publisher: Callable[..., Publisher],
+) -> None:
+    pub = publisher()
+    topic = relay_topic(pub.endpoint)
+    with running(relay_of(pub.endpoint, replay_bytes=2_000)) as relay:
+        assert replay(relay, 0, topic) == [-2]  # nothing kept yet: it does not know
+        until(lambda: relay.sources[0].connected, "the relay's connection")
+        time.sleep(0.3)  # the subscription reaches the publisher
+        for i in range(10):
+            pub.store([80_000 + i], None, [1, 1, 1, i])
+        until(lambda: relay.sources[0].last_seq == pub.seq - 1, "the relay's messages")
+        kept = replay(relay, 0, topic)
+        # Within replay_bytes (~200 B a message here, and a count per message): the newest.
+        assert 0 < len(kept) < 10 and kept == list(range(pub.seq - len(kept), pub.seq))
+        assert replay(relay, pub.seq - 2, topic) == [pub.seq - 2, pub.seq - 1]
+        assert replay(relay, 0, relay_topic("tcp://elsewhere:5557")) == [-2]
+
+
+def test_a_router_joining_through_the_relay_gets_what_was_published_before_it(
+    publisher: Callable[..., Publisher],
+) -> None:
+    pub = publisher()
+    with running(relay_of(pub.endpoint)) as relay:
+        until(lambda: relay.sources[0].connected, "the relay's connection")
+        time.sleep(0.3)
+        for i in range(5):
+            pub.store([90_000 + i], None, [2, 2, 2, i])
+        until(lambda: relay.sources[0].last_seq == pub.seq - 1, "the relay's messages")
+        # The worker names no kv_replay: the engine is never asked, the relay is.
+        mesh = mesh_via(relay, pub.endpoint, replays=True)
+        try:
+            until(lambda: blocks(mesh) == 5, "the blocks stored before the router joined")
+        finally:
+            mesh.close()
+
+
+def test_a_relay_that_kept_nothing_is_not_a_gap_from_zero(
+    publisher: Callable[..., Publisher],
+) -> None:
+    pub = publisher()
+    for i in range(7):
+        pub.store([95_000 + i], None, [3, 3, 3, i])  # before any relay: heard by none
+    with running(relay_of(pub.endpoint)) as relay:
+        mesh = mesh_via(relay, pub.endpoint, replays=True)
+        try:
+            until(lambda: relay.replays == 1, "the router's joining replay")
+            store_until_seen(mesh, pub)
+            gaps = mesh.metrics.registry.get_sample_value(
+                "mesh_kv_gaps_total", {"worker": URL, "outcome": "cleared"}
+            )
+            assert gaps in (None, 0.0)
+        finally:
+            mesh.close()
+
+
 def test_a_message_over_the_bound_costs_the_engine_its_routers_not_the_relay_its_engine(
     publisher: Callable[..., Publisher],
 ) -> None:
@@ -288,10 +379,12 @@ def test_a_router_behind_by_send_hwm_sees_a_gap_and_the_relay_does_not_wait(
                 assert time.monotonic() < deadline
                 pub.send(b"join")
             sub.recv_multipart()
-            start = pub.seq
-            for _ in range(1000):
+            until(lambda: relay.sources[0].last_seq == pub.seq - 1, "the joining messages")
+            start, before = pub.seq, relay.sources[0].forwarded
+            for i in range(1, 1001):
                 pub.send(payload)  # the subscriber reads none of these yet
-            until(lambda: relay.sources[0].forwarded >= start + 1000, "the relay's forwarding")
+                if i % 100 == 0:  # the relay keeps up (the publisher's own bound aside)
+                    until(lambda i=i: relay.sources[0].forwarded == before + i, "the relay")
             seqs = []
             while sub.poll(200):
                 seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))
@@ -348,7 +441,7 @@ def test_kv_relay_serves_its_metrics(tmp_path: Path, publisher: Callable[..., Pu
     config = tmp_path / "meshkit.toml"
     config.write_text(
         f'[[workers]]\nurl = "{URL}"\nkv_events = "{pub.endpoint}"\n\n'
-        '[kv_relay]\nbind = "tcp://127.0.0.1:*"\n'
+        '[kv_relay]\nbind = "tcp://127.0.0.1:*"\nreplay_bind = ""\n'
     )
     with socket_port() as port:
         proc = subprocess.Popen(

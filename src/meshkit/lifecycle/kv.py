@@ -194,6 +194,9 @@ class KvSubscribers:
         relay = self.config.relay
         # Through a relay, this engine's messages only (the relay's topic for it).
         sub.setsockopt(zmq.SUBSCRIBE, b"" if relay is None else relay_topic(endpoint))
+        topic: bytes | None = None  # of a replay asked of the relay
+        if self.config.relay_replay is not None:
+            replay, topic = self.config.relay_replay, relay_topic(endpoint)
         # libzmq drops a connection that sent a message over MAXMSGSIZE and does
         # not connect again: the task ends, and sync() starts a new subscription.
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -211,7 +214,7 @@ class KvSubscribers:
             if replay is not None:
                 # Subscribed first, then asked: what the publisher stored before
                 # (or while) meshkit joined is not missed, even on an idle engine.
-                got = await self._replay(replay, 0, _ALL)
+                got = await self._replay(replay, 0, _ALL, topic)
                 if got is not None:
                     await self._apply(worker_id, got[1], endpoint)
                     metrics.kv_batches.labels(worker_id).inc(len(got[1]))
@@ -257,7 +260,7 @@ class KvSubscribers:
                         batches.clear()
                         self.router.kv_clear(worker_id)
                     elif expected is not None and seq > expected:
-                        await self._gap(worker_id, replay, batches, expected, seq)
+                        await self._gap(worker_id, replay, batches, expected, seq, topic)
                     window = {}
                     batches.append(frame.batch)
                     expected = seq + 1
@@ -290,11 +293,17 @@ class KvSubscribers:
         return heard
 
     async def _gap(
-        self, worker_id: str, replay: str | None, batches: list[Batch], start: int, end: int
+        self,
+        worker_id: str,
+        replay: str | None,
+        batches: list[Batch],
+        start: int,
+        end: int,
+        topic: bytes | None,
     ) -> None:
         """Batches ``start`` to ``end - 1`` were missed: replay them, or forget."""
         if replay is not None:
-            got = await self._replay(replay, start, end)
+            got = await self._replay(replay, start, end, topic)
             if got is not None and got[0] == start and got[0] + len(got[1]) == end:
                 batches.extend(got[1])
                 self.router.metrics.kv_gaps.labels(worker_id, "replayed").inc()
@@ -306,10 +315,13 @@ class KvSubscribers:
         batches.clear()
         self.router.kv_clear(worker_id)
 
-    async def _replay(self, endpoint: str, start: int, end: int) -> tuple[int, list[Batch]] | None:
+    async def _replay(
+        self, endpoint: str, start: int, end: int, topic: bytes | None = None
+    ) -> tuple[int, list[Batch]] | None:
         """The batches from ``start`` (or the first the publisher still has after it)
         to ``end - 1``, in order and without a hole: (the first's number, them).
-        None when the replay fails, times out or has a hole."""
+        None when the replay fails, times out or has a hole. ``topic``: asked of a
+        relay, which engine's (:mod:`meshkit.lifecycle.kv_relay`)."""
         import zmq
 
         dealer = self._ctx.socket(zmq.DEALER)
@@ -322,9 +334,12 @@ class KvSubscribers:
             async with asyncio.timeout(self.config.replay_timeout_s):
                 # vLLM's ROUTER reads [identity, b"", seq]: a DEALER sends the empty
                 # delimiter itself and receives it back before each reply.
-                await dealer.send_multipart([b"", replay_request(start)])
+                request = [b"", replay_request(start)]
+                await dealer.send_multipart(request if topic is None else [*request, topic])
                 while True:
                     frame = decode_replay(await dealer.recv_multipart())
+                    if frame.seq == PUBLISHER_LOST:
+                        return None  # a relay that kept nothing of this engine
                     if frame.seq == END_OF_REPLAY or frame.seq >= end:
                         break
                     if frame.batch is None or frame.seq < start:

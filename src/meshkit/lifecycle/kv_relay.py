@@ -25,20 +25,33 @@ and restarts as it does on a direct connection:
   worker's entries and subscribes again, as after its own dropped connection;
 * a message that is not ``[topic, seq, payload]`` is counted, not forwarded.
 
+Replays: the relay keeps each engine's newest messages, up to
+``kv_relay.replay_bytes``, and answers on ``kv_relay.replay_bind`` as an engine's
+ROUTER does, a DEALER asking ``[b"", start_seq, topic]`` (the topic added, for
+which engine): ``[b"", topic, seq, payload]`` per kept message from ``start_seq``,
+then the end marker; with nothing kept for that engine, ``[b"", topic,
+PUBLISHER_LOST, b""]`` first (it does not know, where an empty answer would say
+nothing was published). A router with ``[kv] relay_replay`` asks there when it joins
+and on a gap, so hundreds of routers starting at once do not each ask every
+engine. What the relay keeps begins when it connected to the engine, and goes
+when the engine restarts (its numbers go back) or its connection is lost.
+
 Bounded: ``kv.receive_hwm`` messages queued per engine, each at most
-``kv.max_message_bytes``, and ``kv_relay.send_hwm`` per router. One thread, one
-poll loop; nothing here is on a request's path.
+``kv.max_message_bytes``; ``kv_relay.send_hwm`` per router; ``kv_relay.replay_bytes``
+kept per engine (replies share the kept frames, not copies). One thread, one poll
+loop; nothing here is on a request's path.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from meshkit.config import KvConfig, KvRelayConfig, MeshConfig
-from meshkit.core.kv_events import PUBLISHER_LOST, relay_topic
+from meshkit.core.kv_events import END_OF_REPLAY, PUBLISHER_LOST, relay_topic
 from meshkit.errors import ConfigError
 
 __all__ = ["KvRelay", "publishers_of", "relay_registry"]
@@ -46,6 +59,9 @@ __all__ = ["KvRelay", "publishers_of", "relay_registry"]
 log = logging.getLogger("meshkit.kv_relay")
 
 _LOST = PUBLISHER_LOST.to_bytes(8, "big", signed=True)
+_END = END_OF_REPLAY.to_bytes(8, "big", signed=True)
+#: bytes a kept message is counted for besides its payload (frames, tuple)
+_KEPT_OVERHEAD = 200
 #: messages read from one engine before the loop turns to the others
 _TURN = 256
 _POLL_MS = 200
@@ -75,6 +91,9 @@ class _Source:
         "connected",
         "endpoint",
         "forwarded",
+        "kept",
+        "kept_bytes",
+        "last_seq",
         "lost",
         "malformed",
         "monitor",
@@ -91,6 +110,25 @@ class _Source:
         self.forwarded = 0
         self.lost = 0
         self.malformed = 0
+        #: the newest messages, for replays: (seq, seq frame, payload frame)
+        self.kept: deque[tuple[int, Any, Any]] = deque()
+        self.kept_bytes = 0
+        self.last_seq = -1
+
+    def keep(self, seq: int, seq_frame: Any, payload: Any, limit: int) -> None:
+        if seq <= self.last_seq:
+            self.forget()  # the numbers went back: a restarted engine's history
+        self.last_seq = seq
+        self.kept.append((seq, seq_frame, payload))
+        self.kept_bytes += len(payload) + _KEPT_OVERHEAD
+        while self.kept_bytes > limit and self.kept:
+            _, _, old = self.kept.popleft()
+            self.kept_bytes -= len(old) + _KEPT_OVERHEAD
+
+    def forget(self) -> None:
+        self.kept.clear()
+        self.kept_bytes = 0
+        self.last_seq = -1
 
 
 class KvRelay:
@@ -123,8 +161,28 @@ class KvRelay:
             raise
         self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
+        self._replays: Any = None
+        self.replay_endpoint: str | None = None
+        #: replay requests answered
+        self.replays = 0
+        self._limit = relay.replay_bytes
+        if relay.replay_bind:
+            self._replays = self._ctx.socket(zmq.ROUTER)
+            self._replays.setsockopt(zmq.LINGER, 0)
+            # Replies share the kept frames: no limit of their own, and never a
+            # reply silently cut short (a hole the router would take as a failure).
+            self._replays.setsockopt(zmq.SNDHWM, 0)
+            self._replays.setsockopt(zmq.MAXMSGSIZE, 1024)
+            try:
+                self._replays.bind(relay.replay_bind)
+            except zmq.ZMQError:
+                self._ctx.destroy(linger=0)
+                raise
+            self.replay_endpoint = self._replays.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._poller.register(self._replays, zmq.POLLIN)
         self._by_socket: dict[Any, _Source] = {}
         self.sources = [_Source(endpoint) for endpoint in publishers]
+        self._by_topic = {source.topic: source for source in self.sources}
         for source in self.sources:
             self._open(source)
 
@@ -157,6 +215,9 @@ class KvRelay:
         """Relay until ``stop`` is set (checked every 0.2 s)."""
         while not stop.is_set():
             for sock, _ in self._poller.poll(_POLL_MS):
+                if sock is self._replays:
+                    self._answer()
+                    continue
                 source = self._by_socket.get(sock)
                 if source is None:
                     continue  # closed earlier in this turn
@@ -172,12 +233,41 @@ class KvRelay:
                 frames = source.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(frames) != 3:
+            if len(frames) != 3 or len(frames[1]) != 8:
                 source.malformed += 1
                 continue
             # PUB never blocks: a router past send_hwm has this one dropped (a gap).
             self._pub.send_multipart([source.topic, frames[1], frames[2]], copy=False)
             source.forwarded += 1
+            if self._replays is not None:
+                seq = int.from_bytes(frames[1].bytes, "big", signed=True)
+                source.keep(seq, frames[1], frames[2], self._limit)
+
+    def _answer(self) -> None:
+        """Replay requests: ``[identity, b"", start_seq, topic]`` each."""
+        zmq = self._zmq
+        for _ in range(_TURN):
+            try:
+                frames = self._replays.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 4 or frames[1] or len(frames[2]) != 8:
+                continue  # not a relay replay request: no answer
+            ident, _, start_frame, topic = frames
+            start = int.from_bytes(start_frame, "big")
+            source = self._by_topic.get(topic)
+            if source is None or not source.kept:
+                # Nothing kept is not "nothing published": say so, or the router
+                # would take the engine's next number for a gap from 0.
+                self._replays.send_multipart([ident, b"", topic, _LOST, b""])
+            else:
+                for seq, seq_frame, payload in list(source.kept):
+                    if seq >= start:
+                        self._replays.send_multipart(
+                            [ident, b"", topic, seq_frame, payload], copy=False
+                        )
+            self._replays.send_multipart([ident, b"", b"", _END, b""])
+            self.replays += 1
 
     def _on_monitor(self, source: _Source) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -198,6 +288,7 @@ class KvRelay:
             return
         source.connected = False
         source.lost += 1
+        source.forget()
         log.warning("kv relay: lost %s; its routers start again", source.endpoint)
         self._pub.send_multipart([source.topic, _LOST, b""])
         # A fresh socket: after a message over MAXMSGSIZE libzmq never reconnects.
@@ -207,6 +298,8 @@ class KvRelay:
     def close(self) -> None:
         for source in self.sources:
             self._close(source)
+        if self._replays is not None:
+            self._replays.close(linger=0)
         self._pub.close(linger=0)
         self._ctx.destroy(linger=0)
 
@@ -214,8 +307,8 @@ class KvRelay:
 def relay_registry(relay: KvRelay) -> Any:
     """A Prometheus registry of the relay's counts, read when scraped (the loop
     only adds to plain ints): ``mesh_kv_relay_messages_total{publisher,outcome}``
-    (``forwarded``, ``malformed``), ``mesh_kv_relay_lost_total{publisher}`` and
-    ``mesh_kv_relay_connected{publisher}``."""
+    (``forwarded``, ``malformed``), ``mesh_kv_relay_lost_total{publisher}``,
+    ``mesh_kv_relay_replays_total`` and ``mesh_kv_relay_connected{publisher}``."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -232,6 +325,11 @@ def relay_registry(relay: KvRelay) -> Any:
                 "Engine connections the relay lost (each announced to the routers)",
                 labels=["publisher"],
             )
+            replays = CounterMetricFamily(
+                "mesh_kv_relay_replays",
+                "Replay requests the relay answered (routers joining, or filling a gap)",
+            )
+            replays.add_metric([], relay.replays)
             connected = GaugeMetricFamily(
                 "mesh_kv_relay_connected",
                 "1 while the relay is connected to the engine's publisher",
@@ -244,6 +342,7 @@ def relay_registry(relay: KvRelay) -> Any:
                 connected.add_metric([source.endpoint], int(source.connected))
             yield messages
             yield lost
+            yield replays
             yield connected
 
     registry = CollectorRegistry(auto_describe=False)

@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--bind", metavar="ENDPOINT", help="where routers subscribe (default tcp://127.0.0.1:5600)"
     )
     r.add_argument(
+        "--replay-bind",
+        metavar="ENDPOINT",
+        help="where routers ask for replays (default tcp://127.0.0.1:5601; '' for none)",
+    )
+    r.add_argument(
         "--publisher",
         metavar="ENDPOINT",
         action="append",
@@ -281,7 +286,7 @@ def _kv_relay(ns: argparse.Namespace) -> int:
         config, settings = resolve_settings(
             config=ns.config, workers=[], policy=None, log_level=ns.log_level
         )
-        values = {"bind": ns.bind, "metrics_port": ns.metrics_port}
+        values = {"bind": ns.bind, "replay_bind": ns.replay_bind, "metrics_port": ns.metrics_port}
         relay_config = dataclasses.replace(
             config.kv_relay, **{k: v for k, v in values.items() if v is not None}
         )
@@ -316,7 +321,8 @@ def _kv_relay(ns: argparse.Namespace) -> int:
                 relay_config.metrics_host,
                 registry=relay_registry(relay),
             )
-        print(f"meshkit kv-relay listening on {relay.endpoint}", flush=True)
+        replays = f" (replays on {relay.replay_endpoint})" if relay.replay_endpoint else ""
+        print(f"meshkit kv-relay listening on {relay.endpoint}{replays}", flush=True)
         log.info("relaying %d publishers", len(relay.sources))
         relay.serve(stop)
     except OSError as exc:
