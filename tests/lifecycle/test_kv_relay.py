@@ -77,9 +77,11 @@ def relay_of(
     send_hwm: int = 10_000,
     kv: KvConfig | None = None,
     replay_bytes: int = 16 * 1024 * 1024,
+    engine_replay: str | None = None,
 ) -> KvRelay:
+    """A relay of ``publishers`` (the first with ``engine_replay``, its engine's)."""
     return KvRelay(
-        list(publishers),
+        {p: engine_replay if i == 0 else None for i, p in enumerate(publishers)},
         KvRelayConfig(
             bind="tcp://127.0.0.1:*",
             send_hwm=send_hwm,
@@ -340,6 +342,46 @@ def test_a_relay_that_kept_nothing_is_not_a_gap_from_zero(
             assert gaps in (None, 0.0)
         finally:
             mesh.close()
+
+
+def test_a_relay_started_after_the_engine_asks_the_engine_for_its_history() -> None:
+    pub = Publisher(replay=True)
+    try:
+        for i in range(6):
+            pub.store([97_000 + i], None, [4, 4, 4, i])  # before the relay: only kept
+        with running(relay_of(pub.endpoint, engine_replay=pub.replay_endpoint)) as relay:
+            mesh = mesh_via(relay, pub.endpoint, replays=True)
+            try:
+                until(lambda: blocks(mesh) == 6, "the engine's history, through the relay")
+                assert pub.replays == 1  # asked once, by the relay: the router asked it
+                assert relay.replays >= 1
+            finally:
+                mesh.close()
+    finally:
+        pub.close()
+
+
+def test_an_engine_replay_that_never_ends_holds_the_routers_no_longer_than_the_timeout(
+    publisher: Callable[..., Publisher],
+) -> None:
+    pub = publisher()
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # takes the relay's request, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    quiet = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        kv = KvConfig(replay_timeout_s=0.5)
+        with running(relay_of(pub.endpoint, engine_replay=quiet, kv=kv)) as relay:
+            mesh = mesh_via(relay, pub.endpoint, replays=True)
+            try:
+                until(lambda: relay.sources[0].joining is None, "the relay giving up")
+                store_until_seen(mesh, pub)  # live batches flow all the same
+            finally:
+                mesh.close()
+    finally:
+        silent.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 def test_a_message_over_the_bound_costs_the_engine_its_routers_not_the_relay_its_engine(

@@ -33,7 +33,10 @@ then the end marker; with nothing kept for that engine, ``[b"", topic,
 PUBLISHER_LOST, b""]`` first (it does not know, where an empty answer would say
 nothing was published). A router with ``[kv] relay_replay`` asks there when it joins
 and on a gap, so hundreds of routers starting at once do not each ask every
-engine. What the relay keeps begins when it connected to the engine, and goes
+engine. On connecting to an engine whose worker names ``kv_replay``, the relay
+asks it once for what it still buffers (subscribed first, as a router joins) and
+holds the routers' requests for that engine until the answer is in, at most
+``kv.replay_timeout_s`` (up to ``kv_relay.send_hwm`` requests). What it keeps goes
 when the engine restarts (its numbers go back) or its connection is lost.
 
 Bounded: ``kv.receive_hwm`` messages queued per engine, each at most
@@ -46,12 +49,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from meshkit.config import KvConfig, KvRelayConfig, MeshConfig
-from meshkit.core.kv_events import END_OF_REPLAY, PUBLISHER_LOST, relay_topic
+from meshkit.core.kv_events import END_OF_REPLAY, PUBLISHER_LOST, relay_topic, replay_request
 from meshkit.errors import ConfigError
 
 __all__ = ["KvRelay", "publishers_of", "relay_registry"]
@@ -67,21 +71,22 @@ _TURN = 256
 _POLL_MS = 200
 
 
-def publishers_of(config: MeshConfig, extra: Iterable[str] = ()) -> list[str]:
-    """The endpoints to relay: the workers' ``kv_events``, ``kv_relay.publishers``
-    and ``extra``, each once, in that order."""
-    seen: dict[str, None] = {}
+def publishers_of(config: MeshConfig, extra: Iterable[str] = ()) -> dict[str, str | None]:
+    """The endpoints to relay, each with its replay endpoint when a worker names one:
+    the workers' ``kv_events``, ``kv_relay.publishers`` and ``extra``, each once, in
+    that order."""
+    seen: dict[str, str | None] = {}
     for w in config.workers:
         if w.kv_events:
-            seen.setdefault(w.kv_events)
+            seen[w.kv_events] = seen.get(w.kv_events) or w.kv_replay
     for endpoint in (*config.kv_relay.publishers, *extra):
-        seen.setdefault(endpoint)
+        seen.setdefault(endpoint, None)
     if any(d.kv_events for d in config.dns_workers):
         log.warning(
             "kv relay: dns:// workers' publishers are not relayed; "
             "list their endpoints in kv_relay.publishers"
         )
-    return list(seen)
+    return seen
 
 
 class _Source:
@@ -89,23 +94,35 @@ class _Source:
 
     __slots__ = (
         "connected",
+        "deadline",
+        "dealer",
         "endpoint",
         "forwarded",
+        "joining",
         "kept",
         "kept_bytes",
         "last_seq",
         "lost",
         "malformed",
         "monitor",
+        "replay",
         "sock",
         "topic",
+        "waiting",
     )
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, replay: str | None = None) -> None:
         self.endpoint = endpoint
+        self.replay = replay
         self.topic = relay_topic(endpoint)
         self.sock: Any = None
         self.monitor: Any = None
+        #: the engine's own replay, asked on connecting: the socket, what it sent
+        #: so far, until when it may take, and the routers' requests held meanwhile
+        self.dealer: Any = None
+        self.joining: deque[tuple[int, Any, Any]] | None = None
+        self.deadline = 0.0
+        self.waiting: list[tuple[bytes, int]] = []
         self.connected = False
         self.forwarded = 0
         self.lost = 0
@@ -121,9 +138,22 @@ class _Source:
         self.last_seq = seq
         self.kept.append((seq, seq_frame, payload))
         self.kept_bytes += len(payload) + _KEPT_OVERHEAD
+        self._trim(limit)
+
+    def _trim(self, limit: int) -> None:
         while self.kept_bytes > limit and self.kept:
             _, _, old = self.kept.popleft()
             self.kept_bytes -= len(old) + _KEPT_OVERHEAD
+
+    def merge(self, limit: int) -> None:
+        """The engine's replay in front of what came live since (live wins a tie)."""
+        combined = {item[0]: item for item in self.joining or ()}
+        combined.update((item[0], item) for item in self.kept)
+        self.kept = deque(sorted(combined.values(), key=lambda item: item[0]))
+        self.kept_bytes = sum(len(p) + _KEPT_OVERHEAD for _, _, p in self.kept)
+        self._trim(limit)
+        if self.kept:
+            self.last_seq = max(self.last_seq, self.kept[-1][0])
 
     def forget(self) -> None:
         self.kept.clear()
@@ -137,7 +167,7 @@ class KvRelay:
 
     def __init__(
         self,
-        publishers: Sequence[str],
+        publishers: Mapping[str, str | None],
         relay: KvRelayConfig,
         kv: KvConfig,
     ) -> None:
@@ -181,7 +211,8 @@ class KvRelay:
             self.replay_endpoint = self._replays.getsockopt_string(zmq.LAST_ENDPOINT)
             self._poller.register(self._replays, zmq.POLLIN)
         self._by_socket: dict[Any, _Source] = {}
-        self.sources = [_Source(endpoint) for endpoint in publishers]
+        self.sources = [_Source(endpoint, replay) for endpoint, replay in publishers.items()]
+        self._hold = relay.send_hwm
         self._by_topic = {source.topic: source for source in self.sources}
         for source in self.sources:
             self._open(source)
@@ -199,8 +230,58 @@ class KvRelay:
         for s in (sock, monitor):
             self._poller.register(s, zmq.POLLIN)
             self._by_socket[s] = source
+        if source.replay is not None and self._replays is not None:
+            # Subscribed first, then asked (as a router joins): the engine's history
+            # from before the relay connected, for the routers' replays.
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.kv.max_message_bytes)
+            dealer.connect(source.replay)
+            dealer.send_multipart([b"", replay_request(0)])
+            source.dealer, source.joining = dealer, deque()
+            source.deadline = time.monotonic() + self.kv.replay_timeout_s
+            self._poller.register(dealer, zmq.POLLIN)
+            self._by_socket[dealer] = source
+
+    def _joined(self, source: _Source, complete: bool) -> None:
+        """The engine's replay ended (``complete``) or failed: keep it or not, and
+        answer the routers that asked meanwhile."""
+        if source.dealer is not None:
+            self._poller.unregister(source.dealer)
+            self._by_socket.pop(source.dealer, None)
+            source.dealer.close(linger=0)
+        if complete:
+            source.merge(self._limit)
+        source.dealer, source.joining = None, None
+        waiting, source.waiting = source.waiting, []
+        for ident, start in waiting:
+            self._reply(ident, source.topic, source, start)
+
+    def _on_engine_replay(self, source: _Source) -> None:
+        zmq = self._zmq
+        for _ in range(_TURN):
+            if source.joining is None:
+                return
+            try:
+                frames = source.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            # [b"", topic, seq, payload] (vLLM 0.32) or [b"", seq, payload]
+            body = frames[1:] if frames and not len(frames[0]) else frames
+            if len(body) not in (2, 3) or len(body[-2]) != 8:
+                self._joined(source, False)  # not a replay: keep nothing of it
+                return
+            seq = int.from_bytes(body[-2].bytes, "big", signed=True)
+            if seq == END_OF_REPLAY:
+                self._joined(source, True)
+                return
+            source.joining.append((seq, body[-2], body[-1]))
+            if len(source.joining) > self.kv.receive_hwm:
+                source.joining.popleft()  # the newest are the ones kept anyway
 
     def _close(self, source: _Source) -> None:
+        if source.joining is not None:
+            self._joined(source, False)
         for s in (source.monitor, source.sock):
             if s is not None:
                 self._poller.unregister(s)
@@ -223,8 +304,15 @@ class KvRelay:
                     continue  # closed earlier in this turn
                 if sock is source.monitor:
                     self._on_monitor(source)
+                elif sock is source.dealer:
+                    self._on_engine_replay(source)
                 else:
                     self._forward(source)
+            now = time.monotonic()
+            for source in self.sources:
+                if source.joining is not None and now > source.deadline:
+                    log.warning("kv relay: %s's replay timed out", source.replay)
+                    self._joined(source, False)
 
     def _forward(self, source: _Source) -> None:
         zmq = self._zmq
@@ -256,18 +344,25 @@ class KvRelay:
             ident, _, start_frame, topic = frames
             start = int.from_bytes(start_frame, "big")
             source = self._by_topic.get(topic)
-            if source is None or not source.kept:
-                # Nothing kept is not "nothing published": say so, or the router
-                # would take the engine's next number for a gap from 0.
-                self._replays.send_multipart([ident, b"", topic, _LOST, b""])
-            else:
-                for seq, seq_frame, payload in list(source.kept):
-                    if seq >= start:
-                        self._replays.send_multipart(
-                            [ident, b"", topic, seq_frame, payload], copy=False
-                        )
-            self._replays.send_multipart([ident, b"", b"", _END, b""])
-            self.replays += 1
+            held = source is not None and source.joining is not None
+            if held and source is not None and len(source.waiting) < self._hold:
+                source.waiting.append((ident, start))
+                continue  # answered after the engine's replay
+            self._reply(ident, topic, source, start)
+
+    def _reply(self, ident: bytes, topic: bytes, source: _Source | None, start: int) -> None:
+        if source is None or not source.kept:
+            # Nothing kept is not "nothing published": say so, or the router would
+            # take the engine's next number for a gap from 0.
+            self._replays.send_multipart([ident, b"", topic, _LOST, b""])
+        else:
+            for seq, seq_frame, payload in list(source.kept):
+                if seq >= start:
+                    self._replays.send_multipart(
+                        [ident, b"", topic, seq_frame, payload], copy=False
+                    )
+        self._replays.send_multipart([ident, b"", b"", _END, b""])
+        self.replays += 1
 
     def _on_monitor(self, source: _Source) -> None:
         from zmq.utils.monitor import recv_monitor_message
