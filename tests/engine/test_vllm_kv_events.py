@@ -185,6 +185,46 @@ def test_a_restarted_router_sees_what_vllm_holds_by_replay_alone(
     assert r.fleet.kv.unchained == 0  # every stored block's parent was known
 
 
+def test_routers_behind_meshkit_kv_relay_see_what_vllm_holds(
+    vllm: VllmServer, mesh_factory: Callable[..., Mesh]
+) -> None:
+    """vLLM's own frames through the relay: its history (the relay asks vLLM's replay
+    once) and its live batches reach a router that never connects to vLLM."""
+    import threading
+
+    from meshkit.config import KvConfig, KvRelayConfig
+    from meshkit.lifecycle.kv_relay import KvRelay
+
+    body = {"model": "tiny", "messages": first_turn("canals"), "max_tokens": 2}
+    assert httpx.post(vllm.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    relay = KvRelay(
+        {vllm.events: vllm.replay},
+        KvRelayConfig(bind="tcp://127.0.0.1:*", replay_bind="tcp://127.0.0.1:*"),
+        KvConfig(),
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        r = mesh_factory(
+            workers=[Worker(vllm.url, kv_events=vllm.events)],
+            policy="cache_aware",
+            tokenizer=TOKENIZER,
+            kv={"relay": relay.endpoint, "relay_replay": relay.replay_endpoint},
+        )
+        r.lifecycle.start()
+        assert wait_until(lambda: r.fleet.kv.blocks_of(vllm.url) > 0, 30), "no history"
+        held = r.fleet.kv.blocks_of(vllm.url)
+        chat(r, first_turn("orchards"))  # a live batch, through the relay
+        assert wait_until(lambda: r.fleet.kv.blocks_of(vllm.url) > held, 30), "no live batch"
+        assert r.fleet.kv.unchained == 0
+        assert relay.sources[0].malformed == 0 and relay.sources[0].forwarded > 0
+    finally:
+        stop.set()
+        thread.join()
+        relay.close()
+
+
 def test_vllm_told_a_named_host_is_silent_and_the_tree_takes_over(
     tmp_path_factory: pytest.TempPathFactory, mesh_factory: Callable[..., Mesh]
 ) -> None:

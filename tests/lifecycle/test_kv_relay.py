@@ -361,6 +361,42 @@ def test_a_relay_started_after_the_engine_asks_the_engine_for_its_history() -> N
         pub.close()
 
 
+def test_a_relay_joining_a_busy_engine_keeps_its_history_without_a_hole() -> None:
+    """Batches published while the relay connects are in the engine's replay or come
+    live: a router that joins later gets all of them from the relay."""
+    pub = Publisher(replay=True)
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def publish() -> None:
+        i = 0
+        while not stop.is_set():
+            with lock:
+                pub.store([98_000 + i], None, [5, 5, 5, i])
+            i += 1
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        with running(relay_of(pub.endpoint, engine_replay=pub.replay_endpoint)) as relay:
+            until(lambda: relay.sources[0].joining is None and pub.replays == 1, "the join")
+            time.sleep(0.2)
+            stop.set()
+            thread.join()
+            until(lambda: relay.sources[0].last_seq == pub.seq - 1, "the last batch")
+            mesh = mesh_via(relay, pub.endpoint, replays=True)
+            try:
+                until(lambda: blocks(mesh) == pub.seq, "every batch, from the relay")
+            finally:
+                mesh.close()
+    finally:
+        stop.set()
+        thread.join()
+        pub.close()
+
+
 def test_an_engine_replay_that_never_ends_holds_the_routers_no_longer_than_the_timeout(
     publisher: Callable[..., Publisher],
 ) -> None:

@@ -69,6 +69,9 @@ _KEPT_OVERHEAD = 200
 #: messages read from one engine before the loop turns to the others
 _TURN = 256
 _POLL_MS = 200
+#: after connecting, how long an idle engine's subscription is given to hold before
+#: its replay is asked (a live message asks at once)
+_SETTLE_S = 0.2
 
 
 def publishers_of(config: MeshConfig, extra: Iterable[str] = ()) -> dict[str, str | None]:
@@ -93,6 +96,7 @@ class _Source:
     """One engine's subscription: its socket, its monitor, what it has done."""
 
     __slots__ = (
+        "ask_at",
         "connected",
         "deadline",
         "dealer",
@@ -121,6 +125,7 @@ class _Source:
         #: so far, until when it may take, and the routers' requests held meanwhile
         self.dealer: Any = None
         self.joining: deque[tuple[int, Any, Any]] | None = None
+        self.ask_at: float | None = None
         self.deadline = 0.0
         self.waiting: list[tuple[bytes, int]] = []
         self.connected = False
@@ -230,18 +235,29 @@ class KvRelay:
         for s in (sock, monitor):
             self._poller.register(s, zmq.POLLIN)
             self._by_socket[s] = source
-        if source.replay is not None and self._replays is not None:
-            # Subscribed first, then asked (as a router joins): the engine's history
-            # from before the relay connected, for the routers' replays.
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.kv.max_message_bytes)
-            dealer.connect(source.replay)
-            dealer.send_multipart([b"", replay_request(0)])
-            source.dealer, source.joining = dealer, deque()
-            source.deadline = time.monotonic() + self.kv.replay_timeout_s
-            self._poller.register(dealer, zmq.POLLIN)
-            self._by_socket[dealer] = source
+
+    def _join(self, source: _Source) -> None:
+        """Connected: hold the routers' replays for this engine until its own
+        replay is in. It is asked once the subscription surely holds (a first live
+        message, or a short settle on an idle engine), so that no batch falls
+        between what the engine replays and what comes live."""
+        if source.replay is None or self._replays is None or source.joining is not None:
+            return
+        source.joining = deque()
+        source.ask_at = time.monotonic() + _SETTLE_S
+        source.deadline = source.ask_at + self.kv.replay_timeout_s
+
+    def _ask(self, source: _Source) -> None:
+        zmq = self._zmq
+        assert source.replay is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.kv.max_message_bytes)
+        dealer.connect(source.replay)
+        dealer.send_multipart([b"", replay_request(0)])
+        source.dealer, source.ask_at = dealer, None
+        self._poller.register(dealer, zmq.POLLIN)
+        self._by_socket[dealer] = source
 
     def _joined(self, source: _Source, complete: bool) -> None:
         """The engine's replay ended (``complete``) or failed: keep it or not, and
@@ -252,7 +268,7 @@ class KvRelay:
             source.dealer.close(linger=0)
         if complete:
             source.merge(self._limit)
-        source.dealer, source.joining = None, None
+        source.dealer, source.joining, source.ask_at = None, None, None
         waiting, source.waiting = source.waiting, []
         for ident, start in waiting:
             self._reply(ident, source.topic, source, start)
@@ -310,7 +326,11 @@ class KvRelay:
                     self._forward(source)
             now = time.monotonic()
             for source in self.sources:
-                if source.joining is not None and now > source.deadline:
+                if source.joining is None:
+                    continue
+                if source.ask_at is not None and now >= source.ask_at:
+                    self._ask(source)
+                elif now > source.deadline:
                     log.warning("kv relay: %s's replay timed out", source.replay)
                     self._joined(source, False)
 
@@ -327,6 +347,8 @@ class KvRelay:
             # PUB never blocks: a router past send_hwm has this one dropped (a gap).
             self._pub.send_multipart([source.topic, frames[1], frames[2]], copy=False)
             source.forwarded += 1
+            if source.ask_at is not None:
+                self._ask(source)  # subscribed for sure: the replay ends where this began
             if self._replays is not None:
                 seq = int.from_bytes(frames[1].bytes, "big", signed=True)
                 source.keep(seq, frames[1], frames[2], self._limit)
@@ -377,6 +399,7 @@ class KvRelay:
             if event["event"] == zmq.EVENT_CONNECTED:
                 source.connected = True
                 log.info("kv relay: connected to %s", source.endpoint)
+                self._join(source)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 lost = True
         if not lost:
