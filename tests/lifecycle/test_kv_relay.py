@@ -420,6 +420,29 @@ def test_an_engine_replay_that_never_ends_holds_the_routers_no_longer_than_the_t
         ctx.destroy(linger=0)
 
 
+def test_the_relay_follows_a_changed_list_of_publishers(
+    publisher: Callable[..., Publisher],
+) -> None:
+    a, b = publisher(), publisher()
+    with running(relay_of(a.endpoint)) as relay:
+        on_a = mesh_via(relay, a.endpoint)
+        on_b = mesh_via(relay, b.endpoint, url="http://127.0.0.1:10")
+        try:
+            store_until_seen(on_a, a)
+            relay.pending = {a.endpoint: None, b.endpoint: None}  # b joins the fleet
+            deadline = time.monotonic() + 20
+            while not blocks(on_b, "http://127.0.0.1:10"):
+                assert time.monotonic() < deadline, "b's batches never came through"
+                b.store([b.seq + 20_000], None, [7, 7, 7, b.seq])
+                time.sleep(0.05)
+            relay.pending = {b.endpoint: None}  # a leaves: its routers start again
+            until(lambda: blocks(on_a) == 0, "a's entries dropped")
+            assert [src.endpoint for src in relay.sources] == [b.endpoint]
+        finally:
+            on_a.close()
+            on_b.close()
+
+
 def test_a_message_over_the_bound_costs_the_engine_its_routers_not_the_relay_its_engine(
     publisher: Callable[..., Publisher],
 ) -> None:
@@ -561,6 +584,61 @@ def test_kv_relay_serves_its_metrics(tmp_path: Path, publisher: Callable[..., Pu
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
+
+
+def test_sighup_reads_the_workers_again(
+    tmp_path: Path, publisher: Callable[..., Publisher]
+) -> None:
+    a, b = publisher(), publisher()
+    config = tmp_path / "meshkit.toml"
+
+    def write(*pubs: Publisher) -> None:
+        workers = "".join(
+            f'[[workers]]\nurl = "http://127.0.0.1:{9 + i}"\nkv_events = "{p.endpoint}"\n\n'
+            for i, p in enumerate(pubs)
+        )
+        config.write_text(workers + '[kv_relay]\nbind = "tcp://127.0.0.1:*"\nreplay_bind = ""\n')
+
+    write(a)
+    with socket_port() as port:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshkit",
+                "kv-relay",
+                "--config",
+                str(config),
+                "--metrics-port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("meshkit kv-relay listening on ")
+
+        def connected(p: Publisher) -> bool:
+            url = f"http://127.0.0.1:{port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as r:
+                text = r.read().decode()
+            return f'mesh_kv_relay_connected{{publisher="{p.endpoint}"}} 1.0' in text
+
+        until(lambda: connected(a), "the first publisher")
+        write(a, b)
+        proc.send_signal(signal.SIGHUP)
+        until(lambda: connected(b), "the publisher the reload added")
+        config.write_text("[kv_relay]\nsend_hwm = 0\n")  # refused: the relay goes on
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert proc.poll() is None and connected(b)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert proc.stderr is not None
+        assert "reload refused" in proc.stderr.read()
 
 
 @contextmanager

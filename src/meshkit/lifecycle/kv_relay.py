@@ -216,6 +216,8 @@ class KvRelay:
             self.replay_endpoint = self._replays.getsockopt_string(zmq.LAST_ENDPOINT)
             self._poller.register(self._replays, zmq.POLLIN)
         self._by_socket: dict[Any, _Source] = {}
+        #: publishers for :meth:`serve` to switch to (a reload, from another thread)
+        self.pending: Mapping[str, str | None] | None = None
         self.sources = [_Source(endpoint, replay) for endpoint, replay in publishers.items()]
         self._hold = relay.send_hwm
         self._by_topic = {source.topic: source for source in self.sources}
@@ -308,9 +310,36 @@ class KvRelay:
             source.sock.close(linger=0)
         source.sock = source.monitor = None
 
+    def update(self, publishers: Mapping[str, str | None]) -> None:
+        """Relay these publishers from now on (call from :meth:`serve`'s thread, or
+        set :attr:`pending`): new ones are subscribed to, gone ones closed and
+        announced lost (a router still routing to one starts again)."""
+        want = dict(publishers)
+        for source in list(self.sources):
+            if source.endpoint not in want:
+                self._pub.send_multipart([source.topic, _LOST, b""])
+                self._close(source)
+                self.sources.remove(source)
+                del self._by_topic[source.topic]
+                log.info("kv relay: no longer relaying %s", source.endpoint)
+            else:
+                source.replay = want[source.endpoint]
+        known = {source.endpoint for source in self.sources}
+        for endpoint, replay in want.items():
+            if endpoint not in known:
+                source = _Source(endpoint, replay)
+                self.sources.append(source)
+                self._by_topic[source.topic] = source
+                self._open(source)
+                log.info("kv relay: relaying %s", endpoint)
+
     def serve(self, stop: threading.Event) -> None:
-        """Relay until ``stop`` is set (checked every 0.2 s)."""
+        """Relay until ``stop`` is set (checked every 0.2 s), applying
+        :attr:`pending` publishers when another thread sets them."""
         while not stop.is_set():
+            pending, self.pending = self.pending, None
+            if pending is not None:
+                self.update(pending)
             for sock, _ in self._poller.poll(_POLL_MS):
                 if sock is self._replays:
                     self._answer()

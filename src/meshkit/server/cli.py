@@ -312,6 +312,19 @@ def _kv_relay(ns: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+
+    def reload(*_: object) -> None:
+        # The workers (and kv_relay.publishers) read again; the rest needs a restart.
+        try:
+            fresh = resolve_settings(config=ns.config, workers=[], policy=None)[0]
+            publishers = publishers_of(fresh, extra)
+        except ConfigError as exc:
+            log.error("reload refused, the publishers stay: %s", exc)
+            return
+        relay.pending = publishers
+        log.info("reload: %d publishers", len(publishers))
+
+    signal.signal(signal.SIGHUP, reload)
     try:
         if relay_config.metrics_port:
             from prometheus_client import start_http_server
