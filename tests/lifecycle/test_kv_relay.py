@@ -429,13 +429,13 @@ def test_the_relay_follows_a_changed_list_of_publishers(
         on_b = mesh_via(relay, b.endpoint, url="http://127.0.0.1:10")
         try:
             store_until_seen(on_a, a)
-            relay.pending = {a.endpoint: None, b.endpoint: None}  # b joins the fleet
+            relay.request({a.endpoint: None, b.endpoint: None})  # b joins the fleet
             deadline = time.monotonic() + 20
             while not blocks(on_b, "http://127.0.0.1:10"):
                 assert time.monotonic() < deadline, "b's batches never came through"
                 b.store([b.seq + 20_000], None, [7, 7, 7, b.seq])
                 time.sleep(0.05)
-            relay.pending = {b.endpoint: None}  # a leaves: its routers start again
+            relay.request({b.endpoint: None})  # a leaves: its routers start again
             until(lambda: blocks(on_a) == 0, "a's entries dropped")
             assert [src.endpoint for src in relay.sources] == [b.endpoint]
         finally:
@@ -639,6 +639,39 @@ def test_sighup_reads_the_workers_again(
         assert proc.wait(timeout=10) == 0
         assert proc.stderr is not None
         assert "reload refused" in proc.stderr.read()
+
+
+def test_the_relay_finds_publishers_as_routers_find_workers(tmp_path: Path) -> None:
+    """dns:// entries (looked up) and the workers file (read again) give the relay
+    the same publishers they give the routers their workers."""
+    from meshkit.config import MeshConfig
+    from meshkit.lifecycle.kv_relay import RelayFleet
+
+    listed = tmp_path / "workers.toml"
+    listed.write_text('[[workers]]\nurl = "http://gpu-9:8000"\nkv_events = "tcp://{host}:5557"\n')
+    config = tmp_path / "meshkit.toml"
+    config.write_text(
+        'workers_file = "workers.toml"\n\n'
+        '[[workers]]\nurl = "dns://localhost:8000"\nkv_events = "tcp://{host}:5557"\n'
+        'kv_replay = "tcp://{host}:5558"\n\n'
+        '[kv_relay]\npublishers = ["tcp://other:6000"]\n'
+    )
+    fleet = RelayFleet(MeshConfig.from_file(str(config)), ["tcp://extra:7000"])
+    assert fleet.publishers() == {
+        "tcp://gpu-9:5557": None,
+        "tcp://other:6000": None,
+        "tcp://extra:7000": None,
+    }  # the name not looked up yet
+    fleet.refresh()
+    found = fleet.publishers()
+    assert found["tcp://127.0.0.1:5557"] == "tcp://127.0.0.1:5558"  # localhost's address
+    listed.write_text('[[workers]]\nurl = "http://gpu-8:8000"\nkv_events = "tcp://{host}:5557"\n')
+    fleet.refresh()
+    assert "tcp://gpu-8:5557" in fleet.publishers()
+    assert "tcp://gpu-9:5557" not in fleet.publishers()
+    listed.write_text("not toml [")  # a bad read keeps the last workers
+    fleet.refresh()
+    assert "tcp://gpu-8:5557" in fleet.publishers()
 
 
 @contextmanager

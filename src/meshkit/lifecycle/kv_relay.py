@@ -48,17 +48,20 @@ loop; nothing here is on a request's path.
 from __future__ import annotations
 
 import logging
+import queue
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from meshkit.config import KvConfig, KvRelayConfig, MeshConfig
+from meshkit.config import KvConfig, KvRelayConfig, MeshConfig, load_workers_file
+from meshkit.core.discovery import FleetSources
 from meshkit.core.kv_events import END_OF_REPLAY, PUBLISHER_LOST, relay_topic, replay_request
 from meshkit.errors import ConfigError
 
-__all__ = ["KvRelay", "publishers_of", "relay_registry"]
+__all__ = ["KvRelay", "RelayFleet", "publishers_of", "relay_registry"]
 
 log = logging.getLogger("meshkit.kv_relay")
 
@@ -74,22 +77,61 @@ _POLL_MS = 200
 _SETTLE_S = 0.2
 
 
+class RelayFleet:
+    """The publishers to relay, found as the routers find their workers: the
+    config's workers, its ``dns://`` entries and its ``workers_file``
+    (:class:`~meshkit.core.discovery.FleetSources`, looked up and read again by
+    :meth:`refresh`), then ``kv_relay.publishers`` and ``extra``. A lookup or a
+    read that fails keeps what it last found, as the routers' discovery does."""
+
+    def __init__(self, config: MeshConfig, extra: Iterable[str] = ()) -> None:
+        self.config = config
+        self.extra = tuple(extra)
+        self.sources = FleetSources(config.discovery.max_addresses)
+        self.sources.configure(config.workers, config.dns_workers)
+        if config.workers_file:
+            self.sources.set_file(
+                *load_workers_file(config.workers_file, config.discovery.max_file_bytes)
+            )
+
+    @property
+    def interval_s(self) -> float:
+        """How often :meth:`refresh` is due (the routers' ``lifecycle.health_interval_s``)."""
+        return max(0.05, self.config.lifecycle.health_interval_s)
+
+    def publishers(self) -> dict[str, str | None]:
+        """Each endpoint once, with its replay endpoint when a worker names one."""
+        seen: dict[str, str | None] = {}
+        for w in self.sources.desired():
+            if w.kv_events:
+                seen[w.kv_events] = seen.get(w.kv_events) or w.kv_replay
+        for endpoint in (*self.config.kv_relay.publishers, *self.extra):
+            seen.setdefault(endpoint, None)
+        return seen
+
+    def refresh(self) -> None:
+        """Look the names up and read the workers file again (blocking: call it off
+        the relay's loop)."""
+        cfg = self.config.discovery
+        if self.config.workers_file:
+            try:
+                self.sources.set_file(
+                    *load_workers_file(self.config.workers_file, cfg.max_file_bytes)
+                )
+            except ConfigError as exc:
+                log.warning("kv relay: %s; keeping its last workers", exc)
+        for name in self.sources.names():
+            try:
+                infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("kv relay: dns://%s: lookup failed (%s); keeping its last", name, exc)
+                continue
+            self.sources.set_addresses(name, [str(info[4][0]) for info in infos])
+
+
 def publishers_of(config: MeshConfig, extra: Iterable[str] = ()) -> dict[str, str | None]:
-    """The endpoints to relay, each with its replay endpoint when a worker names one:
-    the workers' ``kv_events``, ``kv_relay.publishers`` and ``extra``, each once, in
-    that order."""
-    seen: dict[str, str | None] = {}
-    for w in config.workers:
-        if w.kv_events:
-            seen[w.kv_events] = seen.get(w.kv_events) or w.kv_replay
-    for endpoint in (*config.kv_relay.publishers, *extra):
-        seen.setdefault(endpoint, None)
-    if any(d.kv_events for d in config.dns_workers):
-        log.warning(
-            "kv relay: dns:// workers' publishers are not relayed; "
-            "list their endpoints in kv_relay.publishers"
-        )
-    return seen
+    """:meth:`RelayFleet.publishers` before any lookup (static entries only)."""
+    return RelayFleet(config, extra).publishers()
 
 
 class _Source:
@@ -216,8 +258,8 @@ class KvRelay:
             self.replay_endpoint = self._replays.getsockopt_string(zmq.LAST_ENDPOINT)
             self._poller.register(self._replays, zmq.POLLIN)
         self._by_socket: dict[Any, _Source] = {}
-        #: publishers for :meth:`serve` to switch to (a reload, from another thread)
-        self.pending: Mapping[str, str | None] | None = None
+        #: publishers for :meth:`serve` to switch to (:meth:`request`)
+        self._pending: queue.SimpleQueue[Mapping[str, str | None]] = queue.SimpleQueue()
         self.sources = [_Source(endpoint, replay) for endpoint, replay in publishers.items()]
         self._hold = relay.send_hwm
         self._by_topic = {source.topic: source for source in self.sources}
@@ -310,10 +352,14 @@ class KvRelay:
             source.sock.close(linger=0)
         source.sock = source.monitor = None
 
+    def request(self, publishers: Mapping[str, str | None]) -> None:
+        """(any thread) :meth:`serve` switches to these publishers at its next turn."""
+        self._pending.put(dict(publishers))
+
     def update(self, publishers: Mapping[str, str | None]) -> None:
-        """Relay these publishers from now on (call from :meth:`serve`'s thread, or
-        set :attr:`pending`): new ones are subscribed to, gone ones closed and
-        announced lost (a router still routing to one starts again)."""
+        """Relay these publishers from now on (on :meth:`serve`'s thread; from others,
+        :meth:`request`): new ones are subscribed to, gone ones closed and announced
+        lost (a router still routing to one starts again)."""
         want = dict(publishers)
         for source in list(self.sources):
             if source.endpoint not in want:
@@ -334,10 +380,12 @@ class KvRelay:
                 log.info("kv relay: relaying %s", endpoint)
 
     def serve(self, stop: threading.Event) -> None:
-        """Relay until ``stop`` is set (checked every 0.2 s), applying
-        :attr:`pending` publishers when another thread sets them."""
+        """Relay until ``stop`` is set (checked every 0.2 s), switching publishers
+        when :meth:`request` asks."""
         while not stop.is_set():
-            pending, self.pending = self.pending, None
+            pending = None
+            while not self._pending.empty():
+                pending = self._pending.get_nowait()  # the newest request wins
             if pending is not None:
                 self.update(pending)
             for sock, _ in self._poller.poll(_POLL_MS):

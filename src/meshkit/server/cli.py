@@ -299,11 +299,13 @@ def _kv_relay(ns: argparse.Namespace) -> int:
         import zmq
     except ImportError:
         return _fail("meshkit kv-relay needs pyzmq: pip install 'meshkit[kv]'")
-    from meshkit.lifecycle.kv_relay import KvRelay, publishers_of, relay_registry
+    from meshkit.lifecycle.kv_relay import KvRelay, RelayFleet, relay_registry
 
     _setup_logging(settings.log_level)
     try:
-        relay = KvRelay(publishers_of(config, extra), relay_config, config.kv)
+        fleet = RelayFleet(config, extra)
+        fleet.refresh()  # dns:// names looked up before the first subscription
+        relay = KvRelay(fleet.publishers(), relay_config, config.kv)
     except ConfigError as exc:
         return _fail(str(exc))
     except zmq.ZMQError as exc:
@@ -313,18 +315,34 @@ def _kv_relay(ns: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
-    def reload(*_: object) -> None:
-        # The workers (and kv_relay.publishers) read again; the rest needs a restart.
-        try:
-            fresh = resolve_settings(config=ns.config, workers=[], policy=None)[0]
-            publishers = publishers_of(fresh, extra)
-        except ConfigError as exc:
-            log.error("reload refused, the publishers stay: %s", exc)
-            return
-        relay.pending = publishers
-        log.info("reload: %d publishers", len(publishers))
+    hup = threading.Event()
+    signal.signal(signal.SIGHUP, lambda *_: hup.set())
 
-    signal.signal(signal.SIGHUP, reload)
+    def follow(fleet: RelayFleet) -> None:
+        # Off the relay's loop: SIGHUP reads the file again (the workers and
+        # kv_relay.publishers; the rest needs a restart); dns:// names and the
+        # workers file are looked up and read again every interval.
+        while not stop.is_set():
+            hup.wait(fleet.interval_s)
+            if stop.is_set():
+                return
+            before = fleet.publishers()
+            if hup.is_set():
+                hup.clear()
+                try:
+                    loaded = resolve_settings(config=ns.config, workers=[], policy=None)
+                    fresh = RelayFleet(loaded[0], extra)
+                except ConfigError as exc:
+                    log.error("reload refused, the publishers stay: %s", exc)
+                    continue
+                fleet = fresh
+                log.info("reload: the workers read again")
+            fleet.refresh()
+            after = fleet.publishers()
+            if after != before:
+                relay.request(after)
+
+    threading.Thread(target=follow, args=(fleet,), name="kv-relay-fleet", daemon=True).start()
     try:
         if relay_config.metrics_port:
             from prometheus_client import start_http_server
