@@ -112,7 +112,9 @@ import os
 import platform
 import queue
 import random
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -481,13 +483,19 @@ def router_main(
 
     events = cfg["config"] == "cache_aware+events"
     policy = "cache_aware" if cfg["config"].startswith("cache_aware") else cfg["config"]
+    relay = cfg.get("relay")  # (endpoint, replay endpoint) of a meshkit kv-relay
     workers = [
-        Worker(url, kv_events=ev, kv_replay=rep) if events else Worker(url)
+        Worker(url, kv_events=ev, kv_replay=None if relay else rep) if events else Worker(url)
         for url, ev, rep in cfg["fleet"]
     ]
     extra: dict[str, Any] = {}
+    kv: dict[str, Any] = {}
     if cfg["kv_max_blocks"]:
-        extra["kv"] = {"max_blocks_per_model": cfg["kv_max_blocks"]}
+        kv["max_blocks_per_model"] = cfg["kv_max_blocks"]
+    if relay:
+        kv["relay"], kv["relay_replay"] = relay
+    if kv:
+        extra["kv"] = kv
     if cfg["policy_options"].get(policy):
         extra["policies"] = {policy: cfg["policy_options"][policy]}
     mesh = meshkit.Mesh(
@@ -760,6 +768,8 @@ def run_one(
 ) -> Run:
     run = Run(wl.name, config, k)
     max_life = 900.0
+    relay_proc: Any = None
+    relay_at: tuple[str, str] | None = None
     fleet_cfg = {
         "workers": args.workers,
         "cache_tokens": args.cache_tokens,
@@ -791,6 +801,8 @@ def run_one(
         if not parent.poll(VLLM_START_S if args.vllm else START_TIMEOUT_S):
             raise RuntimeError("the fleet did not start")
         endpoints = parent.recv()
+        if args.relay and config == "cache_aware+events":
+            relay_proc, relay_at = start_relay(endpoints, args.snapshot)
         rcfg = {
             "config": config,
             "fleet": endpoints,
@@ -799,6 +811,7 @@ def run_one(
             "max_life_s": max_life,
             "kv_max_blocks": args.kv_max_blocks,
             "policy_options": args.policy_option,
+            "relay": relay_at,
         }
         for i in range(k):
             p = ctx.Process(
@@ -887,6 +900,10 @@ def run_one(
             run.notes.append("fleet did not exit: terminated")
             fleet.terminate()
             fleet.join(5)
+        if relay_proc is not None:
+            relay_proc.terminate()
+            if relay_proc.wait(10) != 0:
+                run.notes.append(f"kv-relay exited with {relay_proc.returncode}")
         for q in (tasks, results):
             q.close()
             q.cancel_join_thread()
@@ -915,6 +932,34 @@ def run_one(
     )
     run.token_mismatch = sum(1 for _, b, p, _ in served if len(bound.prompt_ids(b)) != p)
     return run
+
+
+def start_relay(
+    endpoints: Sequence[tuple[str, str, str]], snapshot: str | None
+) -> tuple[Any, tuple[str, str]]:
+    """``meshkit kv-relay`` over the fleet's publishers (each with its replay): the
+    process, and where routers subscribe and ask for replays."""
+    fd, path = tempfile.mkstemp(suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        for url, ev, rep in endpoints:
+            f.write(f'[[workers]]\nurl = "{url}"\nkv_events = "{ev}"\nkv_replay = "{rep}"\n\n')
+    cmd = [sys.executable, "-m", "meshkit", "kv-relay", "--config", path]
+    cmd += ["--bind", "tcp://127.0.0.1:*", "--replay-bind", "tcp://127.0.0.1:*"]
+    proc = subprocess.Popen(
+        [*cmd, "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        text=True,
+        # the routers' copy of meshkit, when they run one
+        env={**os.environ, "MESHKIT_CONFIG": "", **({"PYTHONPATH": snapshot} if snapshot else {})},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    os.unlink(path)
+    found = re.match(r"meshkit kv-relay listening on (\S+) \(replays on (\S+)\)", line)
+    if not found:
+        proc.kill()
+        raise RuntimeError(f"kv-relay did not start: {line!r}")
+    return proc, (found.group(1), found.group(2))
 
 
 def drive(
@@ -1131,6 +1176,12 @@ def write_report(
             else ""
         )
         + (
+            " The cache_aware+events routers take events and replays from one "
+            "`meshkit kv-relay` (`--relay`), a process of its own, not from the engines."
+            if args.relay
+            else ""
+        )
+        + (
             " Policy options: "
             + ", ".join(
                 f"{name}.{k} = {v!r}"
@@ -1313,6 +1364,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="POLICY.KEY=VALUE",
         help="an option of one policy (its [policies.<name>] table), given to every "
         "config that runs that policy, e.g. prefix_hash.owner_share=0.5; repeatable",
+    )
+    ap.add_argument(
+        "--relay",
+        action="store_true",
+        help="cache_aware+events routers take events and replays from one meshkit "
+        "kv-relay instead of the engines",
     )
     ap.add_argument("--tokenizer", default=TOKENIZER)
     ap.add_argument("--seed", type=int, default=1)

@@ -66,3 +66,32 @@ def test_two_router_processes_place_over_one_fleet_with_and_without_events(
         routers[(rec["config"], rec["k"])].add(rec["router"])
     assert routers[("prefix_hash", 2)] == routers[("cache_aware+events", 2)] == {0, 1}
     assert routers[("prefix_hash", 1)] == {0}
+
+
+def test_two_router_processes_behind_a_kv_relay(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--routers",
+            "2",
+            "--quick",
+            "--relay",
+            "--configs",
+            "cache_aware+events",
+            "--workloads",
+            "conversations",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    lines = re.findall(r"conversations +(\S+) +K=(\d): .* ratio ([\d.]+) .* failed (\d+)", out)
+    assert [(c, k) for c, k, _, _ in lines] == [("cache_aware+events", "2")], out
+    assert all(failed == "0" and 0.5 < float(ratio) <= 1.0 for _, _, ratio, failed in lines), out
+    # The routers never connect to an engine: every worker matched on events (by
+    # both routers) is the relay's doing.
+    table = [r for r in out.splitlines() if r.startswith("| conversations | cache_aware+events")]
+    assert len(table) == 1 and "| 4/4 |" in table[0], out
+    assert "aborted" not in out, out

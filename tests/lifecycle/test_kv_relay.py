@@ -397,6 +397,28 @@ def test_a_relay_joining_a_busy_engine_keeps_its_history_without_a_hole() -> Non
         pub.close()
 
 
+def test_an_idle_engine_that_said_so_is_matched_on_events_through_the_relay() -> None:
+    """An empty replay from the engine is an answer: the relay passes it on, and the
+    router matches that worker on events before its first batch, as it would
+    asking the engine itself."""
+    pub = Publisher(replay=True)
+    try:
+        with running(relay_of(pub.endpoint, engine_replay=pub.replay_endpoint)) as relay:
+            until(lambda: pub.replays == 1 and relay.sources[0].joining is None, "the join")
+            mesh = mesh_via(relay, pub.endpoint, replays=True)
+            try:
+                until(lambda: relay.replays == 1, "the router's joining replay")
+                until(
+                    lambda: mesh.router.describe()[0]["prefix_match"] == "events",
+                    "the worker matched on events",
+                )
+                assert blocks(mesh) == 0
+            finally:
+                mesh.close()
+    finally:
+        pub.close()
+
+
 def test_an_engine_replay_that_never_ends_holds_the_routers_no_longer_than_the_timeout(
     publisher: Callable[..., Publisher],
 ) -> None:

@@ -17,8 +17,8 @@ payloads pass as they came (neither decoded nor copied), so a router handles gap
 and restarts as it does on a direct connection:
 
 * a router that falls ``kv_relay.send_hwm`` messages behind has messages dropped by
-  ZeroMQ (the relay never waits for it): it sees a gap, which it has replayed by the
-  worker's ``kv_replay`` endpoint (the engine) or forgets;
+  ZeroMQ (the relay never waits for it): it sees a gap, which it has replayed (by the
+  relay, below, or the engine's ``kv_replay``) or forgets;
 * an engine connection that drops (the engine went away, or sent a message over
   ``kv.max_message_bytes``, after which libzmq would never connect again) is opened
   afresh and announced as ``[topic, PUBLISHER_LOST, b""]``: each router drops that
@@ -29,14 +29,15 @@ Replays: the relay keeps each engine's newest messages, up to
 ``kv_relay.replay_bytes``, and answers on ``kv_relay.replay_bind`` as an engine's
 ROUTER does, a DEALER asking ``[b"", start_seq, topic]`` (the topic added, for
 which engine): ``[b"", topic, seq, payload]`` per kept message from ``start_seq``,
-then the end marker; with nothing kept for that engine, ``[b"", topic,
-PUBLISHER_LOST, b""]`` first (it does not know, where an empty answer would say
-nothing was published). A router with ``[kv] relay_replay`` asks there when it joins
-and on a gap, so hundreds of routers starting at once do not each ask every
-engine. On connecting to an engine whose worker names ``kv_replay``, the relay
-asks it once for what it still buffers (subscribed first, as a router joins) and
-holds the routers' requests for that engine until the answer is in, at most
-``kv.replay_timeout_s`` (up to ``kv_relay.send_hwm`` requests). What it keeps goes
+then the end marker; with nothing kept for that engine and no word from its own
+replay, ``[b"", topic, PUBLISHER_LOST, b""]`` first (it does not know, where an
+empty answer would say nothing was published). A router with ``[kv] relay_replay``
+asks there when it joins and on a gap, so hundreds of routers starting at once do
+not each ask every engine. On connecting to an engine whose worker names ``kv_replay``, the relay
+asks it once for what it still buffers (once its subscription holds, so that no
+batch falls between the two) and holds the routers' requests for that engine until
+the answer is in, at most ``kv.replay_timeout_s`` (up to ``kv_relay.send_hwm``
+requests). What it keeps goes
 when the engine restarts (its numbers go back) or its connection is lost.
 
 Bounded: ``kv.receive_hwm`` messages queued per engine, each at most
@@ -145,8 +146,10 @@ class _Source:
         "endpoint",
         "forwarded",
         "joining",
+        "joining_bytes",
         "kept",
         "kept_bytes",
+        "known",
         "last_seq",
         "lost",
         "malformed",
@@ -167,6 +170,7 @@ class _Source:
         #: so far, until when it may take, and the routers' requests held meanwhile
         self.dealer: Any = None
         self.joining: deque[tuple[int, Any, Any]] | None = None
+        self.joining_bytes = 0
         self.ask_at: float | None = None
         self.deadline = 0.0
         self.waiting: list[tuple[bytes, int]] = []
@@ -178,6 +182,9 @@ class _Source:
         self.kept: deque[tuple[int, Any, Any]] = deque()
         self.kept_bytes = 0
         self.last_seq = -1
+        #: the engine's replay answered since the relay connected: what is kept is
+        #: its whole buffer and what came since, even when that is nothing
+        self.known = False
 
     def keep(self, seq: int, seq_frame: Any, payload: Any, limit: int) -> None:
         if seq <= self.last_seq:
@@ -206,6 +213,7 @@ class _Source:
         self.kept.clear()
         self.kept_bytes = 0
         self.last_seq = -1
+        self.known = False
 
 
 class KvRelay:
@@ -287,7 +295,7 @@ class KvRelay:
         between what the engine replays and what comes live."""
         if source.replay is None or self._replays is None or source.joining is not None:
             return
-        source.joining = deque()
+        source.joining, source.joining_bytes = deque(), 0
         source.ask_at = time.monotonic() + _SETTLE_S
         source.deadline = source.ask_at + self.kv.replay_timeout_s
 
@@ -312,6 +320,7 @@ class KvRelay:
             source.dealer.close(linger=0)
         if complete:
             source.merge(self._limit)
+            source.known = True
         source.dealer, source.joining, source.ask_at = None, None, None
         waiting, source.waiting = source.waiting, []
         for ident, start in waiting:
@@ -336,8 +345,10 @@ class KvRelay:
                 self._joined(source, True)
                 return
             source.joining.append((seq, body[-2], body[-1]))
-            if len(source.joining) > self.kv.receive_hwm:
-                source.joining.popleft()  # the newest are the ones kept anyway
+            source.joining_bytes += len(body[-1]) + _KEPT_OVERHEAD
+            while source.joining_bytes > self._limit:  # only the newest are kept anyway
+                _, _, old = source.joining.popleft()
+                source.joining_bytes -= len(old) + _KEPT_OVERHEAD
 
     def _close(self, source: _Source) -> None:
         if source.joining is not None:
@@ -450,9 +461,9 @@ class KvRelay:
             self._reply(ident, topic, source, start)
 
     def _reply(self, ident: bytes, topic: bytes, source: _Source | None, start: int) -> None:
-        if source is None or not source.kept:
-            # Nothing kept is not "nothing published": say so, or the router would
-            # take the engine's next number for a gap from 0.
+        if source is None or not (source.kept or source.known):
+            # Nothing kept is not "nothing published" unless the engine said so:
+            # else the router would take the engine's next number for a gap from 0.
             self._replays.send_multipart([ident, b"", topic, _LOST, b""])
         else:
             for seq, seq_frame, payload in list(source.kept):
