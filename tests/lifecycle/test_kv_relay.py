@@ -559,53 +559,69 @@ def test_kv_relay_without_a_publisher_or_with_a_bad_endpoint_exits_2() -> None:
     assert done.returncode == 2 and "kv_relay.bind" in done.stderr
 
 
-def test_kv_relay_serves_its_metrics(tmp_path: Path, publisher: Callable[..., Publisher]) -> None:
-    pub = publisher()
-    config = tmp_path / "meshkit.toml"
-    config.write_text(
-        f'[[workers]]\nurl = "{URL}"\nkv_events = "{pub.endpoint}"\n\n'
-        '[kv_relay]\nbind = "tcp://127.0.0.1:*"\nreplay_bind = ""\n'
-    )
-    with socket_port() as port:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "meshkit",
-                "kv-relay",
-                "--config",
-                str(config),
-                "--metrics-port",
-                str(port),
-            ],
+class RelayProcess:
+    """``meshkit kv-relay --config <path>`` with its metrics on a free port."""
+
+    def __init__(self, config: Path) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        cmd = [sys.executable, "-m", "meshkit", "kv-relay", "--config", str(config)]
+        self.proc = subprocess.Popen(
+            [*cmd, "--metrics-port", str(self.port)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().startswith("meshkit kv-relay listening on tcp://127.0.0.1:")
+        assert self.proc.stdout is not None
+        self.line = self.proc.stdout.readline()
 
-        def scraped() -> str:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                return str(r.read().decode())
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+    def connected(self, pub: Publisher) -> bool:
+        return f'mesh_kv_relay_connected{{publisher="{pub.endpoint}"}} 1.0' in self.metrics()
+
+    def stop(self) -> str:
+        """SIGTERM: it exits 0; what it wrote on stderr."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=10) == 0
+        assert self.proc.stderr is not None
+        return self.proc.stderr.read()
+
+
+def relay_config(path: Path, *pubs: Publisher) -> None:
+    workers = "".join(
+        f'[[workers]]\nurl = "http://127.0.0.1:{9 + i}"\nkv_events = "{p.endpoint}"\n\n'
+        for i, p in enumerate(pubs)
+    )
+    path.write_text(workers + '[kv_relay]\nbind = "tcp://127.0.0.1:*"\nreplay_bind = ""\n')
+
+
+def test_kv_relay_serves_its_metrics(tmp_path: Path, publisher: Callable[..., Publisher]) -> None:
+    pub = publisher()
+    relay_config(tmp_path / "meshkit.toml", pub)
+    relay = RelayProcess(tmp_path / "meshkit.toml")
+    try:
+        assert relay.line.startswith("meshkit kv-relay listening on tcp://127.0.0.1:")
 
         def forwarded() -> bool:
             pub.store([pub.seq + 1], None, [1, 1, 1, 1])
-            text = scraped()
             return bool(
                 re.search(
                     rf'mesh_kv_relay_messages_total{{outcome="forwarded",'
                     rf'publisher="{re.escape(pub.endpoint)}"}} [1-9]',
-                    text,
+                    relay.metrics(),
                 )
             )
 
         until(forwarded, "a forwarded message in the relay's metrics")
-        assert f'mesh_kv_relay_connected{{publisher="{pub.endpoint}"}} 1.0' in scraped()
+        assert relay.connected(pub)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
+        relay.stop()
 
 
 def test_sighup_reads_the_workers_again(
@@ -613,94 +629,18 @@ def test_sighup_reads_the_workers_again(
 ) -> None:
     a, b = publisher(), publisher()
     config = tmp_path / "meshkit.toml"
-
-    def write(*pubs: Publisher) -> None:
-        workers = "".join(
-            f'[[workers]]\nurl = "http://127.0.0.1:{9 + i}"\nkv_events = "{p.endpoint}"\n\n'
-            for i, p in enumerate(pubs)
-        )
-        config.write_text(workers + '[kv_relay]\nbind = "tcp://127.0.0.1:*"\nreplay_bind = ""\n')
-
-    write(a)
-    with socket_port() as port:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "meshkit",
-                "kv-relay",
-                "--config",
-                str(config),
-                "--metrics-port",
-                str(port),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    relay_config(config, a)
+    relay = RelayProcess(config)
     try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().startswith("meshkit kv-relay listening on ")
-
-        def connected(p: Publisher) -> bool:
-            url = f"http://127.0.0.1:{port}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as r:
-                text = r.read().decode()
-            return f'mesh_kv_relay_connected{{publisher="{p.endpoint}"}} 1.0' in text
-
-        until(lambda: connected(a), "the first publisher")
-        write(a, b)
-        proc.send_signal(signal.SIGHUP)
-        until(lambda: connected(b), "the publisher the reload added")
+        assert relay.line.startswith("meshkit kv-relay listening on ")
+        until(lambda: relay.connected(a), "the first publisher")
+        relay_config(config, a, b)
+        relay.proc.send_signal(signal.SIGHUP)
+        until(lambda: relay.connected(b), "the publisher the reload added")
         config.write_text("[kv_relay]\nsend_hwm = 0\n")  # refused: the relay goes on
-        proc.send_signal(signal.SIGHUP)
+        relay.proc.send_signal(signal.SIGHUP)
         time.sleep(0.5)
-        assert proc.poll() is None and connected(b)
+        assert relay.proc.poll() is None and relay.connected(b)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
-        assert proc.stderr is not None
-        assert "reload refused" in proc.stderr.read()
-
-
-def test_the_relay_finds_publishers_as_routers_find_workers(tmp_path: Path) -> None:
-    """dns:// entries (looked up) and the workers file (read again) give the relay
-    the same publishers they give the routers their workers."""
-    from meshkit.config import MeshConfig
-    from meshkit.lifecycle.kv_relay import RelayFleet
-
-    listed = tmp_path / "workers.toml"
-    listed.write_text('[[workers]]\nurl = "http://gpu-9:8000"\nkv_events = "tcp://{host}:5557"\n')
-    config = tmp_path / "meshkit.toml"
-    config.write_text(
-        'workers_file = "workers.toml"\n\n'
-        '[[workers]]\nurl = "dns://localhost:8000"\nkv_events = "tcp://{host}:5557"\n'
-        'kv_replay = "tcp://{host}:5558"\n\n'
-        '[kv_relay]\npublishers = ["tcp://other:6000"]\n'
-    )
-    fleet = RelayFleet(MeshConfig.from_file(str(config)), ["tcp://extra:7000"])
-    assert fleet.publishers() == {
-        "tcp://gpu-9:5557": None,
-        "tcp://other:6000": None,
-        "tcp://extra:7000": None,
-    }  # the name not looked up yet
-    fleet.refresh()
-    found = fleet.publishers()
-    assert found["tcp://127.0.0.1:5557"] == "tcp://127.0.0.1:5558"  # localhost's address
-    listed.write_text('[[workers]]\nurl = "http://gpu-8:8000"\nkv_events = "tcp://{host}:5557"\n')
-    fleet.refresh()
-    assert "tcp://gpu-8:5557" in fleet.publishers()
-    assert "tcp://gpu-9:5557" not in fleet.publishers()
-    listed.write_text("not toml [")  # a bad read keeps the last workers
-    fleet.refresh()
-    assert "tcp://gpu-8:5557" in fleet.publishers()
-
-
-@contextmanager
-def socket_port() -> Iterator[int]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    yield port
+        errors = relay.stop()
+    assert "reload refused" in errors
