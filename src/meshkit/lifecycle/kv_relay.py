@@ -54,7 +54,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from meshkit.config import KvConfig, KvRelayConfig, MeshConfig, load_workers_file
@@ -62,7 +62,7 @@ from meshkit.core.discovery import FleetSources
 from meshkit.core.kv_events import END_OF_REPLAY, PUBLISHER_LOST, relay_topic, replay_request
 from meshkit.errors import ConfigError
 
-__all__ = ["KvRelay", "RelayFleet", "publishers_of", "relay_registry"]
+__all__ = ["KvRelay", "RelayFleet", "follow_fleet", "relay_registry"]
 
 log = logging.getLogger("meshkit.kv_relay")
 
@@ -130,9 +130,57 @@ class RelayFleet:
             self.sources.set_addresses(name, [str(info[4][0]) for info in infos])
 
 
-def publishers_of(config: MeshConfig, extra: Iterable[str] = ()) -> dict[str, str | None]:
-    """:meth:`RelayFleet.publishers` before any lookup (static entries only)."""
-    return RelayFleet(config, extra).publishers()
+def follow_fleet(
+    relay: KvRelay,
+    fleet: RelayFleet,
+    stop: threading.Event,
+    reload: threading.Event,
+    load: Callable[[], MeshConfig],
+) -> None:
+    """Keep ``relay``'s publishers those of ``fleet`` until ``stop`` (run it on a
+    thread of its own: lookups and reads block). Every ``fleet.interval_s`` the
+    names are looked up and the workers file read again; when ``reload`` is set,
+    the config is loaded anew (``load``: a :class:`ConfigError` keeps the fleet)."""
+    while not stop.is_set():
+        reload.wait(fleet.interval_s)
+        if stop.is_set():
+            return
+        before = fleet.publishers()
+        if reload.is_set():
+            reload.clear()
+            try:
+                fleet = RelayFleet(load(), fleet.extra)
+            except ConfigError as exc:
+                log.error("reload refused, the publishers stay: %s", exc)
+                continue
+            log.info("reload: the workers read again")
+        fleet.refresh()
+        after = fleet.publishers()
+        if after != before:
+            relay.request(after)
+
+
+class _Kept:
+    """Messages ``(seq, seq frame, payload frame)``, newest last, within ``limit``
+    bytes (the oldest go first)."""
+
+    __slots__ = ("items", "limit", "size")
+
+    def __init__(self, limit: int) -> None:
+        self.items: deque[tuple[int, Any, Any]] = deque()
+        self.limit = limit
+        self.size = 0
+
+    def add(self, seq: int, seq_frame: Any, payload: Any) -> None:
+        self.items.append((seq, seq_frame, payload))
+        self.size += len(payload) + _KEPT_OVERHEAD
+        while self.size > self.limit:
+            _, _, old = self.items.popleft()
+            self.size -= len(old) + _KEPT_OVERHEAD
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.size = 0
 
 
 class _Source:
@@ -146,9 +194,7 @@ class _Source:
         "endpoint",
         "forwarded",
         "joining",
-        "joining_bytes",
         "kept",
-        "kept_bytes",
         "known",
         "last_seq",
         "lost",
@@ -160,7 +206,7 @@ class _Source:
         "waiting",
     )
 
-    def __init__(self, endpoint: str, replay: str | None = None) -> None:
+    def __init__(self, endpoint: str, replay: str | None, limit: int) -> None:
         self.endpoint = endpoint
         self.replay = replay
         self.topic = relay_topic(endpoint)
@@ -169,8 +215,7 @@ class _Source:
         #: the engine's own replay, asked on connecting: the socket, what it sent
         #: so far, until when it may take, and the routers' requests held meanwhile
         self.dealer: Any = None
-        self.joining: deque[tuple[int, Any, Any]] | None = None
-        self.joining_bytes = 0
+        self.joining: _Kept | None = None
         self.ask_at: float | None = None
         self.deadline = 0.0
         self.waiting: list[tuple[bytes, int]] = []
@@ -178,40 +223,32 @@ class _Source:
         self.forwarded = 0
         self.lost = 0
         self.malformed = 0
-        #: the newest messages, for replays: (seq, seq frame, payload frame)
-        self.kept: deque[tuple[int, Any, Any]] = deque()
-        self.kept_bytes = 0
+        #: the newest messages, for replays
+        self.kept = _Kept(limit)
         self.last_seq = -1
         #: the engine's replay answered since the relay connected: what is kept is
         #: its whole buffer and what came since, even when that is nothing
         self.known = False
 
-    def keep(self, seq: int, seq_frame: Any, payload: Any, limit: int) -> None:
+    def keep(self, seq: int, seq_frame: Any, payload: Any) -> None:
         if seq <= self.last_seq:
             self.forget()  # the numbers went back: a restarted engine's history
         self.last_seq = seq
-        self.kept.append((seq, seq_frame, payload))
-        self.kept_bytes += len(payload) + _KEPT_OVERHEAD
-        self._trim(limit)
+        self.kept.add(seq, seq_frame, payload)
 
-    def _trim(self, limit: int) -> None:
-        while self.kept_bytes > limit and self.kept:
-            _, _, old = self.kept.popleft()
-            self.kept_bytes -= len(old) + _KEPT_OVERHEAD
-
-    def merge(self, limit: int) -> None:
+    def merge(self) -> None:
         """The engine's replay in front of what came live since (live wins a tie)."""
-        combined = {item[0]: item for item in self.joining or ()}
-        combined.update((item[0], item) for item in self.kept)
-        self.kept = deque(sorted(combined.values(), key=lambda item: item[0]))
-        self.kept_bytes = sum(len(p) + _KEPT_OVERHEAD for _, _, p in self.kept)
-        self._trim(limit)
-        if self.kept:
-            self.last_seq = max(self.last_seq, self.kept[-1][0])
+        joined = self.joining.items if self.joining is not None else ()
+        combined = {item[0]: item for item in joined}
+        combined.update((item[0], item) for item in self.kept.items)
+        self.kept.clear()
+        for item in sorted(combined.values(), key=lambda item: item[0]):
+            self.kept.add(*item)
+        if self.kept.items:
+            self.last_seq = max(self.last_seq, self.kept.items[-1][0])
 
     def forget(self) -> None:
         self.kept.clear()
-        self.kept_bytes = 0
         self.last_seq = -1
         self.known = False
 
@@ -268,7 +305,9 @@ class KvRelay:
         self._by_socket: dict[Any, _Source] = {}
         #: publishers for :meth:`serve` to switch to (:meth:`request`)
         self._pending: queue.SimpleQueue[Mapping[str, str | None]] = queue.SimpleQueue()
-        self.sources = [_Source(endpoint, replay) for endpoint, replay in publishers.items()]
+        self.sources = [
+            _Source(endpoint, replay, self._limit) for endpoint, replay in publishers.items()
+        ]
         self._hold = relay.send_hwm
         self._by_topic = {source.topic: source for source in self.sources}
         for source in self.sources:
@@ -295,7 +334,7 @@ class KvRelay:
         between what the engine replays and what comes live."""
         if source.replay is None or self._replays is None or source.joining is not None:
             return
-        source.joining, source.joining_bytes = deque(), 0
+        source.joining = _Kept(self._limit)
         source.ask_at = time.monotonic() + _SETTLE_S
         source.deadline = source.ask_at + self.kv.replay_timeout_s
 
@@ -319,7 +358,7 @@ class KvRelay:
             self._by_socket.pop(source.dealer, None)
             source.dealer.close(linger=0)
         if complete:
-            source.merge(self._limit)
+            source.merge()
             source.known = True
         source.dealer, source.joining, source.ask_at = None, None, None
         waiting, source.waiting = source.waiting, []
@@ -344,11 +383,7 @@ class KvRelay:
             if seq == END_OF_REPLAY:
                 self._joined(source, True)
                 return
-            source.joining.append((seq, body[-2], body[-1]))
-            source.joining_bytes += len(body[-1]) + _KEPT_OVERHEAD
-            while source.joining_bytes > self._limit:  # only the newest are kept anyway
-                _, _, old = source.joining.popleft()
-                source.joining_bytes -= len(old) + _KEPT_OVERHEAD
+            source.joining.add(seq, body[-2], body[-1])  # the newest, as kept
 
     def _close(self, source: _Source) -> None:
         if source.joining is not None:
@@ -384,7 +419,7 @@ class KvRelay:
         known = {source.endpoint for source in self.sources}
         for endpoint, replay in want.items():
             if endpoint not in known:
-                source = _Source(endpoint, replay)
+                source = _Source(endpoint, replay, self._limit)
                 self.sources.append(source)
                 self._by_topic[source.topic] = source
                 self._open(source)
@@ -439,7 +474,7 @@ class KvRelay:
                 self._ask(source)  # subscribed for sure: the replay ends where this began
             if self._replays is not None:
                 seq = int.from_bytes(frames[1].bytes, "big", signed=True)
-                source.keep(seq, frames[1], frames[2], self._limit)
+                source.keep(seq, frames[1], frames[2])
 
     def _answer(self) -> None:
         """Replay requests: ``[identity, b"", start_seq, topic]`` each."""
@@ -454,19 +489,22 @@ class KvRelay:
             ident, _, start_frame, topic = frames
             start = int.from_bytes(start_frame, "big")
             source = self._by_topic.get(topic)
-            held = source is not None and source.joining is not None
-            if held and source is not None and len(source.waiting) < self._hold:
+            if (
+                source is not None
+                and source.joining is not None
+                and len(source.waiting) < self._hold
+            ):
                 source.waiting.append((ident, start))
                 continue  # answered after the engine's replay
             self._reply(ident, topic, source, start)
 
     def _reply(self, ident: bytes, topic: bytes, source: _Source | None, start: int) -> None:
-        if source is None or not (source.kept or source.known):
+        if source is None or not (source.kept.items or source.known):
             # Nothing kept is not "nothing published" unless the engine said so:
             # else the router would take the engine's next number for a gap from 0.
             self._replays.send_multipart([ident, b"", topic, _LOST, b""])
         else:
-            for seq, seq_frame, payload in list(source.kept):
+            for seq, seq_frame, payload in list(source.kept.items):
                 if seq >= start:
                     self._replays.send_multipart(
                         [ident, b"", topic, seq_frame, payload], copy=False

@@ -299,7 +299,7 @@ def _kv_relay(ns: argparse.Namespace) -> int:
         import zmq
     except ImportError:
         return _fail("meshkit kv-relay needs pyzmq: pip install 'meshkit[kv]'")
-    from meshkit.lifecycle.kv_relay import KvRelay, RelayFleet, relay_registry
+    from meshkit.lifecycle.kv_relay import KvRelay, RelayFleet, follow_fleet, relay_registry
 
     _setup_logging(settings.log_level)
     try:
@@ -318,31 +318,16 @@ def _kv_relay(ns: argparse.Namespace) -> int:
     hup = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: hup.set())
 
-    def follow(fleet: RelayFleet) -> None:
-        # Off the relay's loop: SIGHUP reads the file again (the workers and
-        # kv_relay.publishers; the rest needs a restart); dns:// names and the
-        # workers file are looked up and read again every interval.
-        while not stop.is_set():
-            hup.wait(fleet.interval_s)
-            if stop.is_set():
-                return
-            before = fleet.publishers()
-            if hup.is_set():
-                hup.clear()
-                try:
-                    loaded = resolve_settings(config=ns.config, workers=[], policy=None)
-                    fresh = RelayFleet(loaded[0], extra)
-                except ConfigError as exc:
-                    log.error("reload refused, the publishers stay: %s", exc)
-                    continue
-                fleet = fresh
-                log.info("reload: the workers read again")
-            fleet.refresh()
-            after = fleet.publishers()
-            if after != before:
-                relay.request(after)
+    def load() -> MeshConfig:
+        # SIGHUP: the workers and kv_relay.publishers; the other keys need a restart
+        return resolve_settings(config=ns.config, workers=[], policy=None)[0]
 
-    threading.Thread(target=follow, args=(fleet,), name="kv-relay-fleet", daemon=True).start()
+    threading.Thread(
+        target=follow_fleet,
+        args=(relay, fleet, stop, hup, load),
+        name="kv-relay-fleet",
+        daemon=True,
+    ).start()
     try:
         if relay_config.metrics_port:
             from prometheus_client import start_http_server
