@@ -23,6 +23,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
+from conformance.test_kv_routing import TOKENIZER, TOPICS, first_turn  # noqa: E402
 from harness import MODE_CLASSES  # noqa: E402
 from lifecycle.test_kv_subscriber import URL, Publisher, until  # noqa: E402
 from meshkit import Mesh  # noqa: E402
@@ -31,16 +32,6 @@ from meshkit.core.kv_events import relay_topic  # noqa: E402
 from meshkit.core.workers import Worker  # noqa: E402
 from meshkit.lifecycle.kv_relay import KvRelay, relay_registry  # noqa: E402
 from meshkit.mock.thread import MockWorkerThread  # noqa: E402
-
-TOKENIZER = str(Path(__file__).resolve().parents[1] / "prepare" / "data" / "tiny")
-TOPICS = ["billing", "weather", "recipes", "travel", "music", "gardens"]
-
-
-def first_turn(topic: str) -> list[dict[str, str]]:
-    return [
-        {"role": "system", "content": f"You answer questions about {topic} only. " * 6},
-        {"role": "user", "content": f"tell me about {topic} today"},
-    ]
 
 
 @contextmanager
@@ -58,12 +49,13 @@ def running(relay: KvRelay) -> Iterator[KvRelay]:
 
 @pytest.fixture
 def publisher() -> Iterator[Callable[..., Publisher]]:
-    """``publisher(endpoint=...)``: a vLLM-like publisher, closed at teardown (a
+    """``publisher(endpoint=..., replay=False)``: a vLLM-like publisher (with its
+    replay endpoint), closed at teardown (a
     context left open would hang the interpreter's exit)."""
     made: list[Publisher] = []
 
-    def make(endpoint: str = "tcp://127.0.0.1:*") -> Publisher:
-        p = Publisher(replay=False, endpoint=endpoint)
+    def make(endpoint: str = "tcp://127.0.0.1:*", replay: bool = False) -> Publisher:
+        p = Publisher(replay=replay, endpoint=endpoint)
         made.append(p)
         return p
 
@@ -92,14 +84,26 @@ def relay_of(
     )
 
 
-def mesh_via(relay: KvRelay, endpoint: str, url: str = URL, replays: bool = False) -> Mesh:
-    w = Worker(url, kv_events=endpoint)
-    kv = {"relay": relay.endpoint}
-    if replays:
-        kv["relay_replay"] = relay.replay_endpoint or ""
-    mesh = Mesh(workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv=kv)
-    mesh.lifecycle.start()
-    return mesh
+@pytest.fixture
+def router() -> Iterator[Callable[..., Mesh]]:
+    """``router(relay, endpoint, url=URL, replays=False)``: a Mesh with one worker
+    whose events (and, with ``replays``, replays) come through ``relay``; closed at
+    teardown."""
+    made: list[Mesh] = []
+
+    def make(relay: KvRelay, endpoint: str, url: str = URL, replays: bool = False) -> Mesh:
+        w = Worker(url, kv_events=endpoint)
+        kv = {"relay": relay.endpoint}
+        if replays:
+            kv["relay_replay"] = relay.replay_endpoint or ""
+        mesh = Mesh(workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv=kv)
+        made.append(mesh)
+        mesh.lifecycle.start()
+        return mesh
+
+    yield make
+    for mesh in made:
+        mesh.close()
 
 
 def replay(relay: KvRelay, start: int, topic: bytes) -> list[int]:
@@ -183,7 +187,7 @@ def test_routers_behind_a_relay_follow_the_engines_cache(
         assert found, (line, proc.stderr.read() if proc.poll() is not None else "")
         endpoint, replays = found.groups()
 
-        def router() -> Mesh:
+        def make() -> Mesh:
             # No router asks an engine anything: events and replays come from the relay.
             workers = [Worker(w.url, kv_events=w.kv_events_endpoint) for w in fleet]
             mesh = mesh_factory(
@@ -196,7 +200,7 @@ def test_routers_behind_a_relay_follow_the_engines_cache(
             mesh.lifecycle.start()
             return mesh
 
-        r1, r2 = router(), router()
+        r1, r2 = make(), make()
         firsts: dict[str, tuple[str, str]] = {}
         mode = MODE_CLASSES["transport"](r1)  # routing in the client's own process
         try:
@@ -241,51 +245,45 @@ def test_routers_behind_a_relay_follow_the_engines_cache(
 
 
 def test_a_router_takes_only_its_own_workers_messages(
-    tmp_path: Path, publisher: Callable[..., Publisher]
+    tmp_path: Path, publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
     # Endpoints one of which starts with the other: a topic that were a bare
     # prefix would hand the first worker's router both engines' blocks.
     short = publisher(f"ipc://{tmp_path}/kv")
     long = publisher(f"ipc://{tmp_path}/kv0")
     with running(relay_of(short.endpoint, long.endpoint)) as relay:
-        mesh = mesh_via(relay, short.endpoint)
-        try:
-            store_until_seen(mesh, short)
-            before = blocks(mesh)
-            for i in range(20):
-                long.store([50_000 + i], None, [9, 9, 9, i])
-            until(lambda: relay.sources[1].forwarded >= 20, "the long endpoint's messages")
-            short.store([60_000], None, [1, 2, 3, 4])
-            until(lambda: blocks(mesh) == before + 1, "the short endpoint's block")
-            time.sleep(0.2)  # room for a stray message to arrive
-            assert blocks(mesh) == before + 1
-        finally:
-            mesh.close()
+        mesh = router(relay, short.endpoint)
+        store_until_seen(mesh, short)
+        before = blocks(mesh)
+        for i in range(20):
+            long.store([50_000 + i], None, [9, 9, 9, i])
+        until(lambda: relay.sources[1].forwarded >= 20, "the long endpoint's messages")
+        short.store([60_000], None, [1, 2, 3, 4])
+        until(lambda: blocks(mesh) == before + 1, "the short endpoint's block")
+        time.sleep(0.2)  # room for a stray message to arrive
+        assert blocks(mesh) == before + 1
 
 
 def test_a_lost_engine_clears_its_worker_and_the_router_starts_again(
-    publisher: Callable[..., Publisher],
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
     pub = publisher()
     endpoint = pub.endpoint
     with running(relay_of(endpoint)) as relay:
-        mesh = mesh_via(relay, endpoint)
-        try:
-            store_until_seen(mesh, pub)
-            until(lambda: relay.sources[0].connected, "the relay's connection")
-            pub.close()  # the engine goes away
-            until(lambda: blocks(mesh) == 0, "the worker's entries dropped")
-            assert relay.sources[0].lost == 1
-            samples = {
-                (s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in relay_registry(relay).collect()
-                for s in family.samples
-            }
-            assert samples[("mesh_kv_relay_lost_total", (("publisher", endpoint),))] == 1
-            # The engine comes back on the same endpoint: the router hears it again.
-            store_until_seen(mesh, publisher(endpoint))
-        finally:
-            mesh.close()
+        mesh = router(relay, endpoint)
+        store_until_seen(mesh, pub)
+        until(lambda: relay.sources[0].connected, "the relay's connection")
+        pub.close()  # the engine goes away
+        until(lambda: blocks(mesh) == 0, "the worker's entries dropped")
+        assert relay.sources[0].lost == 1
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in relay_registry(relay).collect()
+            for s in family.samples
+        }
+        assert samples[("mesh_kv_relay_lost_total", (("publisher", endpoint),))] == 1
+        # The engine comes back on the same endpoint: the router hears it again.
+        store_until_seen(mesh, publisher(endpoint))
 
 
 def test_the_relay_replays_what_it_kept_and_says_when_it_kept_nothing(
@@ -308,7 +306,7 @@ def test_the_relay_replays_what_it_kept_and_says_when_it_kept_nothing(
 
 
 def test_a_router_joining_through_the_relay_gets_what_was_published_before_it(
-    publisher: Callable[..., Publisher],
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
     pub = publisher()
     with running(relay_of(pub.endpoint)) as relay:
@@ -318,53 +316,45 @@ def test_a_router_joining_through_the_relay_gets_what_was_published_before_it(
             pub.store([90_000 + i], None, [2, 2, 2, i])
         until(lambda: relay.sources[0].last_seq == pub.seq - 1, "the relay's messages")
         # The worker names no kv_replay: the engine is never asked, the relay is.
-        mesh = mesh_via(relay, pub.endpoint, replays=True)
-        try:
-            until(lambda: blocks(mesh) == 5, "the blocks stored before the router joined")
-        finally:
-            mesh.close()
+        mesh = router(relay, pub.endpoint, replays=True)
+        until(lambda: blocks(mesh) == 5, "the blocks stored before the router joined")
 
 
 def test_a_relay_that_kept_nothing_is_not_a_gap_from_zero(
-    publisher: Callable[..., Publisher],
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
     pub = publisher()
     for i in range(7):
         pub.store([95_000 + i], None, [3, 3, 3, i])  # before any relay: heard by none
     with running(relay_of(pub.endpoint)) as relay:
-        mesh = mesh_via(relay, pub.endpoint, replays=True)
-        try:
-            until(lambda: relay.replays == 1, "the router's joining replay")
-            store_until_seen(mesh, pub)
-            gaps = mesh.metrics.registry.get_sample_value(
-                "mesh_kv_gaps_total", {"worker": URL, "outcome": "cleared"}
-            )
-            assert gaps in (None, 0.0)
-        finally:
-            mesh.close()
+        mesh = router(relay, pub.endpoint, replays=True)
+        until(lambda: relay.replays == 1, "the router's joining replay")
+        store_until_seen(mesh, pub)
+        gaps = mesh.metrics.registry.get_sample_value(
+            "mesh_kv_gaps_total", {"worker": URL, "outcome": "cleared"}
+        )
+        assert gaps in (None, 0.0)
 
 
-def test_a_relay_started_after_the_engine_asks_the_engine_for_its_history() -> None:
-    pub = Publisher(replay=True)
-    try:
-        for i in range(6):
-            pub.store([97_000 + i], None, [4, 4, 4, i])  # before the relay: only kept
-        with running(relay_of(pub.endpoint, engine_replay=pub.replay_endpoint)) as relay:
-            mesh = mesh_via(relay, pub.endpoint, replays=True)
-            try:
-                until(lambda: blocks(mesh) == 6, "the engine's history, through the relay")
-                assert pub.replays == 1  # asked once, by the relay: the router asked it
-                assert relay.replays >= 1
-            finally:
-                mesh.close()
-    finally:
-        pub.close()
+def test_a_relay_started_after_the_engine_asks_the_engine_for_its_history(
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
+) -> None:
+    pub = publisher(replay=True)
+    for i in range(6):
+        pub.store([97_000 + i], None, [4, 4, 4, i])  # before the relay: only kept
+    with running(relay_of(pub.endpoint, engine_replay=pub.replay_endpoint)) as relay:
+        mesh = router(relay, pub.endpoint, replays=True)
+        until(lambda: blocks(mesh) == 6, "the engine's history, through the relay")
+        assert pub.replays == 1  # asked once, by the relay: the router asked it
+        assert relay.replays >= 1
 
 
-def test_a_relay_joining_a_busy_engine_keeps_its_history_without_a_hole() -> None:
+def test_a_relay_joining_a_busy_engine_keeps_its_history_without_a_hole(
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
+) -> None:
     """Batches published while the relay connects are in the engine's replay or come
     live: a router that joins later gets all of them from the relay."""
-    pub = Publisher(replay=True)
+    pub = publisher(replay=True)
     stop = threading.Event()
     lock = threading.Lock()
 
@@ -386,41 +376,33 @@ def test_a_relay_joining_a_busy_engine_keeps_its_history_without_a_hole() -> Non
             stop.set()
             thread.join()
             until(lambda: relay.sources[0].last_seq == pub.seq - 1, "the last batch")
-            mesh = mesh_via(relay, pub.endpoint, replays=True)
-            try:
-                until(lambda: blocks(mesh) == pub.seq, "every batch, from the relay")
-            finally:
-                mesh.close()
+            mesh = router(relay, pub.endpoint, replays=True)
+            until(lambda: blocks(mesh) == pub.seq, "every batch, from the relay")
     finally:
         stop.set()
         thread.join()
-        pub.close()
 
 
-def test_an_idle_engine_that_said_so_is_matched_on_events_through_the_relay() -> None:
+def test_an_idle_engine_that_said_so_is_matched_on_events_through_the_relay(
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
+) -> None:
     """An empty replay from the engine is an answer: the relay passes it on, and the
     router matches that worker on events before its first batch, as it would
     asking the engine itself."""
-    pub = Publisher(replay=True)
-    try:
-        with running(relay_of(pub.endpoint, engine_replay=pub.replay_endpoint)) as relay:
-            until(lambda: pub.replays == 1 and relay.sources[0].joining is None, "the join")
-            mesh = mesh_via(relay, pub.endpoint, replays=True)
-            try:
-                until(lambda: relay.replays == 1, "the router's joining replay")
-                until(
-                    lambda: mesh.router.describe()[0]["prefix_match"] == "events",
-                    "the worker matched on events",
-                )
-                assert blocks(mesh) == 0
-            finally:
-                mesh.close()
-    finally:
-        pub.close()
+    pub = publisher(replay=True)
+    with running(relay_of(pub.endpoint, engine_replay=pub.replay_endpoint)) as relay:
+        until(lambda: pub.replays == 1 and relay.sources[0].joining is None, "the join")
+        mesh = router(relay, pub.endpoint, replays=True)
+        until(lambda: relay.replays == 1, "the router's joining replay")
+        until(
+            lambda: mesh.router.describe()[0]["prefix_match"] == "events",
+            "the worker matched on events",
+        )
+        assert blocks(mesh) == 0
 
 
 def test_an_engine_replay_that_never_ends_holds_the_routers_no_longer_than_the_timeout(
-    publisher: Callable[..., Publisher],
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
     pub = publisher()
     ctx = zmq.Context()
@@ -431,56 +413,46 @@ def test_an_engine_replay_that_never_ends_holds_the_routers_no_longer_than_the_t
     try:
         kv = KvConfig(replay_timeout_s=0.5)
         with running(relay_of(pub.endpoint, engine_replay=quiet, kv=kv)) as relay:
-            mesh = mesh_via(relay, pub.endpoint, replays=True)
-            try:
-                until(lambda: relay.sources[0].joining is None, "the relay giving up")
-                store_until_seen(mesh, pub)  # live batches flow all the same
-            finally:
-                mesh.close()
+            mesh = router(relay, pub.endpoint, replays=True)
+            until(lambda: relay.sources[0].joining is None, "the relay giving up")
+            store_until_seen(mesh, pub)  # live batches flow all the same
     finally:
         silent.close(linger=0)
         ctx.destroy(linger=0)
 
 
 def test_the_relay_follows_a_changed_list_of_publishers(
-    publisher: Callable[..., Publisher],
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
     a, b = publisher(), publisher()
     with running(relay_of(a.endpoint)) as relay:
-        on_a = mesh_via(relay, a.endpoint)
-        on_b = mesh_via(relay, b.endpoint, url="http://127.0.0.1:10")
-        try:
-            store_until_seen(on_a, a)
-            relay.request({a.endpoint: None, b.endpoint: None})  # b joins the fleet
-            deadline = time.monotonic() + 20
-            while not blocks(on_b, "http://127.0.0.1:10"):
-                assert time.monotonic() < deadline, "b's batches never came through"
-                b.store([b.seq + 20_000], None, [7, 7, 7, b.seq])
-                time.sleep(0.05)
-            relay.request({b.endpoint: None})  # a leaves: its routers start again
-            until(lambda: blocks(on_a) == 0, "a's entries dropped")
-            assert [src.endpoint for src in relay.sources] == [b.endpoint]
-        finally:
-            on_a.close()
-            on_b.close()
+        on_a = router(relay, a.endpoint)
+        on_b = router(relay, b.endpoint, url="http://127.0.0.1:10")
+        store_until_seen(on_a, a)
+        relay.request({a.endpoint: None, b.endpoint: None})  # b joins the fleet
+        deadline = time.monotonic() + 20
+        while not blocks(on_b, "http://127.0.0.1:10"):
+            assert time.monotonic() < deadline, "b's batches never came through"
+            b.store([b.seq + 20_000], None, [7, 7, 7, b.seq])
+            time.sleep(0.05)
+        relay.request({b.endpoint: None})  # a leaves: its routers start again
+        until(lambda: blocks(on_a) == 0, "a's entries dropped")
+        assert [src.endpoint for src in relay.sources] == [b.endpoint]
 
 
 def test_a_message_over_the_bound_costs_the_engine_its_routers_not_the_relay_its_engine(
-    publisher: Callable[..., Publisher],
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
     # libzmq drops a connection that sent a message over MAXMSGSIZE and never
     # connects it again: the relay opens a new one, and the routers start afresh.
     pub = publisher()
     with running(relay_of(pub.endpoint, kv=KvConfig(max_message_bytes=4096))) as relay:
-        mesh = mesh_via(relay, pub.endpoint)
-        try:
-            store_until_seen(mesh, pub)
-            pub.send(os.urandom(8192))
-            until(lambda: relay.sources[0].lost == 1, "the relay's lost connection")
-            until(lambda: blocks(mesh) == 0, "the worker's entries dropped")
-            store_until_seen(mesh, pub)  # heard again over the new connection
-        finally:
-            mesh.close()
+        mesh = router(relay, pub.endpoint)
+        store_until_seen(mesh, pub)
+        pub.send(os.urandom(8192))
+        until(lambda: relay.sources[0].lost == 1, "the relay's lost connection")
+        until(lambda: blocks(mesh) == 0, "the worker's entries dropped")
+        store_until_seen(mesh, pub)  # heard again over the new connection
 
 
 def test_a_router_behind_by_send_hwm_sees_a_gap_and_the_relay_does_not_wait(
@@ -520,23 +492,21 @@ def test_a_router_behind_by_send_hwm_sees_a_gap_and_the_relay_does_not_wait(
 
 
 def test_messages_not_in_three_frames_stop_at_the_relay(
-    publisher: Callable[..., Publisher],
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
     pub = publisher()
     with running(relay_of(pub.endpoint)) as relay:
-        mesh = mesh_via(relay, pub.endpoint)
-        try:
-            store_until_seen(mesh, pub)
-            before = blocks(mesh)
-            pub.pub.send_multipart([b"kv", b"half"])
-            until(lambda: relay.sources[0].malformed == 1, "the malformed count")
-            pub.store([70_000], None, [5, 6, 7, 8])
-            until(lambda: blocks(mesh) == before + 1, "the next batch")
-            assert mesh.metrics.registry.get_sample_value(
-                "mesh_kv_errors_total", {"worker": URL}
-            ) in (None, 0.0)
-        finally:
-            mesh.close()
+        mesh = router(relay, pub.endpoint)
+        store_until_seen(mesh, pub)
+        before = blocks(mesh)
+        pub.pub.send_multipart([b"kv", b"half"])
+        until(lambda: relay.sources[0].malformed == 1, "the malformed count")
+        pub.store([70_000], None, [5, 6, 7, 8])
+        until(lambda: blocks(mesh) == before + 1, "the next batch")
+        assert mesh.metrics.registry.get_sample_value("mesh_kv_errors_total", {"worker": URL}) in (
+            None,
+            0.0,
+        )
 
 
 def _relay_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -644,3 +614,36 @@ def test_sighup_reads_the_workers_again(
     finally:
         errors = relay.stop()
     assert "reload refused" in errors
+
+
+def test_the_relay_finds_publishers_as_routers_find_workers(tmp_path: Path) -> None:
+    """dns:// entries (looked up) and the workers file (read again) give the relay
+    the same publishers they give the routers their workers."""
+    from meshkit.config import MeshConfig
+    from meshkit.lifecycle.kv_relay import RelayFleet
+
+    listed = tmp_path / "workers.toml"
+    listed.write_text('[[workers]]\nurl = "http://gpu-9:8000"\nkv_events = "tcp://{host}:5557"\n')
+    config = tmp_path / "meshkit.toml"
+    config.write_text(
+        'workers_file = "workers.toml"\n\n'
+        '[[workers]]\nurl = "dns://localhost:8000"\nkv_events = "tcp://{host}:5557"\n'
+        'kv_replay = "tcp://{host}:5558"\n\n'
+        '[kv_relay]\npublishers = ["tcp://other:6000"]\n'
+    )
+    fleet = RelayFleet(MeshConfig.from_file(str(config)), ["tcp://extra:7000"])
+    assert fleet.publishers() == {
+        "tcp://gpu-9:5557": None,
+        "tcp://other:6000": None,
+        "tcp://extra:7000": None,
+    }  # the name not looked up yet
+    fleet.refresh()
+    found = fleet.publishers()
+    assert found["tcp://127.0.0.1:5557"] == "tcp://127.0.0.1:5558"  # localhost's address
+    listed.write_text('[[workers]]\nurl = "http://gpu-8:8000"\nkv_events = "tcp://{host}:5557"\n')
+    fleet.refresh()
+    assert "tcp://gpu-8:5557" in fleet.publishers()
+    assert "tcp://gpu-9:5557" not in fleet.publishers()
+    listed.write_text("not toml [")  # a bad read keeps the last workers
+    fleet.refresh()
+    assert "tcp://gpu-8:5557" in fleet.publishers()
