@@ -56,6 +56,22 @@ def chat(mode: Any, messages: list[dict[str, str]]) -> tuple[str, str, int]:
     return raw.headers["x-mock-worker"], answer.choices[0].message.content or "", cached
 
 
+def publishing_fleet(mock_factory: Callable[..., MockWorkerThread]) -> list[MockWorkerThread]:
+    """Two mock workers, ``a`` and ``b``, that publish KV events (with replay) in
+    vLLM's format, prompts tokenized with the tiny model's template."""
+    return [
+        mock_factory(
+            name=name,
+            cache_tokens=1_000_000,
+            block_size=4,
+            tokenizer=TOKENIZER,
+            kv_events="tcp://127.0.0.1:0",
+            kv_replay="tcp://127.0.0.1:0",
+        )
+        for name in ("a", "b")
+    ]
+
+
 def router(mesh_factory: Callable[..., Mesh], fleet: list[MockWorkerThread]) -> Mesh:
     workers = [
         Worker(w.url, kv_events=w.kv_events_endpoint, kv_replay=w.kv_replay_endpoint) for w in fleet
@@ -73,17 +89,7 @@ def test_the_second_router_follows_the_engines_cache(
     mock_factory: Callable[..., MockWorkerThread],
     mesh_factory: Callable[..., Mesh],
 ) -> None:
-    fleet = [
-        mock_factory(
-            name=name,
-            cache_tokens=1_000_000,
-            block_size=4,
-            tokenizer=TOKENIZER,
-            kv_events="tcp://127.0.0.1:0",
-            kv_replay="tcp://127.0.0.1:0",
-        )
-        for name in ("a", "b")
-    ]
+    fleet = publishing_fleet(mock_factory)
     r1, r2 = router(mesh_factory, fleet), router(mesh_factory, fleet)
     mode = MODE_CLASSES[mode_name](r1)
     try:

@@ -23,7 +23,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from conformance.test_kv_routing import TOKENIZER, TOPICS, first_turn  # noqa: E402
+from conformance.test_kv_routing import TOKENIZER, TOPICS, first_turn, publishing_fleet  # noqa: E402
 from harness import MODE_CLASSES  # noqa: E402
 from lifecycle.test_kv_subscriber import URL, Publisher, until  # noqa: E402
 from meshkit import Mesh  # noqa: E402
@@ -151,17 +151,7 @@ def test_relay_topics_are_prefix_free() -> None:
 def test_routers_behind_a_relay_follow_the_engines_cache(
     mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
 ) -> None:
-    fleet = [
-        mock_factory(
-            name=name,
-            cache_tokens=1_000_000,
-            block_size=4,
-            tokenizer=TOKENIZER,
-            kv_events="tcp://127.0.0.1:0",
-            kv_replay="tcp://127.0.0.1:0",
-        )
-        for name in ("a", "b")
-    ]
+    fleet = publishing_fleet(mock_factory)
     proc = subprocess.Popen(
         [
             sys.executable,
