@@ -90,6 +90,40 @@ def test_the_relay_keys_are_read_from_a_file_and_checked(tmp_path: Path) -> None
     assert config.kv_relay.bind == "tcp://*:5600"
     assert config.kv_relay.publishers == ("tcp://gpu:5557",)
     assert config.kv_relay.send_hwm == 50
+    assert config.kv.relays == ("tcp://relay:5600",) and config.kv.relay_replays == ()
+
+
+def test_several_relays_are_a_list_each_with_its_replay_endpoint(tmp_path: Path) -> None:
+    path = tmp_path / "meshkit.toml"
+    path.write_text(
+        '[kv]\nrelay = ["tcp://relay-a:5600", "tcp://relay-b:5600"]\n'
+        'relay_replay = ["tcp://relay-a:5601", "tcp://relay-b:5601"]\n'
+        "heartbeat_s = 2.5\ntrail_batches = 64\n"
+    )
+    kv = MeshConfig.from_file(str(path)).kv
+    assert kv.relays == ("tcp://relay-a:5600", "tcp://relay-b:5600")
+    assert kv.relay_replays == ("tcp://relay-a:5601", "tcp://relay-b:5601")
+    assert (kv.heartbeat_s, kv.trail_batches) == (2.5, 64)
+    assert MeshConfig.build(kv={"heartbeat_s": 0}).kv.heartbeat_s == 0  # never
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"relay": ["tcp://a:5600", "tcp://b:5600"], "relay_replay": "tcp://a:5601"}, "one"),
+        ({"relay": ["tcp://a:5600"], "relay_replay": ["tcp://a:5601", "tcp://b:5601"]}, "one"),
+        ({"relay": ["tcp://a:5600", "tcp://*:5600"]}, ""),
+        ({"relay": ["tcp://a:5600", 5600]}, ""),
+        ({"heartbeat_s": -1}, ">= 0"),
+        ({"trail_batches": 0}, "at least 1"),
+    ],
+)
+def test_bad_relay_lists_and_bounds_are_refused(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        MeshConfig.build(kv=values)
+    key = next(iter(values)) if "relay_replay" not in values else "kv.relay_replay"
+    assert info.value.key == (key if key.startswith("kv.") else f"kv.{key}")
+    assert message in str(info.value)
 
 
 @pytest.mark.parametrize(

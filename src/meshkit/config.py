@@ -303,11 +303,21 @@ class KvConfig:
     # the approximate tree until it publishes again (kv_silence.py says why); 0: never.
     silence_s: float = 60.0
     # A `meshkit kv-relay` to take every worker's events from instead of its engine
-    # (one subscription per engine for any number of routers).
-    relay: str | None = None
-    # The relay's replay endpoint: joins and gaps are replayed from its buffer, not
-    # asked of the engines (without it, of the workers' kv_replay endpoints).
-    relay_replay: str | None = None
+    # (one subscription per engine for any number of routers), or a list of them: the
+    # first is used, and the next when it goes away (lifecycle/kv.py says how).
+    relay: str | tuple[str, ...] | None = None
+    # The relay's replay endpoint (a list: one per relay, in the same order): joins,
+    # gaps and a move to another relay are replayed from its buffer, not asked of the
+    # engines (without it, of the workers' kv_replay endpoints).
+    relay_replay: str | tuple[str, ...] | None = None
+    # A publisher or relay connection that answers nothing for this long is dropped
+    # (ZeroMQ heartbeats, sent every third of it), and a relay not reached within it
+    # is passed for the next one; 0: never.
+    heartbeat_s: float = 10.0
+    # The stamps of the last this many batches per worker are remembered, so that a
+    # copy (a replay's live twin, or a batch from a relay that trails the one before
+    # it by up to this many) is skipped and not taken for a restarted publisher.
+    trail_batches: int = 1024
 
     def __post_init__(self) -> None:
         for name in (
@@ -318,6 +328,7 @@ class KvConfig:
             "max_lora_names",
             "max_message_bytes",
             "receive_hwm",
+            "trail_batches",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"kv.{name}", "must be at least 1")
@@ -325,12 +336,35 @@ class KvConfig:
             raise ConfigError("kv.replay_timeout_s", "must be > 0")
         if not self.silence_s >= 0:
             raise ConfigError("kv.silence_s", "must be >= 0 (0: never)")
-        if self.relay is not None:
-            zmq_endpoint("kv.relay", self.relay)
+        if not self.heartbeat_s >= 0:
+            raise ConfigError("kv.heartbeat_s", "must be >= 0 (0: never)")
+        for endpoint in self.relays:
+            zmq_endpoint("kv.relay", endpoint)
         if self.relay_replay is not None:
-            if self.relay is None:
+            if not self.relays:
                 raise ConfigError("kv.relay_replay", "a relay's replay endpoint needs kv.relay")
-            zmq_endpoint("kv.relay_replay", self.relay_replay)
+            if len(self.relay_replays) != len(self.relays):
+                raise ConfigError(
+                    "kv.relay_replay", "needs one endpoint per kv.relay entry, in the same order"
+                )
+            for endpoint in self.relay_replays:
+                zmq_endpoint("kv.relay_replay", endpoint)
+
+    @property
+    def relays(self) -> tuple[str, ...]:
+        """``relay`` as a tuple (empty: every engine directly)."""
+        return _endpoints(self.relay)
+
+    @property
+    def relay_replays(self) -> tuple[str, ...]:
+        """``relay_replay`` as a tuple, one per relay (empty: none)."""
+        return _endpoints(self.relay_replay)
+
+
+def _endpoints(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 @dataclass(frozen=True)

@@ -248,6 +248,15 @@ class RouterMetrics:
             ["worker", "outcome"],
             registry=r,
         )
+        self.kv_relay_moves = Counter(
+            "mesh_kv_relay_moves",
+            "Times a worker's KV events moved to the next kv.relay (the one in use went "
+            "away or lost the engine), by outcome: replayed (the next relay had what came "
+            "after), followed (no replay endpoint; a batch missed is a gap), cleared "
+            "(the worker's entries were dropped and rebuilt)",
+            ["worker", "outcome"],
+            registry=r,
+        )
         self.kv_errors = Counter(
             "mesh_kv_errors",
             "KV-event messages that did not decode (the worker's entries were dropped)",

@@ -537,6 +537,11 @@ class RelayProcess:
         )
         assert self.proc.stdout is not None
         self.line = self.proc.stdout.readline()
+        found = re.match(
+            r"meshkit kv-relay listening on (\S+)(?: \(replays on (\S+)\))?", self.line
+        )
+        #: where routers subscribe, and where they ask replays ("" without)
+        self.endpoint, self.replay_endpoint = found.groups("") if found else ("", "")
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:

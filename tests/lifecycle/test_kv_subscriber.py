@@ -565,6 +565,59 @@ def test_a_worker_given_another_publisher_keeps_nothing_of_the_old_one() -> None
         new.close()
 
 
+def republish(pub: Publisher, seqs: range) -> None:
+    """Send the kept batches ``seqs`` again, as they were (their live copies)."""
+    kept = dict(pub.kept)
+    for seq in seqs:
+        pub.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), kept[seq]])
+
+
+def joined_on_a_replay(trail: int) -> tuple[Publisher, Mesh]:
+    """A router whose first replay brought batches 0-9 (root blocks 1-10), then
+    live batches from 10 on."""
+    pub = Publisher(replay=True)
+    for i in range(10):
+        pub.store([1 + i], None, [1, 1, 1, i], publish=False)
+    w = Worker(URL, kv_events=pub.endpoint, kv_replay=pub.replay_endpoint)
+    mesh = Mesh(
+        workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv={"trail_batches": trail}
+    )
+    mesh.lifecycle.start()
+    until(lambda: holds(mesh, [1, 1, 1, 9]) == 4, "the replayed blocks")
+    deadline = time.monotonic() + 20
+    while not holds(mesh, [4, 4, 4, 4]):  # live batches from 10 on: the subscription holds
+        assert time.monotonic() < deadline, "the subscriber never received a live batch"
+        pub.store([50 + pub.seq], None, [4, 4, 4, 4])
+        time.sleep(0.05)
+    return pub, mesh
+
+
+def test_live_copies_of_replayed_batches_are_skipped_not_taken_for_a_restart() -> None:
+    pub, mesh = joined_on_a_replay(trail=1024)
+    try:
+        before = mesh.router.fleet.kv.blocks_of(URL)
+        republish(pub, range(5, 10))  # a relay that trails, or the replay's live twins
+        pub.store([99], None, [3, 3, 3, 3])
+        until(lambda: holds(mesh, [3, 3, 3, 3]) == 4, "the batch after the copies")
+        assert holds(mesh, [1, 1, 1, 0]) == 4 and gaps(mesh, "restart") == 0
+        assert mesh.router.fleet.kv.blocks_of(URL) == before + 1
+    finally:
+        mesh.close()
+        pub.close()
+
+
+def test_a_copy_older_than_trail_batches_is_taken_for_a_restart() -> None:
+    # kv.trail_batches = 4 remembers the last four live batches only
+    pub, mesh = joined_on_a_replay(trail=4)
+    try:
+        republish(pub, range(2, 3))
+        until(lambda: gaps(mesh, "restart") == 1, "a restart")
+        assert holds(mesh, [1, 1, 1, 0]) == 0
+    finally:
+        mesh.close()
+        pub.close()
+
+
 def test_a_restart_right_after_the_first_replay_is_seen_as_one() -> None:
     """The first replay brought batches 0-4; before any live batch the engine
     restarts (numbers from 0 again, an empty cache). Its batches 0-4 are not the

@@ -5,7 +5,8 @@ KV-event subscribers
 One task per worker that names a publisher (``Worker(kv_events=...)``), on the
 lifecycle thread's loop: a ZeroMQ SUB socket connected to the engine's publisher
 (all topics), or with ``kv.relay`` to ``meshkit kv-relay`` (the engine's topic
-there, :mod:`meshkit.lifecycle.kv_relay`), each message decoded
+there, :mod:`meshkit.lifecycle.kv_relay`; with several relays, to the next when
+the one in use is lost: :meth:`KvSubscribers._take`), each message decoded
 (:mod:`meshkit.core.kv_events`) and applied to the fleet's
 :class:`~meshkit.core.kv_index.KvIndex` under the routing lock, at most
 ``kv.apply_blocks`` blocks per hold (a bigger batch, a replayed gap, even one long
@@ -33,7 +34,9 @@ never claims a block the engine may have dropped:
   as a gap (its events are lost);
 * a message over ``kv.max_message_bytes``: libzmq drops the connection and does
   not connect again, so the dropped connection ends the task (its monitor says
-  so) and it is started again like one that failed; together with
+  so) and it is started again like one that failed; so does a publisher that
+  answers none of ZeroMQ's heartbeats for ``kv.heartbeat_s`` (a host gone without
+  closing its connections); together with
   ``kv.receive_hwm`` this bounds what a publisher can make a subscriber queue;
 * a worker that leaves the fleet, or names another publisher, has its task
   cancelled and its entries dropped (:meth:`Fleet.remove` / ``Fleet.replace``).
@@ -64,6 +67,7 @@ from meshkit.core.kv_events import (
     replay_request,
     split,
 )
+from meshkit.core.kv_stream import BatchStream
 from meshkit.core.workers import Worker
 from meshkit.errors import ConfigError
 
@@ -71,7 +75,7 @@ if TYPE_CHECKING:
     from meshkit.config import KvConfig
     from meshkit.router import Router
 
-__all__ = ["KvSubscribers", "require_zmq"]
+__all__ = ["KvSubscribers", "require_zmq", "subscriber"]
 
 log = logging.getLogger("meshkit.kv")
 
@@ -90,6 +94,73 @@ def require_zmq() -> Any:
             "workers.kv_events", "KV events need pyzmq: pip install 'meshkit[kv]'"
         ) from None
     return zmq.asyncio
+
+
+def subscriber(ctx: Any, config: KvConfig, topic: bytes) -> Any:
+    """A SUB socket of ``ctx`` to a publisher or a relay, bounded by ``config``
+    (``kv.receive_hwm`` messages of at most ``kv.max_message_bytes``), not yet
+    connected. The routers' subscribers and the relay's take theirs from here."""
+    import zmq
+
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, config.receive_hwm)
+    sub.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    if config.heartbeat_s:
+        # ZMTP pings (libzmq >= 4.2): a peer that stops answering (a host gone
+        # without closing its connections, a stopped process) drops the
+        # connection, which the monitor reports like any other.
+        ms = max(1, int(config.heartbeat_s * 1000))
+        sub.setsockopt(zmq.HEARTBEAT_IVL, max(1, ms // 3))
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
+    return sub
+
+
+class _Lost(Exception):
+    """The source of a worker's events is gone; ``engine``: a relay said it lost
+    the engine's connection (it went away, or restarted)."""
+
+    def __init__(self, reason: str, *, engine: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.engine = engine
+
+
+class _Source:
+    """One place a worker's events come from: where the SUB connects, what it
+    subscribes to (all, or a relay's topic for the engine), where replays are
+    asked and with which topic (a relay's replay endpoint needs it); ``others``:
+    the other relays' replay endpoints, asked for a gap this one cannot fill."""
+
+    __slots__ = ("connect", "others", "replay", "subscribe", "topic")
+
+    def __init__(
+        self, connect: str, replay: str | None, topic: bytes | None, subscribe: bytes
+    ) -> None:
+        self.connect = connect
+        self.replay = replay
+        self.topic = topic
+        self.subscribe = subscribe
+        self.others: tuple[str, ...] = ()
+
+
+class _Followed(BatchStream):
+    """A worker's :class:`BatchStream` as its subscriber follows it: also how many
+    reads brought batches and how many times its entries were dropped (a move to
+    another relay tells by these whether the one before was heard from)."""
+
+    __slots__ = ("clears", "heard")
+
+    def __init__(self, trail: int) -> None:
+        super().__init__(trail)
+        self.heard = 0
+        self.clears = 0
+
+    def clear(self, router: Router, worker_id: str) -> None:
+        router.kv_clear(worker_id)
+        self.reset()
+        self.clears += 1
 
 
 class KvSubscribers:
@@ -182,105 +253,225 @@ class KvSubscribers:
 
     # -- one worker -----------------------------------------------------------------------
 
+    def _sources(self, endpoint: str, replay: str | None) -> list[_Source]:
+        """Where ``endpoint``'s events come from, in the order tried: the engine
+        itself, or each ``kv.relay`` (its replay endpoint, else the engine's)."""
+        relays = self.config.relays
+        if not relays:
+            return [_Source(endpoint, replay, None, b"")]
+        topic = relay_topic(endpoint)
+        replays = self.config.relay_replays
+        if not replays:
+            return [_Source(relay, replay, None, topic) for relay in relays]
+        sources = [
+            _Source(relay, rep, topic, topic) for relay, rep in zip(relays, replays, strict=True)
+        ]
+        for i, source in enumerate(sources):
+            source.others = replays[i + 1 :] + replays[:i]
+        return sources
+
     async def _follow(self, worker_id: str, endpoint: str, replay: str | None) -> None:
+        """Follow the worker's publisher, through its relays in turn: when the one
+        in use goes away or says it lost the engine, the next takes over
+        (:meth:`_take`). Ends (the worker's entries then dropped by :meth:`sync`)
+        when the only source is lost, or when every relay in a row is lost before
+        one is heard from."""
+        sources = self._sources(endpoint, replay)
+        stream = _Followed(self.config.trail_batches)
+        turn = unheard = 0
+        moved: _Lost | None = None
+        while True:
+            i = turn % len(sources)
+            heard = stream.heard
+            try:
+                await self._take(worker_id, endpoint, sources[i], stream, moved)
+            except _Lost as exc:
+                if len(sources) == 1:
+                    raise ConnectionError(exc.reason) from None
+                unheard = 0 if stream.heard != heard else unheard + 1
+                if unheard >= len(sources):
+                    raise ConnectionError(f"no relay answers ({exc.reason})") from None
+                turn, moved = turn + 1, exc
+                log.warning(
+                    "kv events: %s (%s); %s's events move to the relay at %s",
+                    sources[i].connect,
+                    exc.reason,
+                    worker_id,
+                    sources[turn % len(sources)].connect,
+                )
+
+    async def _take(
+        self,
+        worker_id: str,
+        endpoint: str,
+        source: _Source,
+        stream: _Followed,
+        moved: _Lost | None,
+    ) -> None:
+        """Apply what ``source`` carries of ``endpoint`` until it is lost (:class:`_Lost`).
+
+        ``moved``: why the relay before this one was left. Numbers are the engine's
+        whichever relay carries them (:class:`~meshkit.core.kv_stream.BatchStream`),
+        so the stream goes on where it stood: this relay's replay endpoint is asked
+        for what came after, and a batch it still carries that was taken already is
+        a copy, skipped. A relay that cannot vouch for what came after (no such
+        batches kept, it lost the engine too, or never knew it) has the worker's
+        entries dropped; so has a move off a relay that lost the engine when there
+        is no replay endpoint to ask (the engine may have restarted). Without
+        those, a relay that went away is followed by the next as by one
+        connection: a batch missed between them is a gap."""
         import zmq
         import zmq.asyncio
 
-        metrics = self.router.metrics
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
-        sub.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-        relay = self.config.relay
-        # Through a relay, this engine's messages only (the relay's topic for it).
-        sub.setsockopt(zmq.SUBSCRIBE, b"" if relay is None else relay_topic(endpoint))
-        topic: bytes | None = None  # of a replay asked of the relay
-        if self.config.relay_replay is not None:
-            replay, topic = self.config.relay_replay, relay_topic(endpoint)
+        config = self.config
+        sub = subscriber(self._ctx, config, source.subscribe)
         # libzmq drops a connection that sent a message over MAXMSGSIZE and does
         # not connect again: the task ends, and sync() starts a new subscription.
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        sub.connect(endpoint if relay is None else relay)
-        via = "" if relay is None else f" through the relay at {relay}"
+        sub.connect(source.connect)
+        relayed = source.subscribe != b""
+        via = f" through the relay at {source.connect}" if relayed else ""
         log.info("kv events: subscribed to %s%s for %s", endpoint, via, worker_id)
-        expected: int | None = None
-        #: batches the first replay brought (number -> its ts): their live copies
-        #: may still arrive; one with another ts is a restarted publisher's
-        window: dict[int, float] = {}
+        # With another relay to turn to, one not reached within kv.heartbeat_s is passed.
+        reach = config.heartbeat_s if relayed and len(config.relays) > 1 else 0.0
+        connected = False
         try:
-            if replay is not None:
+            if moved is not None and stream.expected is not None:
+                await self._move(worker_id, endpoint, source, stream, moved.engine)
+            if stream.expected is None and source.replay is not None:
                 # Subscribed first, then asked: what the publisher stored before
                 # (or while) meshkit joined is not missed, even on an idle engine.
-                got = await self._replay(replay, 0, _ALL, topic)
+                got = await self._replay(source.replay, 0, _ALL, source.topic)
                 if got is not None:
-                    await self._apply(worker_id, got[1], endpoint)
-                    metrics.kv_batches.labels(worker_id).inc(len(got[1]))
-                    # From here on a batch the SUB missed while joining is a gap.
-                    expected = got[0] + len(got[1])
-                    window = {got[0] + i: b.ts for i, b in enumerate(got[1])}
-                    self.router.kv_attach(worker_id)
+                    await self._join(worker_id, endpoint, stream, got)
             while True:
-                ready = dict(await poller.poll())
+                timeout = None if connected or not reach else reach * 1000
+                ready = dict(await poller.poll(timeout))
+                if not ready:
+                    raise _Lost(f"not reached in kv.heartbeat_s = {reach:g} s")
                 if monitor in ready:
-                    raise ConnectionError(
-                        "the publisher's connection was dropped (it went away, or sent a "
-                        f"message over kv.max_message_bytes = {self.config.max_message_bytes})"
-                    )
-                messages: list[list[bytes]] = []
-                # What is queued already, up to one read's worth.
-                while len(messages) < self.config.apply_batch and (
-                    sub.getsockopt(zmq.EVENTS) & zmq.POLLIN
-                ):
-                    messages.append(await sub.recv_multipart(copy=True))
-                batches: list[Batch] = []
-                for frames in messages:
-                    try:
-                        frame = decode_frames(frames)
-                    except KvEventError:
-                        # Its events are lost: start the worker afresh from the next.
-                        metrics.kv_errors.labels(worker_id).inc()
-                        batches.clear()
-                        self.router.kv_clear(worker_id)
-                        expected, window = None, {}
-                        continue
-                    if frame.seq == PUBLISHER_LOST:
-                        # What the monitor says of a direct connection: start again.
-                        raise ConnectionError("the relay lost the publisher's connection")
-                    if frame.batch is None:
-                        continue
-                    seq = frame.seq
-                    if expected is not None and seq < expected:
-                        if window.get(seq) == frame.batch.ts:
-                            continue  # already applied from the first replay
-                        metrics.kv_gaps.labels(worker_id, "restart").inc()
-                        log.info("kv events: %s restarted its publisher", worker_id)
-                        batches.clear()
-                        self.router.kv_clear(worker_id)
-                    elif expected is not None and seq > expected:
-                        await self._gap(worker_id, replay, batches, expected, seq, topic)
-                    window = {}
-                    batches.append(frame.batch)
-                    expected = seq + 1
-                if batches:
-                    if await self._apply(worker_id, batches, endpoint):
-                        metrics.kv_silent.labels(worker_id).set(0)
-                        log.info("kv events: %s publishes again", worker_id)
-                    metrics.kv_batches.labels(worker_id).inc(len(batches))
-                    age = metrics.kv_age.labels(worker_id)
-                    # vLLM stamps a batch with time.time() as it publishes a step's
-                    # events (0.32, vllm/v1/core/sched/scheduler.py, update_from_output:
-                    # KVEventBatch(ts=time.time(), events=events)).
-                    now = time.time()
-                    for batch in batches:
-                        # A clock behind the engine's reads as fresh, not negative.
-                        age.observe(max(0.0, now - batch.ts))
+                    connected = await self._connection(monitor, connected)
+                    continue
+                await self._read(worker_id, endpoint, source, stream, sub)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _join(
+        self, worker_id: str, endpoint: str, stream: _Followed, got: tuple[int, list[Batch]]
+    ) -> None:
+        await self._apply(worker_id, got[1], endpoint)
+        self.router.metrics.kv_batches.labels(worker_id).inc(len(got[1]))
+        # From here on a batch the SUB missed while joining is a gap.
+        stream.joined(got[0], got[1])
+        self.router.kv_attach(worker_id)
+
+    async def _move(
+        self, worker_id: str, endpoint: str, source: _Source, stream: _Followed, engine: bool
+    ) -> None:
+        """Go on from ``stream.expected`` on ``source``, the relay moved to (see
+        :meth:`_take`); ``engine``: the relay left had lost the engine."""
+        assert stream.expected is not None
+        moves = self.router.metrics.kv_relay_moves
+        if source.replay is None:
+            if engine:
+                stream.clear(self.router, worker_id)
+            moves.labels(worker_id, "cleared" if engine else "followed").inc()
+            return
+        got = await self._replay(source.replay, stream.expected, _ALL, source.topic)
+        if got is not None and got[0] == stream.expected:
+            await self._apply(worker_id, got[1], endpoint)
+            self.router.metrics.kv_batches.labels(worker_id).inc(len(got[1]))
+            for i, batch in enumerate(got[1]):
+                stream.took(got[0] + i, batch.ts)
+            stream.heard += 1  # it answered
+            moves.labels(worker_id, "replayed").inc()
+            return
+        moves.labels(worker_id, "cleared").inc()
+        stream.clear(self.router, worker_id)
+        if got is not None:  # what it has, from after a hole: as a first replay
+            await self._join(worker_id, endpoint, stream, got)
+
+    async def _connection(self, monitor: Any, connected: bool) -> bool:
+        """Whether the subscription is connected, after the monitor's events."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = (await recv_monitor_message(monitor, zmq.NOBLOCK))["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                raise _Lost(
+                    "the connection was dropped (the publisher went away, stopped "
+                    "answering for kv.heartbeat_s, or sent a message over "
+                    f"kv.max_message_bytes = {self.config.max_message_bytes})"
+                )
+            connected = connected or event == zmq.EVENT_CONNECTED
+        return connected
+
+    async def _read(
+        self, worker_id: str, endpoint: str, source: _Source, stream: _Followed, sub: Any
+    ) -> None:
+        """What is queued on ``sub``, up to one read's worth, into the index."""
+        import zmq
+
+        metrics = self.router.metrics
+        messages: list[list[bytes]] = []
+        while len(messages) < self.config.apply_batch and (sub.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+            messages.append(await sub.recv_multipart(copy=True))
+        batches: list[Batch] = []
+        for frames in messages:
+            try:
+                frame = decode_frames(frames)
+            except KvEventError:
+                # Its events are lost: start the worker afresh from the next.
+                metrics.kv_errors.labels(worker_id).inc()
+                batches.clear()
+                stream.clear(self.router, worker_id)
+                continue
+            if frame.seq == PUBLISHER_LOST:
+                # What the monitor says of a direct connection: start again.
+                await self._apply_read(worker_id, endpoint, stream, batches)
+                raise _Lost("the relay lost the publisher's connection", engine=True)
+            if frame.batch is None:
+                continue
+            seq = frame.seq
+            expected = stream.expected
+            if expected is not None and seq < expected:
+                if stream.copy(seq, frame.batch.ts):
+                    continue  # applied already (a replay's, or the relay before this one's)
+                metrics.kv_gaps.labels(worker_id, "restart").inc()
+                log.info("kv events: %s restarted its publisher", worker_id)
+                batches.clear()
+                stream.clear(self.router, worker_id)
+            elif expected is not None and seq > expected:
+                await self._gap(worker_id, source, stream, batches, expected, seq)
+            batches.append(frame.batch)
+            stream.took(seq, frame.batch.ts)
+        await self._apply_read(worker_id, endpoint, stream, batches)
+
+    async def _apply_read(
+        self, worker_id: str, endpoint: str, stream: _Followed, batches: list[Batch]
+    ) -> None:
+        if not batches:
+            return
+        metrics = self.router.metrics
+        stream.heard += 1
+        if await self._apply(worker_id, batches, endpoint):
+            metrics.kv_silent.labels(worker_id).set(0)
+            log.info("kv events: %s publishes again", worker_id)
+        metrics.kv_batches.labels(worker_id).inc(len(batches))
+        age = metrics.kv_age.labels(worker_id)
+        # vLLM stamps a batch with time.time() as it publishes a step's
+        # events (0.32, vllm/v1/core/sched/scheduler.py, update_from_output:
+        # KVEventBatch(ts=time.time(), events=events)).
+        now = time.time()
+        for batch in batches:
+            # A clock behind the engine's reads as fresh, not negative.
+            age.observe(max(0.0, now - batch.ts))
 
     async def _apply(self, worker_id: str, batches: list[Batch], endpoint: str) -> bool:
         """``batches`` into the index, at most ``kv.apply_blocks`` blocks per hold of
@@ -295,17 +486,21 @@ class KvSubscribers:
     async def _gap(
         self,
         worker_id: str,
-        replay: str | None,
+        source: _Source,
+        stream: _Followed,
         batches: list[Batch],
         start: int,
         end: int,
-        topic: bytes | None,
     ) -> None:
-        """Batches ``start`` to ``end - 1`` were missed: replay them, or forget."""
-        if replay is not None:
-            got = await self._replay(replay, start, end, topic)
+        """Batches ``start`` to ``end - 1`` were missed: replay them (from the
+        source's replay endpoint, else from the other relays'), or forget."""
+        replays = () if source.replay is None else (source.replay, *source.others)
+        for replay in replays:
+            got = await self._replay(replay, start, end, source.topic)
             if got is not None and got[0] == start and got[0] + len(got[1]) == end:
                 batches.extend(got[1])
+                for i, batch in enumerate(got[1]):
+                    stream.took(start + i, batch.ts)
                 self.router.metrics.kv_gaps.labels(worker_id, "replayed").inc()
                 return
         self.router.metrics.kv_gaps.labels(worker_id, "cleared").inc()
@@ -313,7 +508,7 @@ class KvSubscribers:
             "kv events: %s missed batches %d-%d; its entries are rebuilt", worker_id, start, end - 1
         )
         batches.clear()
-        self.router.kv_clear(worker_id)
+        stream.clear(self.router, worker_id)
 
     async def _replay(
         self, endpoint: str, start: int, end: int, topic: bytes | None = None

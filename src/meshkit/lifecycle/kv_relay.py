@@ -61,6 +61,7 @@ from meshkit.config import KvConfig, KvRelayConfig, MeshConfig, load_workers_fil
 from meshkit.core.discovery import FleetSources
 from meshkit.core.kv_events import END_OF_REPLAY, PUBLISHER_LOST, relay_topic, replay_request
 from meshkit.errors import ConfigError
+from meshkit.lifecycle.kv import subscriber
 
 __all__ = ["KvRelay", "RelayFleet", "follow_fleet", "relay_registry"]
 
@@ -315,11 +316,7 @@ class KvRelay:
 
     def _open(self, source: _Source) -> None:
         zmq = self._zmq
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, self.kv.receive_hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.kv.max_message_bytes)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock = subscriber(self._ctx, self.kv, b"")
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(source.endpoint)
         source.sock, source.monitor = sock, monitor
