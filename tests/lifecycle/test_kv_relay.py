@@ -6,6 +6,7 @@ gap, malformed messages stop at the relay, and the command's exits."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import re
@@ -632,13 +633,55 @@ def test_the_relay_finds_publishers_as_routers_find_workers(tmp_path: Path) -> N
         "tcp://other:6000": None,
         "tcp://extra:7000": None,
     }  # the name not looked up yet
-    fleet.refresh()
+    asyncio.run(fleet.refresh())
     found = fleet.publishers()
     assert found["tcp://127.0.0.1:5557"] == "tcp://127.0.0.1:5558"  # localhost's address
     listed.write_text('[[workers]]\nurl = "http://gpu-8:8000"\nkv_events = "tcp://{host}:5557"\n')
-    fleet.refresh()
+    asyncio.run(fleet.refresh())
     assert "tcp://gpu-8:5557" in fleet.publishers()
     assert "tcp://gpu-9:5557" not in fleet.publishers()
     listed.write_text("not toml [")  # a bad read keeps the last workers
-    fleet.refresh()
+    asyncio.run(fleet.refresh())
     assert "tcp://gpu-8:5557" in fleet.publishers()
+
+
+def test_the_relays_lookup_that_hangs_is_given_up_after_resolve_timeout_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The relay looks names up as the routers' discovery does (one ``look_up``):
+    a resolver that does not answer costs ``discovery.resolve_timeout_s``, the
+    other names are found, and the name keeps its last publishers."""
+    import logging
+    import socket
+
+    from meshkit.config import MeshConfig
+    from meshkit.lifecycle.kv_relay import RelayFleet
+
+    release = threading.Event()
+    real = socket.getaddrinfo
+
+    def lookup(host: object, *args: object, **kw: object) -> object:
+        if host == "hangs.test":
+            release.wait(30)
+            raise OSError("answered late")
+        return real(host, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    caplog.set_level(logging.WARNING, "meshkit.kv_relay")
+    config = tmp_path / "meshkit.toml"
+    config.write_text(
+        "[discovery]\nresolve_timeout_s = 0.3\n\n"
+        '[[workers]]\nurl = "dns://hangs.test:8000"\nkv_events = "tcp://{host}:5557"\n\n'
+        '[[workers]]\nurl = "dns://localhost:8001"\nkv_events = "tcp://{host}:6557"\n'
+    )
+    fleet = RelayFleet(MeshConfig.from_file(str(config)))
+    try:
+        with asyncio.Runner() as runner:
+            runner.run(fleet.refresh())
+            assert "tcp://127.0.0.1:6557" in fleet.publishers()
+            release.set()
+    finally:
+        release.set()
+    assert any(
+        "dns://hangs.test: lookup failed (timed out)" in r.getMessage() for r in caplog.records
+    )

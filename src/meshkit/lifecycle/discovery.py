@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from meshkit.lifecycle.controller import Lifecycle
     from meshkit.router import Router
 
-__all__ = ["Discovery"]
+__all__ = ["Discovery", "look_up"]
 
 log = logging.getLogger("meshkit.discovery")
 
@@ -55,6 +55,24 @@ def _stamp(path: str) -> _Stamp | None:
     except OSError:
         return None
     return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+async def look_up(names: Sequence[str], timeout_s: float) -> dict[str, list[str] | str]:
+    """Each name's addresses from the system resolver, at most ``timeout_s`` each
+    (all at once), or why its lookup failed. The routers' discovery and the KV
+    relay's (:class:`~meshkit.lifecycle.kv_relay.RelayFleet`) look names up here."""
+    loop = asyncio.get_running_loop()
+
+    async def one(name: str) -> list[str] | str:
+        try:
+            async with asyncio.timeout(timeout_s):
+                infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except (OSError, TimeoutError) as exc:
+            return "timed out" if isinstance(exc, TimeoutError) else str(exc)
+        return [str(info[4][0]) for info in infos]
+
+    found = await asyncio.gather(*(one(n) for n in names))
+    return dict(zip(names, found, strict=True))
 
 
 class Discovery:
@@ -176,23 +194,14 @@ class Discovery:
         return True
 
     async def _look_up(self, names: tuple[str, ...]) -> None:
-        loop = asyncio.get_running_loop()
-
-        async def one(name: str) -> None:
-            try:
-                async with asyncio.timeout(self.cfg.resolve_timeout_s):
-                    infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-            except (OSError, TimeoutError) as exc:
-                reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
-                message = f"dns://{name}: lookup failed ({reason}); keeping its last workers"
+        for name, found in (await look_up(names, self.cfg.resolve_timeout_s)).items():
+            if isinstance(found, str):
+                message = f"dns://{name}: lookup failed ({found}); keeping its last workers"
                 self._fail("dns:" + name, "dns", message)
-                return
-            addresses = [str(info[4][0]) for info in infos]
+                continue
             self._recover("dns:" + name, f"dns://{name} resolves again")
-            self.sources.set_addresses(name, addresses)
-            self._cut_addresses(name, len(set(addresses)))
-
-        await asyncio.gather(*(one(n) for n in names))
+            self.sources.set_addresses(name, found)
+            self._cut_addresses(name, len(set(found)))
 
     def _cut_addresses(self, name: str, found: int) -> None:
         """Say once (until it changes) that a name has more addresses than become

@@ -48,9 +48,9 @@ loop; nothing here is on a request's path.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
-import socket
 import threading
 import time
 from collections import deque
@@ -61,6 +61,7 @@ from meshkit.config import KvConfig, KvRelayConfig, MeshConfig, load_workers_fil
 from meshkit.core.discovery import FleetSources
 from meshkit.core.kv_events import END_OF_REPLAY, PUBLISHER_LOST, relay_topic, replay_request
 from meshkit.errors import ConfigError
+from meshkit.lifecycle.discovery import look_up
 from meshkit.lifecycle.kv import subscriber
 
 __all__ = ["KvRelay", "RelayFleet", "follow_fleet", "relay_registry"]
@@ -111,9 +112,9 @@ class RelayFleet:
             seen.setdefault(endpoint, None)
         return seen
 
-    def refresh(self) -> None:
-        """Look the names up and read the workers file again (blocking: call it off
-        the relay's loop)."""
+    async def refresh(self) -> None:
+        """Look the names up (at most ``discovery.resolve_timeout_s``) and read the
+        workers file again."""
         cfg = self.config.discovery
         if self.config.workers_file:
             try:
@@ -122,13 +123,14 @@ class RelayFleet:
                 )
             except ConfigError as exc:
                 log.warning("kv relay: %s; keeping its last workers", exc)
-        for name in self.sources.names():
-            try:
-                infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-            except OSError as exc:
-                log.warning("kv relay: dns://%s: lookup failed (%s); keeping its last", name, exc)
-                continue
-            self.sources.set_addresses(name, [str(info[4][0]) for info in infos])
+        found = await look_up(self.sources.names(), cfg.resolve_timeout_s)
+        for name, addresses in found.items():
+            if isinstance(addresses, str):
+                log.warning(
+                    "kv relay: dns://%s: lookup failed (%s); keeping its last", name, addresses
+                )
+            else:
+                self.sources.set_addresses(name, addresses)
 
 
 def follow_fleet(
@@ -141,24 +143,27 @@ def follow_fleet(
     """Keep ``relay``'s publishers those of ``fleet`` until ``stop`` (run it on a
     thread of its own: lookups and reads block). Every ``fleet.interval_s`` the
     names are looked up and the workers file read again; when ``reload`` is set,
-    the config is loaded anew (``load``: a :class:`ConfigError` keeps the fleet)."""
-    while not stop.is_set():
-        reload.wait(fleet.interval_s)
-        if stop.is_set():
-            return
-        before = fleet.publishers()
-        if reload.is_set():
-            reload.clear()
-            try:
-                fleet = RelayFleet(load(), fleet.extra)
-            except ConfigError as exc:
-                log.error("reload refused, the publishers stay: %s", exc)
-                continue
-            log.info("reload: the workers read again")
-        fleet.refresh()
-        after = fleet.publishers()
-        if after != before:
-            relay.request(after)
+    the config is loaded anew (``load``: a :class:`ConfigError` keeps the fleet).
+    One event loop for the thread's life: a lookup that outlives its timeout keeps
+    a resolver thread, not the next refresh, waiting."""
+    with asyncio.Runner() as runner:
+        while not stop.is_set():
+            reload.wait(fleet.interval_s)
+            if stop.is_set():
+                return
+            before = fleet.publishers()
+            if reload.is_set():
+                reload.clear()
+                try:
+                    fleet = RelayFleet(load(), fleet.extra)
+                except ConfigError as exc:
+                    log.error("reload refused, the publishers stay: %s", exc)
+                    continue
+                log.info("reload: the workers read again")
+            runner.run(fleet.refresh())
+            after = fleet.publishers()
+            if after != before:
+                relay.request(after)
 
 
 class _Kept:

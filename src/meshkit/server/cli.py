@@ -299,12 +299,14 @@ def _kv_relay(ns: argparse.Namespace) -> int:
         import zmq
     except ImportError:
         return _fail("meshkit kv-relay needs pyzmq: pip install 'meshkit[kv]'")
+    import asyncio
+
     from meshkit.lifecycle.kv_relay import KvRelay, RelayFleet, follow_fleet, relay_registry
 
     _setup_logging(settings.log_level)
     try:
         fleet = RelayFleet(config, extra)
-        fleet.refresh()  # dns:// names looked up before the first subscription
+        asyncio.run(fleet.refresh())  # dns:// names looked up before the first subscription
         relay = KvRelay(fleet.publishers(), relay_config, config.kv)
     except ConfigError as exc:
         return _fail(str(exc))
