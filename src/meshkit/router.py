@@ -552,6 +552,13 @@ class Router:
                 self.fleet.kv.attach(worker_id, self.fleet.kv_group(worker))
                 self.fleet.kv_silence.heard(worker_id, self.clock())
 
+    def kv_detach(self, worker_id: str) -> None:
+        """What ``worker_id`` holds is no longer known (its relays are gone): it is
+        matched on the approximate tree until its events come again."""
+        with self._lock:
+            self.fleet.kv.forget(worker_id)
+            self.kv_sizes = self.fleet.kv.sizes()
+
     def kv_clear(self, worker_id: str) -> None:
         """Forget what ``worker_id`` held (a gap, a restart, a bad payload)."""
         with self._lock:

@@ -135,7 +135,7 @@ def test_a_relay_that_stops_answering_is_left_after_heartbeat_s_and_what_was_mis
     )
     a = RelayProcess(config)
     try:
-        assert a.endpoint and a.replay_endpoint, a.line
+        assert a.endpoint and a.replay_endpoint
         with running(relay_of(pub.endpoint)) as b:
             settled(b, pub)
             mesh = router(
@@ -355,3 +355,31 @@ def test_a_gap_the_relay_in_use_cannot_fill_is_replayed_from_the_next(
             assert cleared(mesh) == 0 and a.asked >= 2  # its join, and the gap
     finally:
         a.close()
+
+
+def test_a_lone_relay_gone_leaves_its_workers_to_the_tree_until_it_is_back(
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
+) -> None:
+    """Its engines may well be fine: what they hold is unknown, not nothing, so the
+    router matches them on its own tree (a lost engine, by contrast, holds nothing:
+    test_kv_relay's lost-engine test)."""
+    from meshkit.config import KvRelayConfig
+
+    def match_kind(mesh: Mesh) -> str:
+        return str(mesh.router.describe(URL)[0]["prefix_match"])
+
+    pub = publisher()
+    a = relay_of(pub.endpoint)
+    at, replay_at = a.endpoint, a.replay_endpoint or ""
+    with running(a):
+        settled(a, pub)
+        mesh = router(pub.endpoint, [at], [replay_at])
+        store_until(mesh, pub, 2)
+        assert match_kind(mesh) == "events"
+    until(lambda: match_kind(mesh) == "approximate", "the tree's turn")
+    assert blocks(mesh) == 0
+    # The relay back on its endpoints: events again.
+    back = KvRelay({pub.endpoint: None}, KvRelayConfig(bind=at, replay_bind=replay_at), KvConfig())
+    with running(back):
+        store_until(mesh, pub, 1)
+        assert match_kind(mesh) == "events"

@@ -43,7 +43,9 @@ never claims a block the engine may have dropped:
 
 The tasks follow the fleet: :meth:`KvSubscribers.sync` runs every second and on a
 fleet change; a task that ended on an error is started again there (the worker's
-entries dropped, then replayed or rebuilt). Nothing here is on a request's path: a
+entries dropped, then replayed or rebuilt; when it was every relay that went, not
+the engine, the worker is matched on the approximate tree until its events come
+again: its engine's cache is unknown, not empty). Nothing here is on a request's path: a
 slow or dead publisher only leaves the index behind (the ``cache_aware`` match then
 falls back to its own tree for workers without entries).
 """
@@ -125,6 +127,10 @@ class _Lost(Exception):
         super().__init__(reason)
         self.reason = reason
         self.engine = engine
+
+
+class _RelayGone(ConnectionError):
+    """Every relay of a worker was lost (not the engine): see :meth:`KvSubscribers.sync`."""
 
 
 class _Source:
@@ -232,7 +238,10 @@ class KvSubscribers:
                     log.warning(
                         "kv events: the subscriber of %s stopped: %r", key[0], task.exception()
                     )
-                self.router.kv_clear(key[0])
+                if not task.cancelled() and isinstance(task.exception(), _RelayGone):
+                    self.router.kv_detach(key[0])
+                else:
+                    self.router.kv_clear(key[0])
         fresh = [k for k in want if k not in self._tasks]
         if not fresh:
             return
@@ -286,11 +295,16 @@ class KvSubscribers:
             try:
                 await self._take(worker_id, endpoint, sources[i], stream, moved)
             except _Lost as exc:
+                # A relay gone says nothing of the engine (its cache is likely whole):
+                # the worker is matched on this router's tree until events come again.
+                # A lost engine (or its only connection) may have restarted: it holds
+                # nothing until its events say otherwise.
+                gone = _RelayGone if sources[i].subscribe and not exc.engine else ConnectionError
                 if len(sources) == 1:
-                    raise ConnectionError(exc.reason) from None
+                    raise gone(exc.reason) from None
                 unheard = 0 if stream.heard != heard else unheard + 1
                 if unheard >= len(sources):
-                    raise ConnectionError(f"no relay answers ({exc.reason})") from None
+                    raise gone(f"no relay answers ({exc.reason})") from None
                 turn, moved = turn + 1, exc
                 log.warning(
                     "kv events: %s (%s); %s's events move to the relay at %s",
