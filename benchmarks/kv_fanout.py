@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import resource
 import statistics
 import struct
@@ -42,6 +41,7 @@ from pathlib import Path
 import zmq
 
 from meshkit.core.kv_events import relay_topic
+from meshkit.testing.kv_relay import start_kv_relay
 
 _WARM_S = 1.5
 
@@ -124,12 +124,8 @@ def run_point(n: int, via_relay: bool, ns: argparse.Namespace) -> dict[str, floa
     relay = None
     target, topic = endpoint, b""
     if via_relay:
-        relay = subprocess.Popen(
+        relay = start_kv_relay(
             [
-                sys.executable,
-                "-m",
-                "meshkit",
-                "kv-relay",
                 "--publisher",
                 endpoint,
                 "--bind",
@@ -139,15 +135,9 @@ def run_point(n: int, via_relay: bool, ns: argparse.Namespace) -> dict[str, floa
                 "--log-level",
                 "warning",
             ],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "MESHKIT_CONFIG": ""},
+            stderr=None,
         )
-        assert relay.stdout is not None
-        line = relay.stdout.readline()
-        found = re.match(r"meshkit kv-relay listening on (\S+)", line)
-        assert found, line
-        target, topic = found.group(1), relay_topic(endpoint)
+        target, topic = relay.endpoint, relay_topic(endpoint)
     sub = subprocess.Popen(
         [*me, "--subscriber", target, topic.hex(), str(n), str(ns.seconds)],
         stdout=subprocess.PIPE,
@@ -156,17 +146,17 @@ def run_point(n: int, via_relay: bool, ns: argparse.Namespace) -> dict[str, floa
     assert sub.stdout is not None
     sub.stdout.readline()
     time.sleep(_WARM_S)  # ZeroMQ's slow joiner: subscriptions reach the publisher
-    relay_cpu0 = _cpu_of(relay.pid) if relay else 0.0
+    relay_cpu0 = _cpu_of(relay.proc.pid) if relay else 0.0
     pub.stdin.write("go\n")
     pub.stdin.flush()
     _, sent, cpu, wall = pub.stdout.readline().split()
-    relay_cpu = (_cpu_of(relay.pid) - relay_cpu0) if relay else 0.0
+    relay_cpu = (_cpu_of(relay.proc.pid) - relay_cpu0) if relay else 0.0
     delays = [float(x) for x in sub.stdout.readline().split()]
     pub.wait()
     sub.wait()
     if relay:
-        relay.terminate()
-        relay.wait()
+        relay.proc.terminate()
+        relay.proc.wait()
     delays.sort()
     copies = 1 if via_relay else n
     return {

@@ -112,15 +112,13 @@ import os
 import platform
 import queue
 import random
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -264,14 +262,17 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
 
 def kv_breaks(mesh: Any) -> dict[str, int]:
     """The router's KV-event sequence breaks by outcome (replayed, cleared,
-    restart) and undecodable messages, summed over the workers (from its metrics)."""
+    restart), undecodable messages and moves to another relay by outcome, summed
+    over the workers (from its metrics)."""
     out: dict[str, int] = {}
     for family in mesh.metrics.registry.collect():
-        if family.name not in ("mesh_kv_gaps", "mesh_kv_errors"):
+        if family.name not in ("mesh_kv_gaps", "mesh_kv_errors", "mesh_kv_relay_moves"):
             continue
+        moves = family.name == "mesh_kv_relay_moves"
         for sample in family.samples:
             if sample.name.endswith("_total") and sample.value:
                 what = sample.labels.get("outcome", "undecodable")
+                what = f"relay move {what}" if moves else what
                 out[what] = out.get(what, 0) + int(sample.value)
     return out
 
@@ -483,7 +484,7 @@ def router_main(
 
     events = cfg["config"] == "cache_aware+events"
     policy = "cache_aware" if cfg["config"].startswith("cache_aware") else cfg["config"]
-    relay = cfg.get("relay")  # (endpoint, replay endpoint) of a meshkit kv-relay
+    relay = cfg.get("relay")  # ([endpoints], [replay endpoints]) of meshkit kv-relays
     workers = [
         Worker(url, kv_events=ev, kv_replay=None if relay else rep) if events else Worker(url)
         for url, ev, rep in cfg["fleet"]
@@ -768,8 +769,8 @@ def run_one(
 ) -> Run:
     run = Run(wl.name, config, k)
     max_life = 900.0
-    relay_proc: Any = None
-    relay_at: tuple[str, str] | None = None
+    relay_procs: list[Any] = []
+    relay_at: tuple[list[str], list[str]] | None = None
     fleet_cfg = {
         "workers": args.workers,
         "cache_tokens": args.cache_tokens,
@@ -801,8 +802,13 @@ def run_one(
         if not parent.poll(VLLM_START_S if args.vllm else START_TIMEOUT_S):
             raise RuntimeError("the fleet did not start")
         endpoints = parent.recv()
-        if args.relay and config == "cache_aware+events":
-            relay_proc, relay_at = start_relay(endpoints, args.snapshot)
+        if args.relays and config == "cache_aware+events":
+            relay_at = ([], [])
+            for _ in range(args.relays):
+                proc, (at, replays) = start_relay(endpoints, args.snapshot)
+                relay_procs.append(proc)
+                relay_at[0].append(at)
+                relay_at[1].append(replays)
         rcfg = {
             "config": config,
             "fleet": endpoints,
@@ -840,7 +846,17 @@ def run_one(
                     run.notes.append(f"router {msg[1]} imported {msg[2]}, not the copy")
             elif msg[0] == "crash":
                 raise RuntimeError(f"router {msg[1]} failed to start: {msg[2]}")
-        drive(run, wl, tasks, results, served)
+        on_answer = None
+        if relay_procs and args.kill_relay_at is not None:
+            total = sum(len(c.users) for c in wl.convs)
+
+            def on_answer(answered: int) -> None:
+                if relay_procs[0].poll() is None and answered >= args.kill_relay_at * total:
+                    relay_procs[0].kill()
+                    relay_procs[0].wait()
+                    run.notes.append(f"relay 1 of {len(relay_procs)} killed after {answered}")
+
+        drive(run, wl, tasks, results, served, on_answer)
     except Exception as exc:
         run.notes.append(f"aborted: {exc!r}")
     finally:
@@ -900,10 +916,12 @@ def run_one(
             run.notes.append("fleet did not exit: terminated")
             fleet.terminate()
             fleet.join(5)
-        if relay_proc is not None:
-            relay_proc.terminate()
-            if relay_proc.wait(10) != 0:
-                run.notes.append(f"kv-relay exited with {relay_proc.returncode}")
+        for proc in relay_procs:
+            if proc.poll() is not None:
+                continue  # the one --kill-relay-at killed
+            proc.terminate()
+            if proc.wait(10) != 0:
+                run.notes.append(f"kv-relay exited with {proc.returncode}")
         for q in (tasks, results):
             q.close()
             q.cancel_join_thread()
@@ -943,23 +961,21 @@ def start_relay(
     with os.fdopen(fd, "w") as f:
         for url, ev, rep in endpoints:
             f.write(f'[[workers]]\nurl = "{url}"\nkv_events = "{ev}"\nkv_replay = "{rep}"\n\n')
-    cmd = [sys.executable, "-m", "meshkit", "kv-relay", "--config", path]
-    cmd += ["--bind", "tcp://127.0.0.1:*", "--replay-bind", "tcp://127.0.0.1:*"]
-    proc = subprocess.Popen(
-        [*cmd, "--log-level", "warning"],
-        stdout=subprocess.PIPE,
-        text=True,
-        # the routers' copy of meshkit, when they run one
-        env={**os.environ, "MESHKIT_CONFIG": "", **({"PYTHONPATH": snapshot} if snapshot else {})},
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    os.unlink(path)
-    found = re.match(r"meshkit kv-relay listening on (\S+) \(replays on (\S+)\)", line)
-    if not found:
-        proc.kill()
-        raise RuntimeError(f"kv-relay did not start: {line!r}")
-    return proc, (found.group(1), found.group(2))
+    from meshkit.testing.kv_relay import start_kv_relay
+
+    try:
+        relay = start_kv_relay(
+            [
+                *("--config", path, "--log-level", "warning"),
+                *("--bind", "tcp://127.0.0.1:*", "--replay-bind", "tcp://127.0.0.1:*"),
+            ],
+            # the routers' copy of meshkit, when they run one
+            env={"PYTHONPATH": snapshot} if snapshot else None,
+            stderr=None,
+        )
+    finally:
+        os.unlink(path)
+    return relay.proc, (relay.endpoint, relay.replay_endpoint)
 
 
 def drive(
@@ -968,8 +984,10 @@ def drive(
     tasks: Any,
     results: Any,
     served: list[tuple[float, dict[str, Any], int, str]],
+    on_answer: Callable[[int], None] | None = None,
 ) -> None:
-    """C closed-loop users over the conversations; one shared queue of turns."""
+    """C closed-loop users over the conversations; one shared queue of turns
+    (``on_answer``: told the number of answers after each)."""
     pending = list(reversed(wl.convs))
     history: dict[int, list[dict[str, str]]] = {}
     turn_of: dict[int, int] = {}
@@ -1016,6 +1034,8 @@ def drive(
         cid, t = res["key"]
         conv = by_id[cid]
         run.requests += 1
+        if on_answer is not None:
+            on_answer(run.requests)
         run.log.append(
             {k: res.get(k) for k in ("router", "worker", "status", "prompt", "cached", "t_send")}
             | {"conv": cid, "turn": t, "tenant": conv.tenant, "t_done": res.get("t_done")}
@@ -1176,9 +1196,21 @@ def write_report(
             else ""
         )
         + (
-            " The cache_aware+events routers take events and replays from one "
-            "`meshkit kv-relay` (`--relay`), a process of its own, not from the engines."
-            if args.relay
+            " The cache_aware+events routers take events and replays from "
+            + (
+                "one `meshkit kv-relay` (`--relay`), a process of its own,"
+                if args.relays == 1
+                else f"{args.relays} `meshkit kv-relay` processes (`--relays`), the first in "
+                "use, the next when it is lost,"
+            )
+            + " not from the engines."
+            + (
+                f" The first relay is killed (SIGKILL) once {args.kill_relay_at:.0%} of a "
+                "run's requests are answered (`--kill-relay-at`)."
+                if args.kill_relay_at is not None
+                else ""
+            )
+            if args.relays
             else ""
         )
         + (
@@ -1367,9 +1399,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--relay",
-        action="store_true",
+        action="store_const",
+        const=1,
+        dest="relays",
         help="cache_aware+events routers take events and replays from one meshkit "
-        "kv-relay instead of the engines",
+        "kv-relay instead of the engines (--relays 1)",
+    )
+    ap.add_argument(
+        "--relays",
+        type=int,
+        default=0,
+        help="as --relay, with this many kv-relays, listed on every router in the same "
+        "order (the first in use, the next when it is lost)",
+    )
+    ap.add_argument(
+        "--kill-relay-at",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="SIGKILL the first kv-relay once this fraction of a run's requests is "
+        "answered (with --relay/--relays): what losing it costs",
     )
     ap.add_argument("--tokenizer", default=TOKENIZER)
     ap.add_argument("--seed", type=int, default=1)

@@ -33,6 +33,7 @@ from meshkit.core.kv_events import relay_topic  # noqa: E402
 from meshkit.core.workers import Worker  # noqa: E402
 from meshkit.lifecycle.kv_relay import KvRelay, relay_registry  # noqa: E402
 from meshkit.mock.thread import MockWorkerThread  # noqa: E402
+from meshkit.testing.kv_relay import start_kv_relay  # noqa: E402
 
 
 @contextmanager
@@ -153,12 +154,8 @@ def test_routers_behind_a_relay_follow_the_engines_cache(
     mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
 ) -> None:
     fleet = publishing_fleet(mock_factory)
-    proc = subprocess.Popen(
+    relay = start_kv_relay(
         [
-            sys.executable,
-            "-m",
-            "meshkit",
-            "kv-relay",
             "--bind",
             "tcp://127.0.0.1:*",
             "--replay-bind",
@@ -166,17 +163,10 @@ def test_routers_behind_a_relay_follow_the_engines_cache(
             "--metrics-port",
             "0",
             *[arg for w in fleet for arg in ("--publisher", w.kv_events_endpoint)],
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        ]
     )
+    proc, endpoint, replays = relay.proc, relay.endpoint, relay.replay_endpoint
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        found = re.match(r"meshkit kv-relay listening on (\S+) \(replays on (\S+)\)", line)
-        assert found, (line, proc.stderr.read() if proc.poll() is not None else "")
-        endpoint, replays = found.groups()
 
         def make() -> Mesh:
             # No router asks an engine anything: events and replays come from the relay.
@@ -529,20 +519,10 @@ class RelayProcess:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
-        cmd = [sys.executable, "-m", "meshkit", "kv-relay", "--config", str(config)]
-        self.proc = subprocess.Popen(
-            [*cmd, "--metrics-port", str(self.port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        self.line = self.proc.stdout.readline()
-        found = re.match(
-            r"meshkit kv-relay listening on (\S+)(?: \(replays on (\S+)\))?", self.line
-        )
+        started = start_kv_relay(["--config", str(config), "--metrics-port", str(self.port)])
+        self.proc = started.proc
         #: where routers subscribe, and where they ask replays ("" without)
-        self.endpoint, self.replay_endpoint = found.groups("") if found else ("", "")
+        self.endpoint, self.replay_endpoint = started.endpoint, started.replay_endpoint
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
@@ -572,7 +552,7 @@ def test_kv_relay_serves_its_metrics(tmp_path: Path, publisher: Callable[..., Pu
     relay_config(tmp_path / "meshkit.toml", pub)
     relay = RelayProcess(tmp_path / "meshkit.toml")
     try:
-        assert relay.line.startswith("meshkit kv-relay listening on tcp://127.0.0.1:")
+        assert relay.endpoint.startswith("tcp://127.0.0.1:") and not relay.replay_endpoint
 
         def forwarded() -> bool:
             pub.store([pub.seq + 1], None, [1, 1, 1, 1])
@@ -598,7 +578,7 @@ def test_sighup_reads_the_workers_again(
     relay_config(config, a)
     relay = RelayProcess(config)
     try:
-        assert relay.line.startswith("meshkit kv-relay listening on ")
+        assert relay.endpoint
         until(lambda: relay.connected(a), "the first publisher")
         relay_config(config, a, b)
         relay.proc.send_signal(signal.SIGHUP)
