@@ -95,3 +95,38 @@ def test_two_router_processes_behind_a_kv_relay(tmp_path: Path) -> None:
     table = [r for r in out.splitlines() if r.startswith("| conversations | cache_aware+events")]
     assert len(table) == 1 and "| 4/4 |" in table[0], out
     assert "aborted" not in out, out
+
+
+def test_two_relays_the_first_killed_mid_run(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--routers",
+            "2",
+            "--quick",
+            "--relays",
+            "2",
+            "--kill-relay-at",
+            "0.3",
+            "--configs",
+            "cache_aware+events",
+            "--workloads",
+            "conversations",
+            "--out",
+            str(tmp_path / "report.md"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    report = (tmp_path / "report.md").read_text()
+    assert "relay 1 of 2 killed after" in report, report
+    # each router moved its four workers to the second relay, nothing dropped
+    moves = re.findall(r"router \d: KV-event sequence breaks \{([^}]*)\}", report)
+    assert len(moves) == 2 and all("'relay move replayed': 4" in m for m in moves), report
+    assert all("cleared" not in m for m in moves), report
+    table = [r for r in report.splitlines() if r.startswith("| conversations | cache_aware+events")]
+    assert len(table) == 1 and [c.strip() for c in table[0].split("|")][5] == "0", table  # failed
+    assert "aborted" not in out, out
