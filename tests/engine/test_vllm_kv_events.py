@@ -13,7 +13,9 @@ polls a condition.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -21,7 +23,9 @@ import pytest
 
 from harness import MODE_CLASSES, wait_until
 from meshkit import Mesh
+from meshkit.config import KvConfig, KvRelayConfig
 from meshkit.core.workers import Worker
+from meshkit.lifecycle.kv_relay import KvRelay
 from meshkit.mock.thread import MockWorkerThread
 from meshkit.testing.vllm import VllmServer, VllmUnavailable
 
@@ -185,18 +189,10 @@ def test_a_restarted_router_sees_what_vllm_holds_by_replay_alone(
     assert r.fleet.kv.unchained == 0  # every stored block's parent was known
 
 
-def test_routers_behind_meshkit_kv_relay_see_what_vllm_holds(
-    vllm: VllmServer, mesh_factory: Callable[..., Mesh]
-) -> None:
-    """vLLM's own frames through the relay: its history (the relay asks vLLM's replay
-    once) and its live batches reach a router that never connects to vLLM."""
-    import threading
-
-    from meshkit.config import KvConfig, KvRelayConfig
-    from meshkit.lifecycle.kv_relay import KvRelay
-
-    body = {"model": "tiny", "messages": first_turn("canals"), "max_tokens": 2}
-    assert httpx.post(vllm.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+@contextmanager
+def relay_of(vllm: VllmServer) -> Iterator[KvRelay]:
+    """A ``meshkit kv-relay`` of vLLM's publisher on a thread (it asks vLLM's replay
+    once, on connecting)."""
     relay = KvRelay(
         {vllm.events: vllm.replay},
         KvRelayConfig(bind="tcp://127.0.0.1:*", replay_bind="tcp://127.0.0.1:*"),
@@ -206,6 +202,21 @@ def test_routers_behind_meshkit_kv_relay_see_what_vllm_holds(
     thread = threading.Thread(target=relay.serve, args=(stop,), daemon=True)
     thread.start()
     try:
+        yield relay
+    finally:
+        stop.set()
+        thread.join()
+        relay.close()
+
+
+def test_routers_behind_meshkit_kv_relay_see_what_vllm_holds(
+    vllm: VllmServer, mesh_factory: Callable[..., Mesh]
+) -> None:
+    """vLLM's own frames through the relay: its history (the relay asks vLLM's replay
+    once) and its live batches reach a router that never connects to vLLM."""
+    body = {"model": "tiny", "messages": first_turn("canals"), "max_tokens": 2}
+    assert httpx.post(vllm.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    with relay_of(vllm) as relay:
         r = mesh_factory(
             workers=[Worker(vllm.url, kv_events=vllm.events)],
             policy="cache_aware",
@@ -219,10 +230,42 @@ def test_routers_behind_meshkit_kv_relay_see_what_vllm_holds(
         assert wait_until(lambda: r.fleet.kv.blocks_of(vllm.url) > held, 30), "no live batch"
         assert r.fleet.kv.unchained == 0
         assert relay.sources[0].malformed == 0 and relay.sources[0].forwarded > 0
-    finally:
-        stop.set()
-        thread.join()
-        relay.close()
+
+
+def test_a_second_relay_takes_over_vllms_events_without_a_clear(
+    vllm: VllmServer, mesh_factory: Callable[..., Mesh]
+) -> None:
+    """Two relays of vLLM; the router's first goes away: the second carries on from
+    vLLM's sequence number, what the router held stays, and vLLM's next batches
+    come through the second."""
+    body = {"model": "tiny", "messages": first_turn("bridges"), "max_tokens": 2}
+    assert httpx.post(vllm.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    with relay_of(vllm) as b:
+        with relay_of(vllm) as a:
+            r = mesh_factory(
+                workers=[Worker(vllm.url, kv_events=vllm.events)],
+                policy="cache_aware",
+                tokenizer=TOKENIZER,
+                kv={
+                    "relay": [a.endpoint, b.endpoint],
+                    "relay_replay": [a.replay_endpoint, b.replay_endpoint],
+                },
+            )
+            r.lifecycle.start()
+            assert wait_until(lambda: r.fleet.kv.blocks_of(vllm.url) > 0, 30), "no history"
+            chat(r, first_turn("quarries"))
+            assert wait_until(lambda: a.sources[0].forwarded > 0, 30)
+        # relay a is gone
+        sample = r.metrics.registry.get_sample_value
+        moved = {"worker": vllm.url, "outcome": "replayed"}
+        assert wait_until(lambda: sample("mesh_kv_relay_moves_total", moved) == 1, 30)
+        held = r.fleet.kv.blocks_of(vllm.url)
+        assert held > 0  # kept across the move
+        chat(r, first_turn("ferries"))  # through relay b
+        assert wait_until(lambda: r.fleet.kv.blocks_of(vllm.url) > held, 30), "no live batch"
+        cleared = {"worker": vllm.url, "outcome": "cleared"}
+        assert not sample("mesh_kv_gaps_total", cleared)
+        assert r.fleet.kv.unchained == 0
 
 
 def test_vllm_told_a_named_host_is_silent_and_the_tree_takes_over(

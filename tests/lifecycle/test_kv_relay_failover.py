@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,23 @@ def settled(relay: KvRelay, pub: Publisher) -> None:
         return relay.sources[0].last_seq == pub.seq - 1
 
     until(caught_up, "the relay's subscription")
+
+
+@contextmanager
+def two_relays(
+    pub: Publisher, router: Callable[..., Mesh], a_kv: KvConfig | None = None, replays: bool = True
+) -> Iterator[tuple[KvRelay, KvRelay, Mesh]]:
+    """Relays a (with ``a_kv``) and b of ``pub``, both settled, and a router on
+    them in that order (with their replay endpoints unless not ``replays``) that
+    holds two blocks."""
+    a, b = relay_of(pub.endpoint, kv=a_kv), relay_of(pub.endpoint)
+    with running(a), running(b):
+        settled(a, pub)
+        settled(b, pub)
+        at = [a.replay_endpoint or "", b.replay_endpoint or ""] if replays else []
+        mesh = router(pub.endpoint, [a.endpoint, b.endpoint], at)
+        store_until(mesh, pub, 2)
+        yield a, b, mesh
 
 
 def free_port() -> int:
@@ -199,17 +217,7 @@ def test_a_relay_that_lost_the_engine_hands_over_to_the_next_without_a_clear(
     pub = publisher()
     # Relay a refuses a message over 4 KiB (libzmq drops its engine connection and it
     # says so to its routers); relay b takes it.
-    a = relay_of(pub.endpoint, kv=KvConfig(max_message_bytes=4096))
-    b = relay_of(pub.endpoint)
-    with running(a), running(b):
-        settled(a, pub)
-        settled(b, pub)
-        mesh = router(
-            pub.endpoint,
-            [a.endpoint, b.endpoint],
-            [a.replay_endpoint or "", b.replay_endpoint or ""],
-        )
-        store_until(mesh, pub, 2)
+    with two_relays(pub, router, KvConfig(max_message_bytes=4096)) as (a, _, mesh):
         held = blocks(mesh)
         big = 600  # blocks in one batch: about 5 KB
         pub.store(list(range(700_000, 700_000 + big)), None, [9] * (4 * big))
@@ -223,16 +231,7 @@ def test_an_engine_every_relay_lost_has_its_entries_dropped(
     publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
     pub = publisher()
-    a, b = relay_of(pub.endpoint), relay_of(pub.endpoint)
-    with running(a), running(b):
-        settled(a, pub)
-        settled(b, pub)
-        mesh = router(
-            pub.endpoint,
-            [a.endpoint, b.endpoint],
-            [a.replay_endpoint or "", b.replay_endpoint or ""],
-        )
-        store_until(mesh, pub, 2)
+    with two_relays(pub, router) as (a, b, mesh):
         pub.close()  # the engine goes away: both relays say so
         until(lambda: blocks(mesh) == 0, "the worker's entries dropped")
         until(lambda: a.sources[0].lost == 1 and b.sources[0].lost == 1, "both relays' word")
@@ -242,13 +241,7 @@ def test_without_replay_endpoints_a_move_off_a_relay_that_lost_the_engine_clears
     publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
     pub = publisher()
-    a = relay_of(pub.endpoint, kv=KvConfig(max_message_bytes=4096))
-    b = relay_of(pub.endpoint)
-    with running(a), running(b):
-        settled(a, pub)
-        settled(b, pub)
-        mesh = router(pub.endpoint, [a.endpoint, b.endpoint], [])
-        store_until(mesh, pub, 2)
+    with two_relays(pub, router, KvConfig(max_message_bytes=4096), replays=False) as (_, _, mesh):
         big = 600
         pub.store(list(range(800_000, 800_000 + big)), None, [9] * (4 * big))
         # nothing can say the engine did not restart: what the router held goes (the
