@@ -93,6 +93,22 @@ def test_the_relay_keys_are_read_from_a_file_and_checked(tmp_path: Path) -> None
     assert config.kv.relays == ("tcp://relay:5600",) and config.kv.relay_replays == ()
 
 
+def test_a_relays_publisher_may_name_its_replay_endpoint() -> None:
+    from meshkit.config import publisher_endpoints
+
+    config = MeshConfig.build(
+        kv_relay={"publishers": ["tcp://gpu-1:5557,tcp://gpu-1:5558", "tcp://gpu-2:5557"]}
+    )
+    assert publisher_endpoints(config.kv_relay.publishers, "kv_relay.publishers") == {
+        "tcp://gpu-1:5557": "tcp://gpu-1:5558",
+        "tcp://gpu-2:5557": None,
+    }
+    for bad in ("tcp://a:1,tcp://a:2,tcp://a:3", ",tcp://a:2", "tcp://a:1,http://a:2"):
+        with pytest.raises(ConfigError) as info:
+            MeshConfig.build(kv_relay={"publishers": [bad]})
+        assert info.value.key == "kv_relay.publishers"
+
+
 def test_several_relays_are_a_list_each_with_its_replay_endpoint(tmp_path: Path) -> None:
     path = tmp_path / "meshkit.toml"
     path.write_text(

@@ -21,7 +21,7 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -361,6 +361,22 @@ class KvConfig:
         return _endpoints(self.relay_replay)
 
 
+def publisher_endpoints(entries: Iterable[str], key: str) -> dict[str, str | None]:
+    """``kv_relay.publishers`` entries (``--publisher`` flags) checked: each
+    ``"EVENTS"`` or ``"EVENTS,REPLAY"``, as {events endpoint: replay endpoint}."""
+    out: dict[str, str | None] = {}
+    for entry in entries:
+        parts = entry.split(",")
+        if len(parts) > 2:
+            raise ConfigError(key, f"not EVENTS or EVENTS,REPLAY: {entry!r}")
+        events = zmq_endpoint(key, parts[0])
+        if events is None:
+            raise ConfigError(key, f"not EVENTS or EVENTS,REPLAY: {entry!r}")
+        replay = zmq_endpoint(key, parts[1]) if len(parts) == 2 else None
+        out[events] = out.get(events) or replay
+    return out
+
+
 def _endpoints(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -374,7 +390,8 @@ class KvRelayConfig:
 
     # Where routers subscribe (`[kv] relay` on their side).
     bind: str = "tcp://127.0.0.1:5600"
-    # Publishers besides the workers' kv_events (engines this config does not route to).
+    # Publishers besides the workers' kv_events (engines this config does not route to),
+    # each "EVENTS" or "EVENTS,REPLAY" (the engine's replay endpoint, asked on connecting).
     publishers: tuple[str, ...] = ()
     # Messages queued per router that falls behind; past it that router sees a gap.
     send_hwm: int = 10_000
@@ -389,8 +406,7 @@ class KvRelayConfig:
     def __post_init__(self) -> None:
         zmq_endpoint("kv_relay.bind", self.bind, bind=True)
         object.__setattr__(self, "publishers", tuple(self.publishers))
-        for endpoint in self.publishers:
-            zmq_endpoint("kv_relay.publishers", endpoint)
+        publisher_endpoints(self.publishers, "kv_relay.publishers")
         if self.replay_bind:
             zmq_endpoint("kv_relay.replay_bind", self.replay_bind, bind=True)
         for name in ("send_hwm", "replay_bytes"):

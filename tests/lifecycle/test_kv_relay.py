@@ -508,6 +508,38 @@ def test_kv_relay_without_a_publisher_or_with_a_bad_endpoint_exits_2() -> None:
     assert done.returncode == 2 and "--publisher" in done.stderr
     done = _relay_cli("--publisher", "tcp://127.0.0.1:5557", "--bind", "http://x")
     assert done.returncode == 2 and "kv_relay.bind" in done.stderr
+    for bad in ("tcp://127.0.0.1:5557,udp://x", "tcp://a:1,tcp://a:2,tcp://a:3", ",tcp://a:2"):
+        done = _relay_cli("--publisher", bad)
+        assert done.returncode == 2 and "--publisher" in done.stderr, bad
+
+
+def test_a_publisher_named_with_its_replay_endpoint_is_asked_for_its_history(
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
+) -> None:
+    """``--publisher EVENTS,REPLAY``: no worker config needed for the relay to ask
+    an engine what it stored before the relay started."""
+    pub = publisher(replay=True)
+    for i in range(6):
+        pub.store([96_000 + i], None, [4, 4, 4, i], publish=False)  # before the relay
+    started = start_kv_relay(
+        [
+            *("--publisher", f"{pub.endpoint},{pub.replay_endpoint}"),
+            *("--bind", "tcp://127.0.0.1:*", "--replay-bind", "tcp://127.0.0.1:*"),
+        ]
+    )
+    try:
+        w = Worker(URL, kv_events=pub.endpoint)
+        kv = {"relay": started.endpoint, "relay_replay": started.replay_endpoint}
+        mesh = Mesh(workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv=kv)
+        try:
+            mesh.lifecycle.start()
+            until(lambda: blocks(mesh) == 6, "the engine's history, from the relay")
+            assert pub.replays == 1  # the relay asked; the router asked the relay
+        finally:
+            mesh.close()
+    finally:
+        started.proc.terminate()
+        assert started.proc.wait(10) == 0
 
 
 class RelayProcess:

@@ -57,7 +57,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from meshkit.config import KvConfig, KvRelayConfig, MeshConfig, load_workers_file
+from meshkit.config import (
+    KvConfig,
+    KvRelayConfig,
+    MeshConfig,
+    load_workers_file,
+    publisher_endpoints,
+)
 from meshkit.core.discovery import FleetSources
 from meshkit.core.kv_events import END_OF_REPLAY, PUBLISHER_LOST, relay_topic, replay_request
 from meshkit.errors import ConfigError
@@ -108,8 +114,9 @@ class RelayFleet:
         for w in self.sources.desired():
             if w.kv_events:
                 seen[w.kv_events] = seen.get(w.kv_events) or w.kv_replay
-        for endpoint in (*self.config.kv_relay.publishers, *self.extra):
-            seen.setdefault(endpoint, None)
+        listed = (*self.config.kv_relay.publishers, *self.extra)
+        for endpoint, replay in publisher_endpoints(listed, "kv_relay.publishers").items():
+            seen[endpoint] = seen.get(endpoint) or replay
         return seen
 
     async def refresh(self) -> None:

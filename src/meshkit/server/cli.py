@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ENDPOINT",
         action="append",
         default=[],
-        help="an engine's publisher besides the workers' kv_events (repeatable)",
+        help="an engine's publisher besides the workers' kv_events, EVENTS or "
+        "EVENTS,REPLAY with its replay endpoint (repeatable)",
     )
     r.add_argument("--metrics-port", type=int, help="/metrics over HTTP (default 0: none)")
     r.add_argument("--log-level", choices=LOG_LEVELS, help="(default info)")
@@ -290,9 +291,10 @@ def _kv_relay(ns: argparse.Namespace) -> int:
         relay_config = dataclasses.replace(
             config.kv_relay, **{k: v for k, v in values.items() if v is not None}
         )
-        from meshkit.core.workers import zmq_endpoint
+        from meshkit.config import publisher_endpoints
 
-        extra = [zmq_endpoint("--publisher", p) or "" for p in ns.publisher]
+        extra = list(ns.publisher)
+        publisher_endpoints(extra, "--publisher")  # checked here, to name the flag
     except ConfigError as exc:
         return _fail(str(exc))
     try:
