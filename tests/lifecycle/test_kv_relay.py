@@ -87,17 +87,13 @@ def relay_of(
 
 
 @pytest.fixture
-def router() -> Iterator[Callable[..., Mesh]]:
-    """``router(relay, endpoint, url=URL, replays=False)``: a Mesh with one worker
-    whose events (and, with ``replays``, replays) come through ``relay``; closed at
-    teardown."""
+def relayed() -> Iterator[Callable[..., Mesh]]:
+    """``relayed(endpoint, kv, url=URL)``: a started Mesh with one worker whose events
+    (published on ``endpoint``) come as its ``[kv]`` table says; closed at teardown."""
     made: list[Mesh] = []
 
-    def make(relay: KvRelay, endpoint: str, url: str = URL, replays: bool = False) -> Mesh:
+    def make(endpoint: str, kv: dict[str, object], url: str = URL) -> Mesh:
         w = Worker(url, kv_events=endpoint)
-        kv = {"relay": relay.endpoint}
-        if replays:
-            kv["relay_replay"] = relay.replay_endpoint or ""
         mesh = Mesh(workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv=kv)
         made.append(mesh)
         mesh.lifecycle.start()
@@ -106,6 +102,20 @@ def router() -> Iterator[Callable[..., Mesh]]:
     yield make
     for mesh in made:
         mesh.close()
+
+
+@pytest.fixture
+def router(relayed: Callable[..., Mesh]) -> Callable[..., Mesh]:
+    """``router(relay, endpoint, url=URL, replays=False)``: :func:`relayed` through
+    ``relay`` (and, with ``replays``, its replays)."""
+
+    def make(relay: KvRelay, endpoint: str, url: str = URL, replays: bool = False) -> Mesh:
+        kv: dict[str, object] = {"relay": relay.endpoint}
+        if replays:
+            kv["relay_replay"] = relay.replay_endpoint or ""
+        return relayed(endpoint, kv, url)
+
+    return make
 
 
 def replay(relay: KvRelay, start: int, topic: bytes) -> list[int]:
@@ -514,7 +524,7 @@ def test_kv_relay_without_a_publisher_or_with_a_bad_endpoint_exits_2() -> None:
 
 
 def test_a_publisher_named_with_its_replay_endpoint_is_asked_for_its_history(
-    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
+    publisher: Callable[..., Publisher], relayed: Callable[..., Mesh]
 ) -> None:
     """``--publisher EVENTS,REPLAY``: no worker config needed for the relay to ask
     an engine what it stored before the relay started."""
@@ -528,15 +538,10 @@ def test_a_publisher_named_with_its_replay_endpoint_is_asked_for_its_history(
         ]
     )
     try:
-        w = Worker(URL, kv_events=pub.endpoint)
         kv = {"relay": started.endpoint, "relay_replay": started.replay_endpoint}
-        mesh = Mesh(workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv=kv)
-        try:
-            mesh.lifecycle.start()
-            until(lambda: blocks(mesh) == 6, "the engine's history, from the relay")
-            assert pub.replays == 1  # the relay asked; the router asked the relay
-        finally:
-            mesh.close()
+        mesh = relayed(pub.endpoint, kv)
+        until(lambda: blocks(mesh) == 6, "the engine's history, from the relay")
+        assert pub.replays == 1  # the relay asked; the router asked the relay
     finally:
         started.proc.terminate()
         assert started.proc.wait(10) == 0

@@ -18,21 +18,26 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from lifecycle.test_kv_relay import RelayProcess, blocks, publisher, relay_of, running  # noqa: E402
+from lifecycle.test_kv_relay import (  # noqa: E402
+    RelayProcess,
+    blocks,
+    publisher,
+    relay_of,
+    relayed,
+    running,
+)
 from lifecycle.test_kv_subscriber import URL, Publisher, until  # noqa: E402
 from meshkit import Mesh  # noqa: E402
 from meshkit.config import KvConfig  # noqa: E402
-from meshkit.core.workers import Worker  # noqa: E402
 from meshkit.lifecycle.kv_relay import KvRelay  # noqa: E402
 
-__all__ = ["publisher"]  # the fixture, found by name
+__all__ = ["publisher", "relayed"]  # the fixtures, found by name
 
 
 @pytest.fixture
-def router() -> Iterator[Callable[..., Mesh]]:
+def router(relayed: Callable[..., Mesh]) -> Callable[..., Mesh]:
     """``router(endpoint, relays, replays, heartbeat_s=10)``: a Mesh with one worker
-    whose events come through ``relays`` in turn; closed at teardown."""
-    made: list[Mesh] = []
+    whose events come through ``relays`` in turn."""
 
     def make(
         endpoint: str, relays: list[str], replays: list[str], heartbeat_s: float = 10.0
@@ -40,19 +45,9 @@ def router() -> Iterator[Callable[..., Mesh]]:
         kv: dict[str, object] = {"relay": relays, "heartbeat_s": heartbeat_s}
         if replays:
             kv["relay_replay"] = replays
-        mesh = Mesh(
-            workers=[Worker(URL, kv_events=endpoint)],
-            policy="cache_aware",
-            lifecycle={"probe": False},
-            kv=kv,
-        )
-        made.append(mesh)
-        mesh.lifecycle.start()
-        return mesh
+        return relayed(endpoint, kv)
 
-    yield make
-    for mesh in made:
-        mesh.close()
+    return make
 
 
 def sample(mesh: Mesh, name: str, **labels: str) -> float:
