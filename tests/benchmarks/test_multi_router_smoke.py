@@ -13,29 +13,24 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_quality.py"
 
 
-def test_two_router_processes_place_over_one_fleet_with_and_without_events(
-    tmp_path: Path,
-) -> None:
-    dump = tmp_path / "runs.jsonl"
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH),
-            "--routers",
-            "1,2",
-            "--quick",
-            "--configs",
-            "prefix_hash,cache_aware+events",
-            "--workloads",
-            "conversations",
-            "--dump",
-            str(dump),
-        ],
+def bench(*args: str) -> str:
+    """What the benchmark prints, on conversations only, in its quick form."""
+    return subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--workloads", "conversations", *args],
         capture_output=True,
         text=True,
         timeout=600,
         check=True,
     ).stdout
+
+
+def test_two_router_processes_place_over_one_fleet_with_and_without_events(
+    tmp_path: Path,
+) -> None:
+    dump = tmp_path / "runs.jsonl"
+    out = bench(
+        "--routers", "1,2", "--configs", "prefix_hash,cache_aware+events", "--dump", str(dump)
+    )
     # One line per run: every request answered, a hit ratio against the bound.
     lines = re.findall(r"conversations +(\S+) +K=(\d): .* ratio ([\d.]+) .* failed (\d+)", out)
     assert sorted((c, k) for c, k, _, _ in lines) == [
@@ -69,24 +64,7 @@ def test_two_router_processes_place_over_one_fleet_with_and_without_events(
 
 
 def test_two_router_processes_behind_a_kv_relay(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH),
-            "--routers",
-            "2",
-            "--quick",
-            "--relay",
-            "--configs",
-            "cache_aware+events",
-            "--workloads",
-            "conversations",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    ).stdout
+    out = bench("--routers", "2", "--relay", "--configs", "cache_aware+events")
     lines = re.findall(r"conversations +(\S+) +K=(\d): .* ratio ([\d.]+) .* failed (\d+)", out)
     assert [(c, k) for c, k, _, _ in lines] == [("cache_aware+events", "2")], out
     assert all(failed == "0" and 0.5 < float(ratio) <= 1.0 for _, _, ratio, failed in lines), out
@@ -98,29 +76,10 @@ def test_two_router_processes_behind_a_kv_relay(tmp_path: Path) -> None:
 
 
 def test_two_relays_the_first_killed_mid_run(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH),
-            "--routers",
-            "2",
-            "--quick",
-            "--relays",
-            "2",
-            "--kill-relay-at",
-            "0.3",
-            "--configs",
-            "cache_aware+events",
-            "--workloads",
-            "conversations",
-            "--out",
-            str(tmp_path / "report.md"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    ).stdout
+    out = bench(
+        *("--routers", "2", "--relays", "2", "--kill-relay-at", "0.3"),
+        *("--configs", "cache_aware+events", "--out", str(tmp_path / "report.md")),
+    )
     report = (tmp_path / "report.md").read_text()
     assert "relay 1 of 2 killed after" in report, report
     # each router moved its four workers to the second relay, nothing dropped
