@@ -153,20 +153,18 @@ class _Source:
 
 class _Followed(BatchStream):
     """A worker's :class:`BatchStream` as its subscriber follows it: also how many
-    reads brought batches and how many times its entries were dropped (a move to
-    another relay tells by these whether the one before was heard from)."""
+    reads brought batches (a move to another relay tells by it whether the one
+    before was heard from)."""
 
-    __slots__ = ("clears", "heard")
+    __slots__ = ("heard",)
 
     def __init__(self, trail: int) -> None:
         super().__init__(trail)
         self.heard = 0
-        self.clears = 0
 
     def clear(self, router: Router, worker_id: str) -> None:
         router.kv_clear(worker_id)
         self.reset()
-        self.clears += 1
 
 
 class KvSubscribers:

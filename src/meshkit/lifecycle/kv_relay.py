@@ -94,8 +94,14 @@ class RelayFleet:
     read that fails keeps what it last found, as the routers' discovery does."""
 
     def __init__(self, config: MeshConfig, extra: Iterable[str] = ()) -> None:
+        """:raises ConfigError: an ``extra`` entry is not ``EVENTS[,REPLAY]`` (named
+        ``--publisher``, the flag it comes from)."""
         self.config = config
         self.extra = tuple(extra)
+        #: kv_relay.publishers and extra: {events endpoint: replay endpoint}
+        self.listed = publisher_endpoints(config.kv_relay.publishers, "kv_relay.publishers")
+        for endpoint, replay in publisher_endpoints(self.extra, "--publisher").items():
+            self.listed[endpoint] = self.listed.get(endpoint) or replay
         self.sources = FleetSources(config.discovery.max_addresses)
         self.sources.configure(config.workers, config.dns_workers)
         if config.workers_file:
@@ -114,8 +120,7 @@ class RelayFleet:
         for w in self.sources.desired():
             if w.kv_events:
                 seen[w.kv_events] = seen.get(w.kv_events) or w.kv_replay
-        listed = (*self.config.kv_relay.publishers, *self.extra)
-        for endpoint, replay in publisher_endpoints(listed, "kv_relay.publishers").items():
+        for endpoint, replay in self.listed.items():
             seen[endpoint] = seen.get(endpoint) or replay
         return seen
 

@@ -291,10 +291,6 @@ def _kv_relay(ns: argparse.Namespace) -> int:
         relay_config = dataclasses.replace(
             config.kv_relay, **{k: v for k, v in values.items() if v is not None}
         )
-        from meshkit.config import publisher_endpoints
-
-        extra = list(ns.publisher)
-        publisher_endpoints(extra, "--publisher")  # checked here, to name the flag
     except ConfigError as exc:
         return _fail(str(exc))
     try:
@@ -307,7 +303,7 @@ def _kv_relay(ns: argparse.Namespace) -> int:
 
     _setup_logging(settings.log_level)
     try:
-        fleet = RelayFleet(config, extra)
+        fleet = RelayFleet(config, ns.publisher)  # --publisher entries checked here
         asyncio.run(fleet.refresh())  # dns:// names looked up before the first subscription
         relay = KvRelay(fleet.publishers(), relay_config, config.kv)
     except ConfigError as exc:
