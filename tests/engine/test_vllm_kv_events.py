@@ -13,15 +13,14 @@ polls a condition.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
 from harness import MODE_CLASSES, wait_until
+from lifecycle.test_kv_relay import running
 from meshkit import Mesh
 from meshkit.config import KvConfig, KvRelayConfig
 from meshkit.core.workers import Worker
@@ -189,24 +188,14 @@ def test_a_restarted_router_sees_what_vllm_holds_by_replay_alone(
     assert r.fleet.kv.unchained == 0  # every stored block's parent was known
 
 
-@contextmanager
-def relay_of(vllm: VllmServer) -> Iterator[KvRelay]:
-    """A ``meshkit kv-relay`` of vLLM's publisher on a thread (it asks vLLM's replay
-    once, on connecting)."""
-    relay = KvRelay(
+def relay_of(vllm: VllmServer) -> KvRelay:
+    """A ``meshkit kv-relay`` of vLLM's publisher (it asks vLLM's replay once, on
+    connecting); run it with ``running``."""
+    return KvRelay(
         {vllm.events: vllm.replay},
         KvRelayConfig(bind="tcp://127.0.0.1:*", replay_bind="tcp://127.0.0.1:*"),
         KvConfig(),
     )
-    stop = threading.Event()
-    thread = threading.Thread(target=relay.serve, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        yield relay
-    finally:
-        stop.set()
-        thread.join()
-        relay.close()
 
 
 def test_routers_behind_meshkit_kv_relay_see_what_vllm_holds(
@@ -216,7 +205,7 @@ def test_routers_behind_meshkit_kv_relay_see_what_vllm_holds(
     once) and its live batches reach a router that never connects to vLLM."""
     body = {"model": "tiny", "messages": first_turn("canals"), "max_tokens": 2}
     assert httpx.post(vllm.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
-    with relay_of(vllm) as relay:
+    with running(relay_of(vllm)) as relay:
         r = mesh_factory(
             workers=[Worker(vllm.url, kv_events=vllm.events)],
             policy="cache_aware",
@@ -240,8 +229,8 @@ def test_a_second_relay_takes_over_vllms_events_without_a_clear(
     come through the second."""
     body = {"model": "tiny", "messages": first_turn("bridges"), "max_tokens": 2}
     assert httpx.post(vllm.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
-    with relay_of(vllm) as b:
-        with relay_of(vllm) as a:
+    with running(relay_of(vllm)) as b:
+        with running(relay_of(vllm)) as a:
             r = mesh_factory(
                 workers=[Worker(vllm.url, kv_events=vllm.events)],
                 policy="cache_aware",
