@@ -482,6 +482,57 @@ def test_a_router_behind_by_send_hwm_sees_a_gap_and_the_relay_does_not_wait(
             ctx.destroy(linger=0)
 
 
+def gap_count(mesh: Mesh, outcome: str) -> float:
+    value = mesh.metrics.registry.get_sample_value(
+        "mesh_kv_gaps_total", {"worker": URL, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+def test_batches_the_relay_missed_are_filled_from_the_engine_and_no_router_clears(
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
+) -> None:
+    """The relay misses three batches (the engine published them to nobody): it asks
+    the engine's replay, and a router that sees the same jump gets them from the
+    relay, without asking the engine (its worker names no kv_replay) or clearing."""
+    pub = publisher(replay=True)
+    with running(relay_of(pub.endpoint, engine_replay=pub.replay_endpoint)) as relay:
+        mesh = router(relay, pub.endpoint, replays=True)
+        store_until_seen(mesh, pub)
+        until(lambda: blocks(mesh) == pub.seq, "the batches before the jump")
+        asked = pub.replays
+        for i in range(3):
+            pub.store([60_000 + i], None, [6, 6, 6, i], publish=False)
+        pub.store([60_003], None, [6, 6, 6, 3])
+        until(lambda: relay.sources[0].filled == 1, "the relay's fill")
+        until(lambda: blocks(mesh) == pub.seq, "every batch, the missed ones too")
+        assert pub.replays == asked + 1  # once, by the relay
+        assert relay.sources[0].unfilled == 0
+        assert gap_count(mesh, "replayed") == 1 and gap_count(mesh, "cleared") == 0
+        # Later batches pass as before.
+        pub.store([60_004], None, [6, 6, 6, 4])
+        until(lambda: blocks(mesh) == pub.seq, "the next batch")
+
+
+@pytest.mark.parametrize("why", ["no engine replay", "the engine no longer has them"])
+def test_batches_neither_the_relay_nor_the_engine_has_are_a_gap_for_the_routers(
+    why: str, publisher: Callable[..., Publisher], router: Callable[..., Mesh]
+) -> None:
+    pub = publisher(replay=True)
+    engine_replay = pub.replay_endpoint if why != "no engine replay" else None
+    with running(relay_of(pub.endpoint, engine_replay=engine_replay)) as relay:
+        mesh = router(relay, pub.endpoint, replays=True)
+        store_until_seen(mesh, pub)
+        for i in range(3):
+            pub.store([61_000 + i], None, [7, 7, 7, i], publish=False)
+        pub.kept = pub.kept[:-3]  # gone from the engine's buffer as well
+        pub.store([61_003], None, [7, 7, 7, 3])
+        until(lambda: relay.sources[0].unfilled == 1, "the relay's unfilled jump")
+        until(lambda: gap_count(mesh, "cleared") == 1, "the router's own gap handling")
+        assert relay.sources[0].filled == 0
+        until(lambda: blocks(mesh) == 1, "the entries rebuilt from the next batch")
+
+
 def test_messages_not_in_three_frames_stop_at_the_relay(
     publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:

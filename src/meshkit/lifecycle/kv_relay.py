@@ -40,6 +40,18 @@ the answer is in, at most ``kv.replay_timeout_s`` (up to ``kv_relay.send_hwm``
 requests). What it keeps goes
 when the engine restarts (its numbers go back) or its connection is lost.
 
+Its own gaps: a batch the relay itself missed (its subscription more than
+``kv.receive_hwm`` behind, or dropped on the way) would be missed by every router
+behind it, and each would drop that worker's entries. So when an engine's numbers
+jump, the relay asks that engine's replay (when its worker names ``kv_replay``) for
+what came after the last one it took, holds the routers' requests for that engine
+as on joining, and keeps what the answer fills in: the routers, which see the same
+jump, get the missing batches from the relay's replay. A jump while such a request
+is out is checked against the same answer. Counted as
+``mesh_kv_relay_gaps_total{publisher,outcome}``: ``filled``, or ``unfilled`` (no
+replay endpoint, the engine no longer had them, or no answer within
+``kv.replay_timeout_s``): the routers then handle the gap as on a direct connection.
+
 Bounded: ``kv.receive_hwm`` messages queued per engine, each at most
 ``kv.max_message_bytes``; ``kv_relay.send_hwm`` per router; ``kv_relay.replay_bytes``
 kept per engine (replies share the kept frames, not copies). One thread, one poll
@@ -206,11 +218,14 @@ class _Source:
 
     __slots__ = (
         "ask_at",
+        "asked_from",
         "connected",
         "deadline",
         "dealer",
         "endpoint",
+        "filled",
         "forwarded",
+        "holes",
         "joining",
         "kept",
         "known",
@@ -221,6 +236,7 @@ class _Source:
         "replay",
         "sock",
         "topic",
+        "unfilled",
         "waiting",
     )
 
@@ -230,11 +246,13 @@ class _Source:
         self.topic = relay_topic(endpoint)
         self.sock: Any = None
         self.monitor: Any = None
-        #: the engine's own replay, asked on connecting: the socket, what it sent
-        #: so far, until when it may take, and the routers' requests held meanwhile
+        #: the engine's own replay, asked on connecting or on a gap: the socket,
+        #: what it sent so far, until when it may take, from which number, and the
+        #: routers' requests held meanwhile
         self.dealer: Any = None
         self.joining: _Kept | None = None
         self.ask_at: float | None = None
+        self.asked_from = 0
         self.deadline = 0.0
         self.waiting: list[tuple[bytes, int]] = []
         self.connected = False
@@ -247,12 +265,38 @@ class _Source:
         #: the engine's replay answered since the relay connected: what is kept is
         #: its whole buffer and what came since, even when that is nothing
         self.known = False
+        #: the numbers the relay missed since the engine's replay was asked (first,
+        #: end, how many jumps), and the jumps filled in or not so far
+        self.holes: tuple[int, int, int] | None = None
+        self.filled = 0
+        self.unfilled = 0
 
-    def keep(self, seq: int, seq_frame: Any, payload: Any) -> None:
+    def keep(self, seq: int, seq_frame: Any, payload: Any) -> int | None:
+        """Keep a live message; the first number missed before it, on a jump."""
+        missed = None
         if seq <= self.last_seq:
             self.forget()  # the numbers went back: a restarted engine's history
+        elif self.last_seq >= 0 and seq > self.last_seq + 1:
+            missed = self.last_seq + 1
+            if self.holes is None:
+                self.holes = (missed, seq, 1)
+            else:
+                self.holes = (min(self.holes[0], missed), seq, self.holes[2] + 1)
         self.last_seq = seq
         self.kept.add(seq, seq_frame, payload)
+        return missed
+
+    def settle_holes(self) -> None:
+        """Count the jumps as filled if every number they missed is now kept."""
+        if self.holes is None:
+            return
+        first, end, jumps = self.holes
+        have = {item[0] for item in self.kept.items}
+        if all(seq in have for seq in range(first, end)):
+            self.filled += jumps
+        else:
+            self.unfilled += jumps
+        self.holes = None
 
     def merge(self) -> None:
         """The engine's replay in front of what came live since (live wins a tie)."""
@@ -269,6 +313,9 @@ class _Source:
         self.kept.clear()
         self.last_seq = -1
         self.known = False
+        if self.holes is not None:
+            self.unfilled += self.holes[2]
+            self.holes = None
 
 
 class KvRelay:
@@ -349,8 +396,25 @@ class KvRelay:
         if source.replay is None or self._replays is None or source.joining is not None:
             return
         source.joining = _Kept(self._limit)
+        source.asked_from = 0
         source.ask_at = time.monotonic() + _SETTLE_S
         source.deadline = source.ask_at + self.kv.replay_timeout_s
+
+    def _fill(self, source: _Source, missed: int) -> None:
+        """The engine's numbers jumped past ``missed``: ask its replay from there
+        (routers that ask meanwhile wait, as on joining), unless a request is out."""
+        if source.joining is not None:
+            return  # the answer to that one is checked against this jump too
+        if source.replay is None:
+            source.settle_holes()  # nothing to ask: unfilled
+            return
+        log.warning(
+            "kv relay: missed batches of %s from %d; asking its replay", source.endpoint, missed
+        )
+        source.joining = _Kept(self._limit)
+        source.asked_from = missed
+        source.deadline = time.monotonic() + self.kv.replay_timeout_s
+        self._ask(source)
 
     def _ask(self, source: _Source) -> None:
         zmq = self._zmq
@@ -359,7 +423,7 @@ class KvRelay:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, self.kv.max_message_bytes)
         dealer.connect(source.replay)
-        dealer.send_multipart([b"", replay_request(0)])
+        dealer.send_multipart([b"", replay_request(source.asked_from)])
         source.dealer, source.ask_at = dealer, None
         self._poller.register(dealer, zmq.POLLIN)
         self._by_socket[dealer] = source
@@ -373,7 +437,9 @@ class KvRelay:
             source.dealer.close(linger=0)
         if complete:
             source.merge()
-            source.known = True
+            # Only an answer from 0 is the engine's whole buffer.
+            source.known = source.known or source.asked_from == 0
+        source.settle_holes()
         source.dealer, source.joining, source.ask_at = None, None, None
         waiting, source.waiting = source.waiting, []
         for ident, start in waiting:
@@ -488,7 +554,9 @@ class KvRelay:
                 self._ask(source)  # subscribed for sure: the replay ends where this began
             if self._replays is not None:
                 seq = int.from_bytes(frames[1].bytes, "big", signed=True)
-                source.keep(seq, frames[1], frames[2])
+                missed = source.keep(seq, frames[1], frames[2])
+                if missed is not None:
+                    self._fill(source, missed)
 
     def _answer(self) -> None:
         """Replay requests: ``[identity, b"", start_seq, topic]`` each."""
@@ -566,7 +634,8 @@ def relay_registry(relay: KvRelay) -> Any:
     """A Prometheus registry of the relay's counts, read when scraped (the loop
     only adds to plain ints): ``mesh_kv_relay_messages_total{publisher,outcome}``
     (``forwarded``, ``malformed``), ``mesh_kv_relay_lost_total{publisher}``,
-    ``mesh_kv_relay_replays_total`` and ``mesh_kv_relay_connected{publisher}``."""
+    ``mesh_kv_relay_replays_total``, ``mesh_kv_relay_gaps_total{publisher,outcome}``
+    (``filled``, ``unfilled``) and ``mesh_kv_relay_connected{publisher}``."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -588,6 +657,12 @@ def relay_registry(relay: KvRelay) -> Any:
                 "Replay requests the relay answered (routers joining, or filling a gap)",
             )
             replays.add_metric([], relay.replays)
+            gaps = CounterMetricFamily(
+                "mesh_kv_relay_gaps",
+                "Jumps in an engine's sequence numbers the relay saw: filled from the "
+                "engine's replay, or unfilled (its routers each handle the gap)",
+                labels=["publisher", "outcome"],
+            )
             connected = GaugeMetricFamily(
                 "mesh_kv_relay_connected",
                 "1 while the relay is connected to the engine's publisher",
@@ -597,10 +672,13 @@ def relay_registry(relay: KvRelay) -> Any:
                 messages.add_metric([source.endpoint, "forwarded"], source.forwarded)
                 messages.add_metric([source.endpoint, "malformed"], source.malformed)
                 lost.add_metric([source.endpoint], source.lost)
+                gaps.add_metric([source.endpoint, "filled"], source.filled)
+                gaps.add_metric([source.endpoint, "unfilled"], source.unfilled)
                 connected.add_metric([source.endpoint], int(source.connected))
             yield messages
             yield lost
             yield replays
+            yield gaps
             yield connected
 
     registry = CollectorRegistry(auto_describe=False)
