@@ -6,6 +6,7 @@ engine that every relay lost has its worker's entries dropped."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import threading
@@ -29,6 +30,7 @@ from lifecycle.test_kv_relay import (  # noqa: E402
 from lifecycle.test_kv_subscriber import URL, Publisher, until  # noqa: E402
 from meshkit import Mesh  # noqa: E402
 from meshkit.config import KvConfig  # noqa: E402
+from meshkit.core.workers import Worker  # noqa: E402
 from meshkit.lifecycle.kv_relay import KvRelay  # noqa: E402
 
 __all__ = ["publisher", "relayed"]  # the fixtures, found by name
@@ -135,6 +137,60 @@ def test_a_router_moves_to_the_next_relay_when_its_relay_goes_and_keeps_its_entr
         store_until(mesh, pub, held + 3)
         assert cleared(mesh) == 0 and moves(mesh, "cleared") == 0
         assert blocks(mesh) >= held + 3  # nothing the router held was dropped
+
+
+def test_a_relay_lost_is_one_warning_whatever_the_number_of_workers_behind_it(
+    publisher: Callable[..., Publisher], caplog: pytest.LogCaptureFixture
+) -> None:
+    pubs = [publisher() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{9100 + i}" for i in range(3)]
+    ends = [p.endpoint for p in pubs]
+    a, b = relay_of(*ends), relay_of(*ends)
+    caplog.set_level(logging.INFO, "meshkit.kv")
+    with running(b):
+        with running(a):
+            for relay in (a, b):
+                until(lambda r=relay: all(s.connected for s in r.sources), "the relays")
+            mesh = Mesh(
+                workers=[Worker(u, kv_events=e) for u, e in zip(urls, ends, strict=True)],
+                policy="cache_aware",
+                lifecycle={"probe": False},
+                kv={
+                    "relay": [a.endpoint, b.endpoint],
+                    "relay_replay": [a.replay_endpoint, b.replay_endpoint],
+                },
+            )
+            mesh.lifecycle.start()
+            try:
+
+                def all_heard() -> bool:
+                    for p in pubs:
+                        store_one(p)
+                    time.sleep(0.05)
+                    kv = mesh.router.fleet.kv
+                    return all(kv.blocks_of(u) for u in urls)
+
+                until(all_heard, "every worker's events through relay a")
+            except BaseException:
+                mesh.close()
+                raise
+        try:
+            moved = mesh.metrics.registry.get_sample_value
+
+            def all_moved() -> bool:
+                return all(
+                    moved("mesh_kv_relay_moves_total", {"worker": u, "outcome": "replayed"})
+                    for u in urls
+                )
+
+            until(all_moved, "every worker's move to relay b")
+            about_a = [r for r in caplog.records if a.endpoint in r.getMessage()]
+            warnings = [r for r in about_a if r.levelno == logging.WARNING]
+            assert len(warnings) == 1, [r.getMessage() for r in warnings]
+            moves_logged = [r for r in caplog.records if "move to the relay at" in r.getMessage()]
+            assert len(moves_logged) == 2 and all(r.levelno == logging.INFO for r in moves_logged)
+        finally:
+            mesh.close()
 
 
 def test_a_relay_that_stops_answering_is_left_after_heartbeat_s_and_what_was_missed_replayed(

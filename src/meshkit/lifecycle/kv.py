@@ -177,6 +177,9 @@ class KvSubscribers:
         self._ctx: Any = None
         self._poke: asyncio.Event | None = None
         self._warned = False
+        #: relays left since a batch last came through them: one warning per
+        #: relay lost, not one per worker (bounded by the kv.relay list)
+        self._left: set[str] = set()
 
     @staticmethod
     def wanted(workers: tuple[Worker, ...]) -> bool:
@@ -304,13 +307,19 @@ class KvSubscribers:
                 if unheard >= len(sources):
                     raise gone(f"no relay answers ({exc.reason})") from None
                 turn, moved = turn + 1, exc
-                log.warning(
-                    "kv events: %s (%s); %s's events move to the relay at %s",
-                    sources[i].connect,
-                    exc.reason,
-                    worker_id,
-                    sources[turn % len(sources)].connect,
-                )
+                left, to = sources[i].connect, sources[turn % len(sources)].connect
+                if left in self._left:
+                    log.info("kv events: %s's events move to the relay at %s", worker_id, to)
+                else:
+                    self._left.add(left)
+                    log.warning(
+                        "kv events: the relay at %s (%s); the events of its workers move "
+                        "to the next relay (%s's to %s; the others' moves logged at info)",
+                        left,
+                        exc.reason,
+                        worker_id,
+                        to,
+                    )
 
     async def _take(
         self,
@@ -431,6 +440,8 @@ class KvSubscribers:
         import zmq
 
         metrics = self.router.metrics
+        if self._left:
+            self._left.discard(source.connect)  # back: its next loss is warned of again
         messages: list[list[bytes]] = []
         while len(messages) < self.config.apply_batch and (sub.getsockopt(zmq.EVENTS) & zmq.POLLIN):
             messages.append(await sub.recv_multipart(copy=True))
