@@ -620,6 +620,9 @@ class Router:
                     if w.kv_events:
                         row["kv_blocks"] = kv.blocks_of(w.id)
                         row["kv_silent"] = self.fleet.kv_silence.silent(w.id)
+                        # Is anything flowing? (None: no batch or subscription yet)
+                        heard = self.fleet.kv_silence.heard_at(w.id)
+                        row["kv_heard_s"] = None if heard is None else round(now - heard, 3)
                     report = self.fleet.engine.get(w.id)
                     if report is not None:
                         row["engine_load"] = {

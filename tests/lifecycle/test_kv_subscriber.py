@@ -152,6 +152,9 @@ def test_batches_reach_the_index_and_chain(pub: Publisher) -> None:
         until(lambda: holds(mesh, list(range(1, 13))) == 12, "the chained blocks")
         row = mesh.router.describe(URL)[0]
         assert row["prefix_match"] == "events" and row["kv_blocks"] >= 3
+        assert 0 <= row["kv_heard_s"] < 20  # the last batch, seconds ago
+        time.sleep(0.3)
+        assert mesh.router.describe(URL)[0]["kv_heard_s"] >= 0.3 > row["kv_heard_s"]
         text = mesh.metrics.render().decode()
         assert f'mesh_worker_prefix_match{{kind="events",worker="{URL}"}} 1.0' in text
 

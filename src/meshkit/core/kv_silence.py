@@ -78,6 +78,10 @@ class KvSilence:
     def silent(self, worker_id: str) -> bool:
         return worker_id in self._silent
 
+    def heard_at(self, worker_id: str) -> float | None:
+        """When its last batch arrived (or its subscription began); None: never."""
+        return self._heard.get(worker_id)
+
     def forget(self, worker_id: str) -> None:
         """The worker left (or its subscription ended)."""
         self._heard.pop(worker_id, None)

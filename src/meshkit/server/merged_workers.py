@@ -18,6 +18,8 @@ everything else                        this process's: identity (``id``, ``url``
                                        ``tracked``), and what it decides on alone
                                        (``state``, ``healthy``, ``breaker``,
                                        ``prefix_match``, ``kv_blocks``,
+                                       ``kv_silent``, ``kv_heard_s``: each
+                                       process subscribes on its own;
                                        ``engine_load``: the engine's own count)
 ``processes``                          added: ``{"<index>": {load, leases,
                                        breaker_trips, activity, state, breaker,
