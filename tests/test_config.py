@@ -93,6 +93,11 @@ def test_unknown_key_names_the_key(kwargs: dict[str, Any], key: str) -> None:
         P({"prepare": {"workers": "two"}}, "prepare.workers", id="int-str"),
         P({"prepare": {"queue_capacity": -1}}, "prepare.queue_capacity", id="int-negative"),
         P({"prepare": {"queue_capacity": 1.5}}, "prepare.queue_capacity", id="int-float"),
+        P(
+            {"prepare": {"prefix_cache_entries": -1}},
+            "prepare.prefix_cache_entries",
+            id="cache-negative",
+        ),
         P({"prepare": {"queue_capacity": True}}, "prepare.queue_capacity", id="int-bool"),
         P({"upstream": {"connect_timeout_s": "5"}}, "upstream.connect_timeout_s", id="float-str"),
         P({"upstream": {"backoff_max_s": -0.1}}, "upstream.backoff_max_s", id="float-negative"),
@@ -405,7 +410,8 @@ def test_in_flight_limits_are_always_finite() -> None:
 
 @pytest.mark.parametrize("value", [0, -1])
 @pytest.mark.parametrize(
-    ("key", "default"), [("read_buffer_bytes", 1024 * 1024), ("max_cached_urls", 4096)]
+    ("key", "default"),
+    [("read_buffer_bytes", 1024 * 1024), ("max_cached_urls", 4096), ("max_cached_timeouts", 64)],
 )
 def test_the_upstream_bounds_are_at_least_one(key: str, default: int, value: int) -> None:
     assert getattr(MeshConfig.build().upstream, key) == default
@@ -415,7 +421,9 @@ def test_the_upstream_bounds_are_at_least_one(key: str, default: int, value: int
     assert ei.value.key == f"upstream.{key}"
 
 
-@pytest.mark.parametrize("key", ["max_models_per_worker", "max_metrics_bytes"])
+@pytest.mark.parametrize(
+    "key", ["max_models_per_worker", "max_metrics_bytes", "max_probe_bytes", "max_tracked_workers"]
+)
 def test_the_lifecycle_read_bounds_are_at_least_one(key: str) -> None:
     assert getattr(MeshConfig.build(lifecycle={key: 9}).lifecycle, key) == 9
     with pytest.raises(ConfigError) as ei:
@@ -486,6 +494,7 @@ def test_mesh_fleet_gets_the_limits() -> None:
         "max_sse_line_bytes",
         "max_json_depth",
         "max_captured_body_bytes",
+        "max_admin_body_bytes",
     ],
 )
 def test_every_bound_is_at_least_one(key: str) -> None:

@@ -58,6 +58,7 @@ def test_a_new_publisher_is_a_change_to_apply() -> None:
         {"apply_batch": 0},
         {"apply_blocks": 0},
         {"max_lora_names": 0},
+        {"max_worker_sets": 0},
         {"receive_hwm": 0},
         {"replay_timeout_s": 0.0},
         {"silence_s": -1.0},
@@ -74,9 +75,11 @@ def test_the_kv_bounds_reach_the_index() -> None:
     from meshkit import Mesh
 
     mesh = Mesh(
-        workers=["http://127.0.0.1:9"], kv={"max_lora_names": 3, "max_blocks_per_model": 77}
+        workers=["http://127.0.0.1:9"],
+        kv={"max_lora_names": 3, "max_blocks_per_model": 77, "max_worker_sets": 5},
     )
-    assert (mesh.router.fleet.kv.max_loras, mesh.router.fleet.kv.max_blocks) == (3, 77)
+    kv = mesh.router.fleet.kv
+    assert (kv.max_loras, kv.max_blocks, kv.max_worker_sets) == (3, 77, 5)
 
 
 def test_the_relay_keys_are_read_from_a_file_and_checked(tmp_path: Path) -> None:

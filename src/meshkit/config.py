@@ -62,6 +62,9 @@ class PrepareConfig:
     workers_per_tokenizer: int = 4
     # Prefix ids through tiktoken (the `fast` extra) where it is proven exact.
     fast_tokenizer: bool = True
+    # Prefix pieces (text between two safe cuts, a few KiB) each tokenizer copy
+    # remembers: a shared system prompt is tokenized once (0: none remembered).
+    prefix_cache_entries: int = 512
 
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 1:
@@ -74,6 +77,7 @@ class PrepareConfig:
             "shutdown_grace_ms",
             "inline_threshold_bytes",
             "max_tokenize_bytes",
+            "prefix_cache_entries",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"prepare.{name}", "must not be negative")
@@ -116,9 +120,12 @@ class UpstreamConfig:
     # Request URLs (a worker's, with the client's path and query) whose parse a
     # client keeps; the cache starts over when full.
     max_cached_urls: int = 4096
+    # Distinct per-request `timeout` extensions (httpx's) whose bounds a transport
+    # keeps worked out; the memo starts over when full (clients use a few).
+    max_cached_timeouts: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("read_buffer_bytes", "max_cached_urls"):
+        for name in ("read_buffer_bytes", "max_cached_urls", "max_cached_timeouts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"upstream.{name}", "must be >= 1")
         if self.max_in_flight == 0:
@@ -156,6 +163,8 @@ class BoundsConfig:
     # A worker's body read whole before it is answered: an error compared across
     # workers, a model list merged, a PD answer whose logprobs are merged.
     max_captured_body_bytes: int = 8 * 1024 * 1024
+    # A request body of the admin API (worker definitions, JSON of a few hundred bytes).
+    max_admin_body_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -221,9 +230,20 @@ class LifecycleConfig:
     engine_metrics_path: str = "/metrics"
     # An engine's metrics text is read up to this many bytes (vLLM's are ~100 KiB).
     max_metrics_bytes: int = 4 * 1024 * 1024
+    # What is read of a worker's answer to a probe, /is_sleeping, a sleep or a wake
+    # (engines answer a few bytes); a longer answer counts as a failed call.
+    max_probe_bytes: int = 64 * 1024
+    # Workers the controller's own tables remember (when each one's model list was
+    # read, which warnings it was given); past it a table starts over.
+    max_tracked_workers: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("max_models_per_worker", "max_metrics_bytes"):
+        for name in (
+            "max_models_per_worker",
+            "max_metrics_bytes",
+            "max_probe_bytes",
+            "max_tracked_workers",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"lifecycle.{name}", "must be >= 1")
 
@@ -318,6 +338,9 @@ class KvConfig:
     # copy (a replay's live twin, or a batch from a relay that trails the one before
     # it by up to this many) is skipped and not taken for a restarted publisher.
     trail_batches: int = 1024
+    # Candidate sets (the workers a request may go to) whose per-block-size masks
+    # the index remembers; past it the memo starts over.
+    max_worker_sets: int = 256
 
     def __post_init__(self) -> None:
         for name in (
@@ -326,6 +349,7 @@ class KvConfig:
             "apply_batch",
             "apply_blocks",
             "max_lora_names",
+            "max_worker_sets",
             "max_message_bytes",
             "receive_hwm",
             "trail_batches",

@@ -124,7 +124,9 @@ class Mesh:
         pc = config.prepare
         self.pool = PreparePool(pc, registry=self.metrics.registry)
         self.tokenizers = TokenizerRegistry(
-            workers_per_tokenizer=pc.workers_per_tokenizer, fast_tokenizer=pc.fast_tokenizer
+            workers_per_tokenizer=pc.workers_per_tokenizer,
+            fast_tokenizer=pc.fast_tokenizer,
+            prefix_cache_entries=pc.prefix_cache_entries,
         )
         if config.tokenizer:
             self.tokenizers.register(None, config.tokenizer)

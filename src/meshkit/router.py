@@ -160,6 +160,7 @@ class Router:
             kv_max_blocks=config.kv.max_blocks_per_model,
             kv_silence_s=config.kv.silence_s,
             kv_max_loras=config.kv.max_lora_names,
+            kv_max_worker_sets=config.kv.max_worker_sets,
         )
         opts = config.policies.get(config.policy, {}) if isinstance(config.policy, str) else {}
         self.policy = create_policy(config.policy, opts)

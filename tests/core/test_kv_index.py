@@ -312,3 +312,16 @@ def test_bisection_agrees_with_the_block_walk_on_cached_prefixes() -> None:
                 h += depth
         walked = idx.match(ids, workers)
         assert idx.match(ids, workers, {2: chain(ids, 2)}) == walked
+
+
+def test_the_candidate_sets_remembered_are_bounded_by_max_worker_sets() -> None:
+    sets = [["a"], ["b"], ["c"], ["a", "b"], ["b", "c"]]
+    for bound, held in ((2, 2), (256, len(sets))):  # a start-over at the bound
+        idx = KvIndex(max_blocks=100, max_worker_sets=bound)
+        for wid, first in (("a", 101), ("b", 201), ("c", 301)):
+            idx.apply(wid, stored([first], None, [1, 2]))
+        for _ in range(2):  # and again: each set is answered alike after a start-over
+            for ids in sets:
+                assert idx.match([1, 2, 3], ids) == dict.fromkeys(ids, 2)
+        assert 0 < len(idx._masks) <= held
+        assert bound == 2 or len(idx._masks) == held  # under the bound: every set kept

@@ -459,3 +459,21 @@ def test_a_request_held_in_the_prepare_queue_gets_the_clients_pool_timeout(
     # With the pool free again the same client is answered.
     with _sync_openai(mesh, timeout=5.0) as client:
         assert client.chat.completions.create(model="m", messages=MESSAGES).choices
+
+
+@pytest.mark.parametrize("bound", [2, None])
+def test_the_timeouts_a_transport_remembers_are_bounded_by_max_cached_timeouts(
+    bound: int | None,
+    mock_factory: Callable[..., MockWorkerThread],
+    mesh_factory: Callable[..., Mesh],
+) -> None:
+    worker = mock_factory(name="w")
+    cached = {} if bound is None else {"max_cached_timeouts": bound}
+    mesh = mesh_factory(workers=[Worker(worker.url)], upstream=cached, lifecycle={"probe": False})
+    transport = MeshTransport(mesh)
+    with httpx2.Client(transport=transport, base_url="http://mesh.invalid") as client:
+        for seconds in (5.0, 6.0, 7.0, 8.0, 9.0):
+            r = client.post("/v1/chat/completions", json=CHAT, timeout=seconds)
+            assert r.status_code == 200
+    assert 0 < len(transport._bounds) <= (bound or 5)
+    assert bound or len(transport._bounds) == 5  # under the default: each one kept

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
+from meshkit import Mesh
 from meshkit.errors import InvalidRequest
 from meshkit.prepare import tokenizers as tokenizers_module
 from meshkit.prepare.tokenizers import (
@@ -564,3 +565,22 @@ def test_every_encode_goes_through_the_batch_api(tiny: LoadedTokenizer) -> None:
         assert copy.decode(expected[:5]) == tiny.decode(expected[:5])
         assert name in proxy.calls
         assert "decode_batch" in proxy.calls
+
+
+@pytest.mark.parametrize("entries", [2, None])
+def test_prefix_pieces_remembered_are_bounded_by_prefix_cache_entries(
+    entries: int | None, tiny_dir: Path
+) -> None:
+    prepare = {} if entries is None else {"prefix_cache_entries": entries}
+    mesh = Mesh(workers=["http://127.0.0.1:9"], tokenizer=str(tiny_dir), prepare=prepare)
+    try:
+        tok = mesh.tokenizers.get(None)
+        assert tok is not None
+        for seed in range(8):  # eight different texts: eight first pieces
+            tok.prefix_ids(_filler(seed, 16_000), 256)
+        for t in (tok, tok.copy()):  # each copy of the pool's threads alike
+            assert t._encode_cut.cache_info().maxsize == (entries or 512)
+        held = tok._encode_cut.cache_info().currsize
+        assert held == 2 if entries else held >= 8
+    finally:
+        mesh.close()

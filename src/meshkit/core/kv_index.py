@@ -85,8 +85,6 @@ __all__ = ["ROOT", "KvIndex", "chain", "lora_root"]
 #: the parent key of a prompt's first block
 ROOT = 0
 _MASK64 = (1 << 64) - 1
-#: candidate sets whose masks are remembered (cleared when a block size or a bit changes)
-_MAX_MASKS = 256
 #: a salted block's key: ``(parent, _SALT, *tokens)`` is one longer than any
 #: unsalted block's tuple, so no request's tokens give it
 _SALT = -2
@@ -158,9 +156,12 @@ class KvIndex:
         past it is not matched.
     """
 
-    def __init__(self, max_blocks: int, max_loras: int = 4096) -> None:
+    def __init__(self, max_blocks: int, max_loras: int = 4096, max_worker_sets: int = 256) -> None:
         self.max_blocks = max(1, max_blocks)
         self.max_loras = max(0, max_loras)
+        #: candidate sets whose masks are remembered (``kv.max_worker_sets``; the
+        #: memo is also cleared when a block size or a bit changes)
+        self.max_worker_sets = max(1, max_worker_sets)
         #: the adapter names seen in events (replaced, not changed: read off the lock)
         self.lora_names: frozenset[str] = frozenset()
         self._workers: dict[str, _Worker] = {}
@@ -426,7 +427,7 @@ class KvIndex:
                 w = self._workers.get(wid)
                 if w is not None and w.block_size is not None:
                     by_size[w.block_size] = by_size.get(w.block_size, 0) | (1 << w.bit)
-            if len(self._masks) >= _MAX_MASKS:
+            if len(self._masks) >= self.max_worker_sets:
                 self._masks.clear()
             self._masks[ids] = by_size
         holders = self._holders

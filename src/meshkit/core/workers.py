@@ -294,10 +294,11 @@ class Fleet:
         kv_max_blocks: int = 1_000_000,
         kv_silence_s: float = 60.0,
         kv_max_loras: int = 4096,
+        kv_max_worker_sets: int = 256,
     ) -> None:
         self._workers: dict[str, Worker] = {}
         #: the blocks workers with KV events hold (fed by the subscribers)
-        self.kv = KvIndex(kv_max_blocks, kv_max_loras)
+        self.kv = KvIndex(kv_max_blocks, kv_max_loras, kv_max_worker_sets)
         #: publishers that went quiet while requests were placed on their workers
         self.kv_silence = KvSilence(kv_silence_s)
         #: per worker id: the engine's last load report, and the requests other

@@ -99,8 +99,6 @@ except ImportError:  # pragma: no cover
 __all__ = ["AsyncMeshTransport", "MeshTransport"]
 
 _TIMEOUT = Failure.TIMEOUT
-#: distinct ``timeout`` extensions whose bounds a transport keeps (clients use few)
-_MAX_BOUNDS = 64
 
 
 def _both(name: str) -> tuple[type, ...]:
@@ -265,7 +263,7 @@ class _Common:
         except KeyError:
             pass
         bounds = client_timeouts(self.mesh.config.upstream, ext)
-        if len(self._bounds) >= _MAX_BOUNDS:
+        if len(self._bounds) >= self.mesh.config.upstream.max_cached_timeouts:
             self._bounds.clear()
         self._bounds[key] = bounds
         return bounds

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["AdminApp", "index_of", "lifespan"]
 
 
-_MAX_BODY = 64 * 1024
 _ACTIONS = ("drain", "sleep", "wake")
 
 
@@ -197,7 +196,7 @@ class AdminApp:
         raise _error(404, "unknown_worker", "no such worker")
 
     async def _add(self, receive: Receive) -> dict[str, Any]:
-        raw = await _read_body(receive)
+        raw = await _read_body(receive, self.mesh.config.bounds.max_admin_body_bytes)
         try:
             obj = json.loads(raw)
         except ValueError:
@@ -263,7 +262,8 @@ def _int(query: dict[str, list[str]], name: str) -> int | None:
         raise _error(400, "invalid_query", f"{name} must be an integer") from None
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    """The body, refused (413) past ``limit`` bytes (``bounds.max_admin_body_bytes``)."""
     chunks: list[bytes] = []
     total = 0
     while True:
@@ -272,8 +272,10 @@ async def _read_body(receive: Receive) -> bytes:
             raise _error(400, "disconnected", "the client left")
         chunk = message.get("body", b"")
         total += len(chunk)
-        if total > _MAX_BODY:
-            raise _error(413, "too_large", "the body is over 64 KiB")
+        if total > limit:
+            raise _error(
+                413, "too_large", f"the body is over bounds.max_admin_body_bytes ({limit} bytes)"
+            )
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)

@@ -64,9 +64,6 @@ __all__ = ["Lifecycle", "SleepGate", "Undo", "WakeGate"]
 log = logging.getLogger("meshkit.lifecycle")
 
 T = TypeVar("T")
-_MAX_BODY = 64 * 1024
-#: workers a table of the controller remembers (model-list reads, warnings given)
-_MAX_TRACKED = 4096
 
 
 def _copy_outcome(task: asyncio.Future[T], cfut: concurrent.futures.Future[T]) -> None:
@@ -339,9 +336,11 @@ class Lifecycle:
                     del locks[wid]
 
     async def _call(
-        self, method: str, worker: Worker, path: str, timeout_s: float, limit: int = _MAX_BODY
+        self, method: str, worker: Worker, path: str, timeout_s: float, limit: int = 0
     ) -> tuple[int, bytes] | None:
-        """One call to a worker; None when it could not be reached in time."""
+        """One call to a worker, its answer read up to ``limit`` bytes (0:
+        ``lifecycle.max_probe_bytes``); None when it could not be reached in time
+        or answered more."""
         from meshkit.upstream.base import Call, UpstreamFailure  # loaded with the thread
 
         upstream = self._upstream
@@ -355,7 +354,9 @@ class Lifecycle:
                 exchange = await upstream.asend(call)
                 try:
                     # A worker is not trusted to be small.
-                    return exchange.status, await exchange.read(limit)
+                    return exchange.status, await exchange.read(
+                        limit or self.config.max_probe_bytes
+                    )
                 finally:
                     await exchange.aclose()
         except (InvalidRequest, TimeoutError, ValueError, UpstreamFailure):
@@ -442,7 +443,7 @@ class Lifecycle:
         key = (what, worker.id)
         if key in self._warned:
             return
-        if len(self._warned) >= _MAX_TRACKED:
+        if len(self._warned) >= self.config.max_tracked_workers:
             self._warned.clear()
         self._warned.add(key)
         log.warning(message, worker.url, *args)
@@ -457,7 +458,7 @@ class Lifecycle:
         last = self._models_at.get(worker.id)
         if last is not None and now - last < every:
             return False
-        if len(self._models_at) >= _MAX_TRACKED and last is None:
+        if len(self._models_at) >= self.config.max_tracked_workers and last is None:
             self._models_at.clear()  # workers come and go: bounded, re-read once
         self._models_at[worker.id] = now
         return True

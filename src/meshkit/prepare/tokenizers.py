@@ -214,8 +214,9 @@ CONTINUE_MARGIN: Final = 8
 #: After this many short pieces each continuation is at least as long as the text
 #: read so far: a text whose density keeps changing still ends in a few calls.
 CONTINUE_PIECES: Final = 3
-#: Pieces (text between two safe cuts) remembered per tokenizer copy: a shared
-#: system prompt longer than the cut is tokenized once, not once per request.
+#: Pieces (text between two safe cuts) remembered per tokenizer copy by default
+#: (``prepare.prefix_cache_entries``): a shared system prompt longer than the cut
+#: is tokenized once, not once per request.
 PREFIX_CACHE_SIZE: Final = 512
 
 # The pre-tokenizer regexes the proof above covers, as tokenizer.json spells them.
@@ -460,10 +461,11 @@ class TokenizerSpec:
     def tokenizer_file(self) -> Path:
         return self.path / "tokenizer.json" if self.path.is_dir() else self.path
 
-    def load(self, *, fast: bool = True) -> LoadedTokenizer:
+    def load(self, *, fast: bool = True, cache_entries: int = PREFIX_CACHE_SIZE) -> LoadedTokenizer:
         """Read the files and build the first instance.
 
         :param fast: use tiktoken for prefix ids where it is exact (``fast_bpe``).
+        :param cache_entries: prefix pieces each copy remembers.
         :raises ConfigError: when the files are missing or invalid.
         """
         file = self.tokenizer_file
@@ -501,7 +503,7 @@ class TokenizerSpec:
             max_model_len=max_len,
             fast=fast,
         )
-        return LoadedTokenizer(info, tokenizer)
+        return LoadedTokenizer(info, tokenizer, cache_entries)
 
 
 def _prepare(tokenizer: Tokenizer) -> Tokenizer:
@@ -610,14 +612,17 @@ class LoadedTokenizer:
     use their group's copy from :meth:`TokenizerRegistry.get`.
     """
 
-    __slots__ = ("_density", "_encode_cut", "_info", "tokenizer")
+    __slots__ = ("_cache_entries", "_density", "_encode_cut", "_info", "tokenizer")
 
-    def __init__(self, info: _Info, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, info: _Info, tokenizer: Tokenizer, cache_entries: int = PREFIX_CACHE_SIZE
+    ) -> None:
         self._info = info
         self.tokenizer = tokenizer
         # lru_cache is thread-safe; each copy (one per group of pool threads) has
-        # its own, bounded by PREFIX_CACHE_SIZE entries of at most a few KiB.
-        self._encode_cut = functools.lru_cache(maxsize=PREFIX_CACHE_SIZE)(self._encode_tuple)
+        # its own, bounded by prepare.prefix_cache_entries pieces of a few KiB each.
+        self._cache_entries = cache_entries
+        self._encode_cut = functools.lru_cache(maxsize=cache_entries)(self._encode_tuple)
         #: UTF-8 bytes per token of the prefixes cut so far (threads race on it
         #: harmlessly: it only sizes the first piece, never changes an id)
         self._density = BYTES_PER_TOKEN
@@ -646,7 +651,9 @@ class LoadedTokenizer:
         """A new instance from the same JSON (its own word cache and lock)."""
         from tokenizers import Tokenizer
 
-        return LoadedTokenizer(self._info, _prepare(Tokenizer.from_buffer(self._info.json_bytes)))
+        return LoadedTokenizer(
+            self._info, _prepare(Tokenizer.from_buffer(self._info.json_bytes)), self._cache_entries
+        )
 
     @property
     def spec(self) -> TokenizerSpec:
@@ -923,9 +930,12 @@ class TokenizerRegistry:
         workers_per_tokenizer: int = 4,
         workers: int | None = None,
         fast_tokenizer: bool = True,
+        prefix_cache_entries: int = PREFIX_CACHE_SIZE,
     ) -> None:
         """
         :param workers_per_tokenizer: pool threads sharing one copy.
+        :param prefix_cache_entries: prefix pieces each copy remembers
+            (``prepare.prefix_cache_entries``).
         :param workers: when given, every copy those threads need is made at
             registration instead of on first use.
         :param fast_tokenizer: prefix ids through tiktoken where it is exact
@@ -935,6 +945,7 @@ class TokenizerRegistry:
             raise ConfigError("prepare.workers_per_tokenizer", "must be at least 1")
         self.workers_per_tokenizer = workers_per_tokenizer
         self.fast_tokenizer = fast_tokenizer
+        self.prefix_cache_entries = prefix_cache_entries
         self._eager_groups = 0 if workers is None else -(-max(1, workers) // workers_per_tokenizer)
         self._entries: dict[str | None, _Entry] = {}
         self._lock = threading.Lock()
@@ -947,7 +958,7 @@ class TokenizerRegistry:
         :raises ConfigError: when the files are missing or invalid.
         """
         spec = path if isinstance(path, TokenizerSpec) else TokenizerSpec(path)
-        base = spec.load(fast=self.fast_tokenizer)
+        base = spec.load(fast=self.fast_tokenizer, cache_entries=self.prefix_cache_entries)
         entry = _Entry(base)
         for group in range(1, self._eager_groups):
             entry.copies[group] = base.copy()

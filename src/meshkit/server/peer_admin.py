@@ -76,9 +76,6 @@ __all__ = ["PeerAdmin", "PeerSleepGate", "gate_lifecycle", "peer_route"]
 _MARGIN_S: Final = 5.0
 #: State-only changes and listings: a sibling slower than this is counted down.
 _ASK_S: Final = 5.0
-#: What is read of a client's body before forwarding it (the admin's own bound,
-#: 64 KiB, plus one byte so it still answers 413 for a larger one).
-_MAX_BODY: Final = 64 * 1024 + 1
 _ACTIONS: Final = ("drain", "sleep", "wake")
 _JSON: Final = b"application/json"
 
@@ -266,7 +263,7 @@ class PeerAdmin:
         await _send(send, local.status, obj, local.headers)
 
     async def _add(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _read_body(receive)
+        body = await _read_body(receive, self.mesh.config.bounds.max_admin_body_bytes)
         local = await self._local(scope, body)
         if not local.ok:
             await self._relay(send, local)
@@ -493,11 +490,12 @@ def _wait_s(scope: Scope, default: float) -> float | None:
     return value if value >= 0 else None
 
 
-async def _read_body(receive: Receive) -> bytes:
-    """The client's body, up to :data:`_MAX_BODY` (the admin app refuses more)."""
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    """The client's body, up to one byte past ``limit`` (the admin app refuses it)."""
+    limit += 1
     chunks: list[bytes] = []
     total = 0
-    while total < _MAX_BODY:
+    while total < limit:
         message = await receive()
         if message["type"] == "http.disconnect":
             break
@@ -506,7 +504,7 @@ async def _read_body(receive: Receive) -> bytes:
         total += len(chunk)
         if not message.get("more_body", False):
             break
-    return b"".join(chunks)[:_MAX_BODY]
+    return b"".join(chunks)[:limit]
 
 
 # -- what siblings ask ------------------------------------------------------------------
