@@ -35,7 +35,7 @@ Security: when an admin key is configured (``MeshConfig.admin_key`` or the
 ``admin_key`` argument) every request needs ``Authorization: Bearer <key>``
 (compared in constant time), else 401. Without one the app is open: serve it on a
 private interface only. Responses never carry a worker's API key, and a request
-body is read only on ``POST /workers`` (bounded to 64 KiB).
+body is read only on ``POST /workers`` (bounded by ``bounds.max_admin_body_bytes``).
 """
 
 from __future__ import annotations
