@@ -126,7 +126,7 @@ from typing import Any, TypeVar
 from _common import cpu_model, free_ports, kept_reading, source_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKENIZER = os.path.join(ROOT, "tests", "prepare", "data", "tiny")
+TOKENIZER = os.path.join(ROOT, "src", "meshkit", "demo", "tokenizer")
 BLOCK = 16
 MODEL = "tiny"
 #: the adapters of the ``lora`` workload (every mock worker serves all of them)

@@ -111,7 +111,7 @@ from _common import (
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-TINY_TOKENIZER = REPO / "tests" / "prepare" / "data" / "tiny"
+TINY_TOKENIZER = REPO / "src" / "meshkit" / "demo" / "tokenizer"
 KiB = 1024
 MiB = 1024 * KiB
 CHAT_PATH = "/v1/chat/completions"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -19,11 +18,12 @@ zmq = pytest.importorskip("zmq")
 from harness import MODE_CLASSES, MODES  # noqa: E402
 from meshkit import Mesh  # noqa: E402
 from meshkit.core.workers import Worker  # noqa: E402
+from meshkit.demo import TOKENIZER as TINY  # noqa: E402
 from meshkit.mock.kv_publisher import BlockStored, KVEventBatch  # noqa: E402
 from meshkit.mock.thread import MockWorkerThread  # noqa: E402
 from meshkit.prepare.jobs import prompt_ids  # noqa: E402
 
-TOKENIZER = str(Path(__file__).resolve().parents[1] / "prepare" / "data" / "tiny")
+TOKENIZER = str(TINY)
 BLOCK = 4
 MESSAGES = [
     {"role": "system", "content": "You answer questions about invoices only. " * 8},

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,9 +16,10 @@ pytest.importorskip("zmq")
 from harness import MODE_CLASSES, MODES
 from meshkit import Mesh
 from meshkit.core.workers import Worker
+from meshkit.demo import TOKENIZER as TINY
 from meshkit.mock.thread import MockWorkerThread
 
-TOKENIZER = str(Path(__file__).resolve().parents[1] / "prepare" / "data" / "tiny")
+TOKENIZER = str(TINY)
 TOPICS = ["billing", "weather", "recipes", "travel", "music", "gardens"]
 
 

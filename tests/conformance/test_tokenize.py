@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from harness import wait_until
 from meshkit import Worker
+from meshkit.demo import TOKENIZER
 
-TINY = str(Path(__file__).parent.parent / "prepare" / "data" / "tiny" / "tokenizer.json")
+TINY = str(TOKENIZER / "tokenizer.json")
 
 
 def test_tokenize_and_detokenize_are_answered_by_the_mesh(

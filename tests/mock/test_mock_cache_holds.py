@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import httpx2
 import pytest
 
+from meshkit.demo import TOKENIZER
 from meshkit.mock import MockConfig, MockWorkerThread
 from meshkit.mock.cache import PrefixCache
 from meshkit.mock.tokens import prompt_tokens
@@ -179,9 +180,8 @@ def test_next_turn_hits_the_previous_answer(
 def test_next_chat_turn_hits_the_answer_through_the_tokenizer(http: httpx2.Client) -> None:
     """With an engine tokenizer the output is cached as the ids the next turn's chat
     template renders for it."""
-    from pathlib import Path
 
-    tiny = Path(__file__).parents[1] / "prepare" / "data" / "tiny"
+    tiny = TOKENIZER
     config = MockConfig(
         cache_tokens=4096, output_tokens=16, cache_outputs=True, tokenizer=str(tiny)
     )

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 from zlib import crc32
 
@@ -15,12 +14,13 @@ import msgspec
 import pytest
 import zmq
 
+from meshkit.demo import TOKENIZER
 from meshkit.mock import MockConfig, MockWorkerThread
 from meshkit.mock.cli import build_parser, config_from_args
 from meshkit.prepare.jobs import prompt_ids
 from meshkit.prepare.tokenizers import TokenizerSpec
 
-TINY = Path(__file__).resolve().parents[1] / "prepare" / "data" / "tiny"
+TINY = TOKENIZER
 END = (-1).to_bytes(8, "big", signed=True)
 POLL_MS = 5000
 

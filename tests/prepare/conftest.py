@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from meshkit.demo import TOKENIZER
 from meshkit.prepare.pool import PoolConfig, PreparePool
 from meshkit.prepare.tokenizers import LoadedTokenizer, TokenizerSpec
 
-TINY_DIR = Path(__file__).parent / "data" / "tiny"
+TINY_DIR = TOKENIZER
 
 
 def qwen_dir() -> Path | None:

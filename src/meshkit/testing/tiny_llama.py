@@ -3,7 +3,7 @@
 
 Run as a script by the vLLM environment's interpreter (it needs torch and
 transformers, which meshkit does not depend on; :mod:`meshkit.testing.vllm` runs
-it). The tokenizer is given (meshkit's tests use ``tests/prepare/data/tiny``, a
+it). The tokenizer is given (meshkit's tests use :data:`meshkit.demo.TOKENIZER`, a
 420-token BPE with a chat template), so meshkit renders and tokenizes a chat
 exactly as the engine does and its KV-event keys match. The weights are random
 (seeded): the engine's answers are noise, its cache and its events are real.

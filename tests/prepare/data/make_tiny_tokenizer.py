@@ -1,4 +1,4 @@
-"""Regenerate ``tiny/tokenizer.json`` and ``tiny/tokenizer_config.json``.
+"""Regenerate ``src/meshkit/demo/tokenizer/tokenizer.json`` and its ``tokenizer_config.json``.
 
 A byte-level BPE (GPT-2 pre-tokenizer regex, NFC, a BOS added by the
 post-processor) trained on a few hundred generated lines: small enough to commit
@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 
-HERE = Path(__file__).parent / "tiny"
+HERE = Path(__file__).resolve().parents[3] / "src" / "meshkit" / "demo" / "tokenizer"
 SPECIAL = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 WORDS = [
     *("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "router", "worker"),
