@@ -20,6 +20,7 @@ The admin verbs (add, remove, drain, sleep, wake a worker) are here too.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -52,6 +53,16 @@ from meshkit.router import Router
 from meshkit.types import Headers
 
 __all__ = ["Mesh"]
+
+log = logging.getLogger("meshkit.kv")
+
+#: what a request matched on the tree instead of the KV events misses (warned once each)
+_UNMATCHED = {
+    "no_tokenizer": "a request's model has no tokenizer (set tokenizer or tokenizers to "
+    "the model's own)",
+    "too_large": "a prompt is over prepare.max_tokenize_bytes",
+    "unrendered": "a prompt could not be rendered as the engine renders it",
+}
 
 _MODELS = Api.MODELS
 
@@ -140,6 +151,7 @@ class Mesh:
             lambda: router.policy,
             lambda: router.kv_sizes,
             lambda model: router.fleet.kv.root(model),
+            self._kv_unmatched,
         )
         self.retry = RetryPolicy(
             max_attempts=max(1, config.upstream.max_attempts),
@@ -153,6 +165,7 @@ class Mesh:
         self._legs: ThreadPoolExecutor | None = None
         self._legs_lock = threading.Lock()
         self._closed = False
+        self._unmatched_warned: set[str] = set()
 
     # -- construction -------------------------------------------------------------------
 
@@ -348,6 +361,19 @@ class Mesh:
     async def adrain(self, worker: Worker | str, timeout_s: float | None = None) -> bool:
         """:meth:`drain` without blocking the event loop."""
         return await self.lifecycle.adrain(_worker_id(worker), timeout_s)
+
+    def _kv_unmatched(self, reason: str) -> None:
+        """(prepare threads) A request KV events could have placed got no block keys:
+        counted, and the first of each reason logged."""
+        self.router.metrics.kv_unmatched.labels(reason).inc()
+        if reason not in self._unmatched_warned:
+            self._unmatched_warned.add(reason)
+            log.warning(
+                "kv events: %s; such requests are matched on the approximate tree "
+                '(mesh_kv_unmatched_total{reason="%s"})',
+                _UNMATCHED.get(reason, reason),
+                reason,
+            )
 
     def _wait_s(self, timeout_s: float | None) -> float:
         return timeout_s if timeout_s is not None else self.config.lifecycle.wake_timeout_s

@@ -257,6 +257,15 @@ class RouterMetrics:
             ["worker", "outcome"],
             registry=r,
         )
+        self.kv_unmatched = Counter(
+            "mesh_kv_unmatched",
+            "Requests KV events could have placed that were matched on the approximate "
+            "tree instead, by reason: no_tokenizer (none for the request's model), "
+            "too_large (a body over prepare.max_tokenize_bytes), unrendered (a prompt "
+            "meshkit could not render as the engine does)",
+            ["reason"],
+            registry=r,
+        )
         self.kv_errors = Counter(
             "mesh_kv_errors",
             "KV-event messages that did not decode (the worker's entries were dropped)",

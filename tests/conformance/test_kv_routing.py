@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import openai
 import pytest
 
 pytest.importorskip("zmq")
@@ -121,3 +122,56 @@ def test_the_second_router_follows_the_engines_cache(
     finally:
         mode.close()
     assert len({w for w, _, _ in firsts.values()}) == 2  # both workers took conversations
+
+
+def unmatched(mesh: Mesh, reason: str) -> float:
+    value = mesh.metrics.registry.get_sample_value("mesh_kv_unmatched_total", {"reason": reason})
+    return value or 0.0
+
+
+@pytest.mark.parametrize("reason", ["no_tokenizer", "too_large", "unrendered"])
+def test_a_request_events_could_not_place_is_counted_and_warned_once(
+    reason: str,
+    mock_factory: Callable[..., MockWorkerThread],
+    mesh_factory: Callable[..., Mesh],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fleet = publishing_fleet(mock_factory)
+    workers = [
+        Worker(w.url, kv_events=w.kv_events_endpoint, kv_replay=w.kv_replay_endpoint) for w in fleet
+    ]
+    mesh = mesh_factory(
+        workers=workers,
+        policy="cache_aware",
+        tokenizer=None if reason == "no_tokenizer" else TOKENIZER,
+        prepare={"max_tokenize_bytes": 4096},
+        lifecycle={"probe": False},
+    )
+    mesh.lifecycle.start()
+    mode = MODE_CLASSES["transport"](mesh)
+    try:
+        # Until a batch says the engines' block size, nothing is matched on events.
+        deadline = time.monotonic() + 20
+        while not mesh.router.kv_sizes:
+            assert time.monotonic() < deadline, "no KV event reached the router"
+            chat(mode, first_turn("billing"))
+            time.sleep(0.05)
+        assert unmatched(mesh, reason) == 0
+        messages = {
+            "no_tokenizer": first_turn("billing"),
+            "too_large": [{"role": "user", "content": "many words " * 600}],
+            "unrendered": [{"role": "tool", "content": "a role the template refuses"}],
+        }[reason]
+        for _ in range(2):
+            if reason == "unrendered":  # the engine cannot render it either: its 400
+                with pytest.raises(openai.BadRequestError, match="unknown role"):
+                    chat(mode, messages)
+            else:
+                chat(mode, messages)
+    finally:
+        mode.close()
+    assert unmatched(mesh, reason) == 2
+    others = {"no_tokenizer", "too_large", "unrendered"} - {reason}
+    assert all(unmatched(mesh, other) == 0 for other in others)
+    warned = [r for r in caplog.records if "mesh_kv_unmatched_total" in r.getMessage()]
+    assert len(warned) == 1 and reason in warned[0].getMessage()

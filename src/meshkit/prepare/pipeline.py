@@ -70,10 +70,13 @@ class Preparer:
         policy: Callable[[], Policy],
         kv_sizes: Callable[[], frozenset[int]] = frozenset,
         kv_root: Callable[[str | None], int] = lambda model: ROOT,
+        kv_unmatched: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.pool = pool
         self._kv_sizes = kv_sizes
         self._kv_root = kv_root
+        #: told why a request KV events could have placed gets no keys
+        self._kv_unmatched = kv_unmatched
         self._match_tokens = config.kv.match_tokens
         self.tokenizers = tokenizers
         self._policy = policy
@@ -154,7 +157,10 @@ class Preparer:
         if not self._policy().needs.kv_events or view.match.endpoint.api not in _KV_APIS:
             return frozenset()
         sizes = self._kv_sizes()
-        if not sizes or self.tokenizers.get(view.model) is None:
+        if not sizes:
+            return frozenset()
+        if self.tokenizers.get(view.model) is None:
+            self._kv_unmatched("no_tokenizer")
             return frozenset()
         return sizes
 
@@ -164,16 +170,24 @@ class Preparer:
         ids = view.token_ids if view.match.endpoint.api is Api.GENERATE else None
         if ids is None:
             tok = self.tokenizers.get(view.model)
-            if tok is None or len(view.body) > self._max_tokenize:
+            if tok is None:
+                return
+            if len(view.body) > self._max_tokenize:
+                self._kv_unmatched("too_large")
                 return
             from meshkit.prepare.jobs import prompt_ids  # templates: on first use
 
             try:
                 body = msgspec.json.decode(view.body)
                 if not isinstance(body, dict):
+                    self._kv_unmatched("unrendered")
                     return
                 ids = prompt_ids(tok, body, max_tokenize_bytes=self._max_tokenize)
-            except (msgspec.DecodeError, RecursionError, InvalidRequest, RequestTooLarge):
+            except RequestTooLarge:
+                self._kv_unmatched("too_large")
+                return
+            except (msgspec.DecodeError, RecursionError, InvalidRequest):
+                self._kv_unmatched("unrendered")
                 return
         ids = ids[: self._match_tokens]
         view.prompt_ids = ids
