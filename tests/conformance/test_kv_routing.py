@@ -175,3 +175,50 @@ def test_a_request_events_could_not_place_is_counted_and_warned_once(
     assert all(unmatched(mesh, other) == 0 for other in others)
     warned = [r for r in caplog.records if "mesh_kv_unmatched_total" in r.getMessage()]
     assert len(warned) == 1 and reason in warned[0].getMessage()
+
+
+def test_sglang_generate_with_input_ids_is_matched_on_events_without_a_tokenizer(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
+) -> None:
+    """Token ids need no tokenizer: a router without one sends each prompt to the
+    worker whose engine holds it. Token ids give the approximate tree no text, so a
+    router that cannot match them on events sends every such prompt to one worker,
+    the same each time: the prompts are put on the other one."""
+    import httpx2
+
+    from meshkit.frontends.transport import MeshTransport
+
+    fleet = publishing_fleet(mock_factory)
+
+    def router(engines: list[MockWorkerThread], events: bool = True) -> Mesh:
+        workers = [
+            Worker(w.url, kv_events=w.kv_events_endpoint, kv_replay=w.kv_replay_endpoint)
+            if events
+            else Worker(w.url)
+            for w in engines
+        ]
+        mesh = mesh_factory(workers=workers, policy="cache_aware", lifecycle={"probe": False})
+        mesh.lifecycle.start()
+        return mesh
+
+    def generate(mesh: Mesh, ids: list[int]) -> str:
+        with httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh.invalid") as c:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
+            r = c.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.headers["x-mock-worker"]
+
+    guess = generate(router(fleet, events=False), [7] * 64)
+    holder = next(w for w in fleet if w.worker.config.name != guess)
+    prompts = [[100 + i] * 8 + list(range(i * 64, i * 64 + 56)) for i in range(6)]
+    r1 = router([holder])
+    held = {i: generate(r1, ids) for i, ids in enumerate(prompts)}
+    assert set(held.values()) == {holder.worker.config.name}
+    r2 = router(fleet)
+    deadline = time.monotonic() + 20
+    a = holder.url
+    while not r1.fleet.kv.blocks_of(a) or r2.fleet.kv.blocks_of(a) < r1.fleet.kv.blocks_of(a):
+        assert time.monotonic() < deadline, "router 2 never caught up with the engine"
+        time.sleep(0.05)
+    assert {i: generate(r2, ids) for i, ids in enumerate(prompts)} == held
+    assert unmatched(r1, "no_tokenizer") == unmatched(r2, "no_tokenizer") == 0

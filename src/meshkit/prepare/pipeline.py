@@ -153,13 +153,16 @@ class Preparer:
     def _kv_wanted(self, view: RequestView) -> frozenset[int]:
         """The block sizes to compute ``view``'s KV keys for (empty: none wanted):
         the policy matches KV events, some worker sends them, and a tokenizer
-        renders this model's prompts as its engine does."""
+        renders this model's prompts as its engine does (or the request gives its
+        token ids)."""
         if not self._policy().needs.kv_events or view.match.endpoint.api not in _KV_APIS:
             return frozenset()
         sizes = self._kv_sizes()
         if not sizes:
             return frozenset()
-        if self.tokenizers.get(view.model) is None:
+        if self.tokenizers.get(view.model) is None and not (
+            view.match.endpoint.api is Api.GENERATE and view.token_ids is not None
+        ):  # SGLang's /generate given input_ids needs none
             self._kv_unmatched("no_tokenizer")
             return frozenset()
         return sizes
