@@ -263,8 +263,9 @@ def _policy() -> tuple[str, str]:
     return "cache_aware", ""
 
 
-def _envoy(stack: contextlib.ExitStack, mesh: Mesh) -> str | None:
-    """A real Envoy asking meshkit's picker (the fifth mode), when both are installed."""
+def _envoy(stack: contextlib.ExitStack, router: Callable[[], Mesh]) -> tuple[str, Mesh] | None:
+    """A real Envoy asking meshkit's picker (the fifth mode) on a router of its own
+    (made by ``router``), when both are installed."""
     try:
         from meshkit.frontends.extproc.thread import ExtProcThread
         from meshkit.testing.envoy import EnvoyProcess, envoy_binary
@@ -272,9 +273,10 @@ def _envoy(stack: contextlib.ExitStack, mesh: Mesh) -> str | None:
         return None
     if envoy_binary() is None:
         return None
+    mesh = router()
     port = stack.enter_context(ExtProcThread(mesh, grace_s=1.0))
     envoy = stack.enter_context(EnvoyProcess(port))
-    return str(envoy.url)
+    return str(envoy.url), mesh
 
 
 def run_demo(*, real: bool = False, out: TextIO | None = None) -> int:
@@ -308,11 +310,11 @@ def run_demo(*, real: bool = False, out: TextIO | None = None) -> int:
         }
         url = stack.enter_context(GatewayThread(routers["gateway"]))
         vias = {"gateway": url, "transport": "http://mesh.invalid"}
-        picker = _router(stack, mocks, policy)
-        envoy = _envoy(stack, picker)
-        if envoy is not None:
+        picked = _envoy(stack, partial(_router, stack, mocks, policy))
+        envoy = None
+        if picked is not None:
+            envoy, routers["envoy"] = picked
             vias["envoy"] = envoy
-            routers["envoy"] = picker
         where = f"gateway {url}" + (f", envoy {envoy}" if envoy else "")
         head = f"meshkit demo: 3 mock workers, {len(routers)} routers (policy {policy}{note})"
         print(f"{head}, {where}", file=out)
