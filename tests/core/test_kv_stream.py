@@ -54,3 +54,10 @@ def test_a_reset_expects_nothing_and_knows_no_copy() -> None:
     assert s.expected is None and not s.copy(0, 1.0)
     s.took(5, 2.0)
     assert s.expected == 6 and s.copy(5, 2.0)
+
+
+def test_a_replayed_run_is_taken_in_its_numbers() -> None:
+    s = BatchStream(8)
+    s.took(0, 0.5)
+    s.took_run(1, [B(1.5), B(2.5)])
+    assert s.expected == 3 and s.copy(2, 2.5) and s.copy(0, 0.5) and not s.copy(2, 9.0)

@@ -45,13 +45,17 @@ class BatchStream:
         self.seen.append(ts)
         self.expected = seq + 1
 
+    def took_run(self, first: int, batches: Sequence[_Stamped]) -> None:
+        """``batches``, numbered from ``first`` (a replay's), were taken."""
+        for i, batch in enumerate(batches):
+            self.took(first + i, batch.ts)
+
     def joined(self, first: int, batches: Sequence[_Stamped]) -> None:
         """A first replay brought ``batches``, numbered from ``first`` (none: the
         engine had published nothing from ``first`` on)."""
         self.seen.clear()
         self.expected = first
-        for i, batch in enumerate(batches):
-            self.took(first + i, batch.ts)
+        self.took_run(first, batches)
 
     def copy(self, seq: int, ts: float) -> bool:
         """Whether batch ``seq`` stamped ``ts`` is one taken already."""

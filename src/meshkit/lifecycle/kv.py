@@ -407,8 +407,7 @@ class KvSubscribers:
         if got is not None and got[0] == stream.expected:
             await self._apply(worker_id, got[1], endpoint)
             self.router.metrics.kv_batches.labels(worker_id).inc(len(got[1]))
-            for i, batch in enumerate(got[1]):
-                stream.took(got[0] + i, batch.ts)
+            stream.took_run(got[0], got[1])
             stream.heard += 1  # it answered
             moves.labels(worker_id, "replayed").inc()
             return
@@ -522,8 +521,7 @@ class KvSubscribers:
             got = await self._replay(replay, start, end, source.topic)
             if got is not None and got[0] == start and got[0] + len(got[1]) == end:
                 batches.extend(got[1])
-                for i, batch in enumerate(got[1]):
-                    stream.took(start + i, batch.ts)
+                stream.took_run(start, got[1])
                 self.router.metrics.kv_gaps.labels(worker_id, "replayed").inc()
                 return
         self.router.metrics.kv_gaps.labels(worker_id, "cleared").inc()
