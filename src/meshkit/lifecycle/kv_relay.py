@@ -395,10 +395,15 @@ class KvRelay:
         between what the engine replays and what comes live."""
         if source.replay is None or self._replays is None or source.joining is not None:
             return
+        self._expect(source, 0, time.monotonic() + _SETTLE_S)
+
+    def _expect(self, source: _Source, start: int, ask_at: float) -> None:
+        """The engine's replay from ``start`` is to be asked at ``ask_at`` (and in
+        within ``kv.replay_timeout_s`` of it); the routers' requests wait for it."""
         source.joining = _Kept(self._limit)
-        source.asked_from = 0
-        source.ask_at = time.monotonic() + _SETTLE_S
-        source.deadline = source.ask_at + self.kv.replay_timeout_s
+        source.asked_from = start
+        source.ask_at = ask_at
+        source.deadline = ask_at + self.kv.replay_timeout_s
 
     def _fill(self, source: _Source, missed: int) -> None:
         """The engine's numbers jumped past ``missed``: ask its replay from there
@@ -411,9 +416,7 @@ class KvRelay:
         log.warning(
             "kv relay: missed batches of %s from %d; asking its replay", source.endpoint, missed
         )
-        source.joining = _Kept(self._limit)
-        source.asked_from = missed
-        source.deadline = time.monotonic() + self.kv.replay_timeout_s
+        self._expect(source, missed, time.monotonic())
         self._ask(source)
 
     def _ask(self, source: _Source) -> None:
