@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from meshkit.mesh import Mesh
 from meshkit.mock import MockWorkerThread
 
@@ -37,10 +35,9 @@ def _fmt(n: int, row: Row) -> str:
 
 def _requests(mesh: Mesh) -> int:
     """The router's ``mesh_router_requests_total``, as its ``/metrics`` says it."""
-    text = mesh.metrics.render().decode()
     return sum(
         int(s.value)
-        for family in text_string_to_metric_families(text)
+        for family in mesh.metrics.registry.collect()
         for s in family.samples
         if s.name == "mesh_router_requests_total"
     )

@@ -24,8 +24,8 @@ No arguments, no network beyond loopback. The demo:
 4. prints where each request went, its status, TTFT and cached tokens, the
    conversation's cache-hit rate, what each router matched on, and per-worker load.
 
-Exit code 0 when every request succeeded and every follow-up reached the worker
-holding its history, 1 otherwise, 2 when the SDKs are not installed. ``--real``
+Exit code 0 when every request succeeded (a Responses follow-up sent to a worker
+without its history would not), 1 otherwise, 2 when the SDKs are not installed. ``--real``
 runs the same story on real llama.cpp engines (:mod:`meshkit.testing.demo_real`;
 needs the ``engine`` extra and the model wheel).
 """
