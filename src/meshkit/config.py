@@ -231,7 +231,7 @@ class LifecycleConfig:
     # An engine's metrics text is read up to this many bytes (vLLM's are ~100 KiB).
     max_metrics_bytes: int = 4 * 1024 * 1024
     # What is read of a worker's answer to a probe, /is_sleeping, a sleep or a wake
-    # (engines answer a few bytes); a longer answer counts as a failed call.
+    # (engines answer a few bytes); the rest of a longer one is not read.
     max_probe_bytes: int = 64 * 1024
     # Workers the controller's own tables remember (when each one's model list was
     # read, which warnings it was given); past it a table starts over.

@@ -339,8 +339,8 @@ class Lifecycle:
         self, method: str, worker: Worker, path: str, timeout_s: float, limit: int = 0
     ) -> tuple[int, bytes] | None:
         """One call to a worker, its answer read up to ``limit`` bytes (0:
-        ``lifecycle.max_probe_bytes``); None when it could not be reached in time
-        or answered more."""
+        ``lifecycle.max_probe_bytes``; the rest is not read); None when it could
+        not be reached in time."""
         from meshkit.upstream.base import Call, UpstreamFailure  # loaded with the thread
 
         upstream = self._upstream
