@@ -369,22 +369,32 @@ def test_a_burst_of_keep_alive_connections_is_shared_evenly(two: Any) -> None:
     from accept_bench import burst  # the benchmark's own burst, asserted here
 
     port = int(two.url.rsplit(":", 1)[1])
+    # One keep-alive connection asks throughout: a fresh one per ask was still
+    # counted by its child when the next burst began (its close not yet read), and
+    # the split came out one further apart than the rule allows (measured 3/6).
+    asker = httpx2.Client(trust_env=False, timeout=30, limits=httpx2.Limits(max_connections=1))
+
+    def health() -> dict[str, Any]:
+        out: dict[str, Any] = asker.get(two.url + "/health").json()
+        return out
 
     async def shared(n: int) -> list[int]:
         per, writers = await asyncio.wait_for(burst(port, n, 2), 60)
-        h = fresh(two.url).json()  # counts while the burst's connections are open
+        h = health()  # counts while the burst's connections are open
         assert h["connections"][0] >= per[0] and h["connections"][1] >= per[1], (h, per)
         for writer in writers:
             writer.close()
         return per
 
-    for n in (32, 32, 9):
-        per = asyncio.run(shared(n))
-        assert abs(per[0] - per[1]) <= 2, per  # SLACK + 1
-        # Closed, they leave the counts (the one asking holds the only connection
-        # left). Waited for: a child slow to see its closes under load counts them
-        # still, and the next burst would go to its sibling.
-        assert wait_until(lambda: sum(fresh(two.url).json()["connections"]) == 1)
+    with contextlib.closing(asker):
+        for n in (32, 32, 9):
+            # Closed, the last burst's connections leave the counts, the asker's stays.
+            # Waited for: a child slow to see its closes under load counts them still.
+            assert wait_until(lambda: sum(health()["connections"]) == 1)
+            held = [int(health()["process"] == i) for i in (0, 1)]
+            per = asyncio.run(shared(n))
+            held = [held[i] + per[i] for i in (0, 1)]
+            assert abs(held[0] - held[1]) <= 2, (per, held)  # SLACK + 1
     metrics = fresh(two.url, path="/metrics").text
     assert 'mesh_gateway_connections{process="0"}' in metrics
     assert "mesh_gateway_connections_handed_total" in metrics
