@@ -222,3 +222,75 @@ def test_sglang_generate_with_input_ids_is_matched_on_events_without_a_tokenizer
         time.sleep(0.05)
     assert {i: generate(r2, ids) for i, ids in enumerate(prompts)} == held
     assert unmatched(r1, "no_tokenizer") == unmatched(r2, "no_tokenizer") == 0
+
+
+def test_a_worker_whose_model_list_changes_keeps_what_its_engine_holds(
+    mock_factory: Callable[..., MockWorkerThread],
+    mesh_factory: Callable[..., Mesh],
+) -> None:
+    # The probes read each worker's model list; vLLM lists an adapter loaded at run
+    # time there. The list is the index's budget group, and a worker whose group
+    # changed had its entries dropped: the same happened to what a router took from
+    # the engines' replays before its first probe's list (every start-up).
+    import httpx2
+
+    fleet = publishing_fleet(mock_factory)
+    workers = [
+        Worker(w.url, kv_events=w.kv_events_endpoint, kv_replay=w.kv_replay_endpoint) for w in fleet
+    ]
+    mesh = mesh_factory(
+        workers=workers,
+        policy="cache_aware",
+        tokenizer=TOKENIZER,
+        lifecycle={"health_interval_s": 0.05, "health_timeout_s": 2.0, "models_interval_s": 0.05},
+    )
+    mesh.lifecycle.start()
+    kv, a = mesh.fleet.kv, fleet[0]
+
+    def listed(adapters: frozenset[str]) -> bool:
+        return all(mesh.fleet.models_of(w) == {"mock-model"} | adapters for w in mesh.workers[:1])
+
+    deadline = time.monotonic() + 20
+    while not listed(frozenset()):
+        assert time.monotonic() < deadline, "the probes never read the model lists"
+        time.sleep(0.05)
+    mode = MODE_CLASSES["transport"](mesh)
+    try:
+        firsts = {t: chat(mode, first_turn(t)) for t in TOPICS}
+        on_a = [t for t, (worker, _, _) in firsts.items() if worker == "a"]
+        assert on_a, "no conversation went to worker a"
+        while kv.blocks_of(a.url) == 0:
+            assert time.monotonic() < deadline, "worker a's events never came"
+            time.sleep(0.05)
+        held = kv.blocks_of(a.url)
+        loaded = httpx2.post(
+            a.url + "/v1/load_lora_adapter", json={"lora_name": "ad1", "lora_path": "/x"}
+        )
+        assert loaded.status_code == 200, loaded.text
+        while not listed(frozenset({"ad1"})):
+            assert time.monotonic() < deadline, "the probes never read the new list"
+            time.sleep(0.05)
+        # A new prompt straight to the engine: its batch is the first in the new group.
+        before = mesh.metrics.registry.get_sample_value("mesh_kv_batches_total", {"worker": a.url})
+        direct = httpx2.post(
+            a.url + "/v1/chat/completions",
+            json={"model": "mock-model", "messages": first_turn("a topic of its own")},
+        )
+        assert direct.status_code == 200, direct.text
+        while (
+            mesh.metrics.registry.get_sample_value("mesh_kv_batches_total", {"worker": a.url})
+            == before
+        ):
+            assert time.monotonic() < deadline, "the new batch never came"
+            time.sleep(0.05)
+        assert kv.blocks_of(a.url) > held
+        for topic in on_a:
+            follow_up = [
+                *first_turn(topic),
+                {"role": "assistant", "content": firsts[topic][1]},
+                {"role": "user", "content": "and tomorrow?"},
+            ]
+            got, _, cached = chat(mode, follow_up)
+            assert got == "a" and cached > 0, topic
+    finally:
+        mode.close()

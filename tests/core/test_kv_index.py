@@ -253,10 +253,31 @@ def test_each_model_group_has_its_own_budget() -> None:
     assert idx.group_sizes() == {"big": 2, "small": 2} and idx.evicted == 1
     assert idx.match([5, 6, 7, 8], ["b"]) == {"b": 4}
     assert idx.match([1, 2, 3, 4, 9, 9], ["a"]) == {"a": 4}
-    # a worker that serves another model now: what it held under the old one goes
+    # b now lists "big"'s models: its entries move there, within b's share of it
     idx.apply("a", Batch(0.0, (BlockRemoved((2,)),)), group="big")  # room in "big"
     idx.apply("b", stored([6], None, [1, 2]), group="big")
     assert idx.blocks_of("b") == 1 and idx.group_sizes()["small"] == 0
+    assert idx.group_sizes()["big"] == 2
+
+
+def test_a_worker_whose_models_change_keeps_its_entries_within_the_new_budget() -> None:
+    # A worker's models are learnt by a probe, often after its events began (the
+    # replay on joining), and an adapter loaded at run time joins its list: its
+    # engine holds what it held.
+    idx = KvIndex(max_blocks=6)
+    idx.apply("a", stored([1, 2, 3], None, [1, 2, 3, 4, 5, 6]))  # models unknown yet
+    idx.apply("a", stored([4], 3, [7, 8]), group="m")
+    assert idx.match([1, 2, 3, 4, 5, 6, 7, 8], ["a"]) == {"a": 8}
+    assert idx.group_sizes() == {"": 0, "m": 4} and idx.unchained == 0 and idx.evicted == 0
+    # Into a group the others fill: past the budget its newest entries (leaves) go,
+    # and what it keeps still chains from the root.
+    idx.apply("b", stored([9, 10, 11], None, [9, 9, 8, 8, 7, 7]), group="n")
+    idx.attach("b", "m")
+    assert idx.group_sizes()["m"] == 6 and idx.evicted == 1
+    assert idx.match([9, 9, 8, 8, 7, 7], ["b"]) == {"b": 4}
+    idx.apply("a", Batch(0.0, (BlockRemoved((4,)),)), group="m")  # room in "m"
+    idx.apply("b", stored([12], 10, [6, 6]), group="m")
+    assert idx.blocks_of("b") == 3 and idx.match([9, 9, 8, 8, 6, 6], ["b"]) == {"b": 6}
 
 
 def test_bytes_hashes_and_signed_ints_name_blocks() -> None:

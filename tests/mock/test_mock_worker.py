@@ -516,6 +516,27 @@ def test_malformed_request_is_400(mock: MockWorkerThread) -> None:
     assert b"x-mock-worker: main" in data
 
 
+def test_adapters_load_and_unload_at_run_time_as_in_vllm(
+    spawn: Callable[..., MockWorkerThread], http: httpx2.Client
+) -> None:
+    m = spawn(model="base")
+
+    def listed() -> list[str]:
+        return [card["id"] for card in http.get(m.url + "/v1/models").json()["data"]]
+
+    load, unload = m.url + "/v1/load_lora_adapter", m.url + "/v1/unload_lora_adapter"
+    r = http.post(load, json={"lora_name": "ad1", "lora_path": "/adapters/ad1"})
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'ad1' added successfully.")
+    assert listed() == ["base", "ad1"]
+    again = http.post(load, json={"lora_name": "ad1", "lora_path": "/adapters/ad1"})
+    assert again.status_code == 400 and "already been loaded" in again.text
+    assert http.post(load, json={"lora_name": "ad2"}).status_code == 400  # no path
+    r = http.post(unload, json={"lora_name": "ad1"})
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'ad1' removed successfully.")
+    assert listed() == ["base"]
+    assert http.post(unload, json={"lora_name": "ad1"}).status_code == 404
+
+
 def test_http10_and_connection_close(mock: MockWorkerThread) -> None:
     data = raw_http(mock.url, b"GET /v1/models HTTP/1.0\r\n\r\n")
     assert data.startswith(b"HTTP/1.1 200 OK")

@@ -276,12 +276,27 @@ class KvIndex:
             self._peers[group] = self._peers.get(group, 0) + 1
             self._sizes.setdefault(group, 0)
         elif w.group != group:
-            self._clear(w)
-            self._leave(w.group)
-            w.group = group
-            self._peers[group] = self._peers.get(group, 0) + 1
-            self._sizes.setdefault(group, 0)
+            self._regroup(w, group)
         return w
+
+    def _regroup(self, w: _Worker, group: str) -> None:
+        """``w``'s models changed: learnt after its events began (the replay on
+        joining came first), or an adapter loaded. Its engine holds what it held
+        (another model is another engine process, whose publisher starts over), so
+        its entries move to the new group's budget, its newest (leaves) dropped
+        past it. Cleared, a router that joined before its first probe's model list
+        lost all the engine's history."""
+        held = len(w.entries)
+        self._sizes[w.group] -= held
+        self._leave(w.group)
+        w.group = group
+        self._peers[group] = self._peers.get(group, 0) + 1
+        self._sizes[group] = self._sizes.get(group, 0) + held
+        share = max(1, self.max_blocks // self._peers[group])
+        entries = w.entries
+        while entries and (len(entries) > share or self._sizes[group] > self.max_blocks):
+            self._unhold(entries.popitem()[1], w)
+            self.evicted += 1
 
     def _leave(self, group: str) -> None:
         left = self._peers[group] - 1

@@ -3,9 +3,10 @@ meshkit.mock: a fast mock inference worker
 ==========================================
 
 An OpenAI (chat, completions, Responses, Conversations) + Anthropic (messages) + SGLang
-(``/generate``) + vLLM (tokenize, sleep mode) compatible worker for meshkit's tests,
-demo and benchmarks. It runs on a raw asyncio protocol with ``httptools`` (uvloop
-when available) and answers non-stream requests from pre-built bytes.
+(``/generate``) + vLLM (tokenize, sleep mode, adapters loaded at run time) compatible
+worker for meshkit's tests, demo and benchmarks. It runs on a raw asyncio protocol
+with ``httptools`` (uvloop when available) and answers non-stream requests from
+pre-built bytes.
 
 * :class:`MockConfig` — behaviour (APIs, latencies, faults, cache model, sleep mode);
 * :class:`MockWorker` — the server, inside a running event loop;

@@ -49,6 +49,8 @@ class AdminHandlers:
             r(f"{prefix}server_info", None, False, GET=self.server_info)
         r("/version", None, False, GET=self.version)
         r("/v1/models", "models", False, GET=self.models)
+        r("/v1/load_lora_adapter", None, False, POST=self.load_lora_adapter)
+        r("/v1/unload_lora_adapter", None, False, POST=self.unload_lora_adapter)
         for prefix in ("", "/v1"):
             r(f"{prefix}/tokenize", "tokenize", False, POST=self.tokenize)
             r(f"{prefix}/detokenize", "tokenize", False, POST=self.detokenize)
@@ -138,6 +140,33 @@ class AdminHandlers:
         }
         cards = [card, *(_adapter_card(name, cfg.model) for name in cfg.lora_adapters)]
         return self.app.json(req, {"object": "list", "data": cards})
+
+    # -- adapters loaded at run time ---------------------------------------------
+    # vLLM's answers (vllm/entrypoints/openai/serving_models.py, load_lora_adapter
+    # and its checks; vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING, the mock does not):
+    # a plain-text success, 400 for a name loaded already, 404 for one not loaded.
+
+    def load_lora_adapter(self, req: Request) -> Reply:
+        app = self.app
+        body = app.parse(req) or {}
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return app.error(req, 400, "Both 'lora_name' and 'lora_path' must be provided.")
+        adapters = app.config.lora_adapters
+        if name in adapters:
+            return app.error(req, 400, f"The lora adapter '{name}' has already been loaded.")
+        app.config.lora_adapters = (*adapters, name)
+        return app.plain(req, body=f"Success: LoRA adapter '{name}' added successfully.".encode())
+
+    def unload_lora_adapter(self, req: Request) -> Reply:
+        app = self.app
+        body = app.parse(req) or {}
+        name = body.get("lora_name")
+        adapters = app.config.lora_adapters
+        if not isinstance(name, str) or name not in adapters:
+            return app.error(req, 404, f"The lora adapter '{name}' cannot be found.")
+        app.config.lora_adapters = tuple(a for a in adapters if a != name)
+        return app.plain(req, body=f"Success: LoRA adapter '{name}' removed successfully.".encode())
 
     # -- tokenizer ---------------------------------------------------------------
 

@@ -41,6 +41,7 @@ class MockConfig:
     #: shape (``parent``, ``root``, a ``permission`` entry: ~420 bytes each). A
     #: request naming one is cached as vLLM caches it: in blocks of its own (no hit
     #: on the base model's), published with ``lora_name`` and ``extra_keys``.
+    #: ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` change it.
     lora_adapters: tuple[str, ...] = ()
     #: When set, API requests need ``Authorization: Bearer <key>`` or ``x-api-key: <key>``.
     api_key: str | None = None
