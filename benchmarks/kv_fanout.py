@@ -41,7 +41,7 @@ from pathlib import Path
 import zmq
 
 from meshkit.core.kv_events import relay_topic
-from meshkit.testing.kv_relay import start_kv_relay
+from meshkit.testing.commands import start_kv_relay
 
 _WARM_S = 1.5
 

@@ -961,7 +961,7 @@ def start_relay(
     with os.fdopen(fd, "w") as f:
         for url, ev, rep in endpoints:
             f.write(f'[[workers]]\nurl = "{url}"\nkv_events = "{ev}"\nkv_replay = "{rep}"\n\n')
-    from meshkit.testing.kv_relay import start_kv_relay
+    from meshkit.testing.commands import start_kv_relay
 
     try:
         relay = start_kv_relay(

@@ -30,17 +30,20 @@ hits; ``--cache-ram-mib -1`` keeps the default.)
 Routers
 -------
 ``--routers`` (1) is K, or a comma list (``1,2``) to compare: K independent
-:class:`~meshkit.Mesh` objects over the same engines, each with its own state
-(policy, trees, counters, probes; routing seed 7, 8, ...) and nothing shared
-between them, as K router processes behind a load balancer would be. Each
+routers over the same engines, each a ``meshkit serve`` process of its own
+(policy, trees, counters, probes; routing seed 7, 8, ...; nothing shared
+between them), as K gateway replicas behind a load balancer; with
+``--in-process``, K :class:`~meshkit.Mesh` objects in this process instead, each
+on a ``MeshTransport``. Each
 request goes through a router drawn at random (``--route-seed``; the same draw
 for every policy), so at K = 2 about half of a conversation's next turns go
-through the other router. Every Mesh probes the engines
+through the other router. Every router probes the engines
 (``--probe-interval``, 1 s: ``lifecycle.health_interval_s``) and reads their
 ``/metrics``: llama.cpp's ``llamacpp:requests_processing`` and
 ``llamacpp:requests_deferred`` (:mod:`meshkit.core.engine_load`), so each router
 also weighs the requests the others put on an engine. A sampler reads each
-router's view of that (the *other routers' load*) four times a second. The
+router's view of that (the *other routers' load*; a gateway's ``GET /workers``)
+four times a second. The
 engines publish no KV-cache events: ``cache_aware`` at K > 1 matches against
 its own per-process tree, which saw only its own share of the turns.
 
@@ -58,7 +61,9 @@ Per run: engine-reported cached-token ratio (sum of
 ``prompt_tokens_details.cached_tokens`` / sum of ``prompt_tokens``), mean and
 p90 TTFT (client-measured: request sent to first content token), the mean TTFT
 of turns 2 and later (every policy pays a cold prefill for a tenant's first
-turns; the later ones show what placement kept warm), mean and p90 end-to-end
+turns; the later ones show what placement kept warm), the engines' own prefill
+time of turns 2 and later (llama.cpp's ``timings.prompt_ms``: the TTFT without
+the client, the router and the wait for a slot), mean and p90 end-to-end
 latency, and requests per engine (the ``model`` of each response is the
 engine's alias).
 
@@ -91,8 +96,11 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import httpx
+
 from meshkit import Mesh
 from meshkit.testing import EngineFleet, EngineUnavailable, check_available, default_threads
+from meshkit.testing.commands import GatewayStarted, start_gateway
 from meshkit.testing.workload import (
     Conversation,
     Outcome,
@@ -179,7 +187,7 @@ def switched_share(routes: list[list[int]]) -> float:
 
 
 def replay_routers(
-    meshes: Sequence[Mesh],
+    meshes: Sequence[Mesh | str],
     conversations: Sequence[Conversation],
     routes: list[list[int]],
     *,
@@ -190,7 +198,8 @@ def replay_routers(
     timeout: float = 600.0,
 ) -> list[Outcome]:
     """:func:`meshkit.testing.workload.replay`, each request through the router
-    ``routes`` names: the same rounds, the same seeded order within a round."""
+    ``routes`` names (a ``Mesh``, or a gateway's URL): the same rounds, the same
+    seeded order within a round."""
     return replay(
         meshes,
         conversations,
@@ -217,6 +226,134 @@ def _watch(meshes: Sequence[Mesh], n_engines: int, stop: threading.Event, views:
             views.others_max = max(views.others_max, total)
 
 
+def _watch_gateways(
+    urls: Sequence[str], n_engines: int, stop: threading.Event, views: Views
+) -> None:
+    """:func:`_watch` for routers in processes of their own: what each says of the
+    engines at ``GET /workers`` (``engine_load``)."""
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while not stop.wait(0.25):
+            for url in urls:
+                try:
+                    rows = client.get(url + "/workers").json()["workers"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    continue
+                loads = [r["engine_load"] for r in rows if r.get("engine_load")]
+                total = sum(int(load.get("other_routers") or 0) for load in loads)
+                views.samples += 1
+                views.reported += len(loads) >= n_engines
+                views.others_sum += total
+                views.others_max = max(views.others_max, total)
+
+
+def _gateway_config(path: Path, urls: Sequence[str], policy: str, seed: int, probe: float) -> None:
+    workers = "".join(f'[[workers]]\nurl = "{u}"\n' for u in urls)
+    path.write_text(
+        f'policy = "{policy}"\n{workers}'
+        f"[routing]\nseed = {seed}\n[lifecycle]\nhealth_interval_s = {probe}\n"
+    )
+
+
+def _gateway_run(
+    fleet: EngineFleet,
+    policy: str,
+    routers: int,
+    convs: Sequence[Conversation],
+    routes: list[list[int]],
+    args: argparse.Namespace,
+    views: Views,
+) -> list[Outcome]:
+    """The K routers as ``meshkit serve`` processes, each request sent to the port
+    of the one ``routes`` names."""
+    import tempfile
+
+    gateways: list[GatewayStarted] = []
+    stop = threading.Event()
+    with tempfile.TemporaryDirectory(prefix="real-engine-") as tmp:
+        try:
+            for i in range(routers):
+                config = Path(tmp) / f"router{i}.toml"
+                _gateway_config(config, fleet.urls, policy, 7 + i, args.probe_interval)
+                gateways.append(start_gateway(["--config", str(config), "--port", "0"]))
+            urls = [g.url for g in gateways]
+            for url in urls:  # every engine seen healthy before the first request
+                deadline = time.monotonic() + 60
+                while httpx.get(url + "/health", trust_env=False).json().get(
+                    "healthy_workers"
+                ) != len(fleet.urls):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{url}: the engines were not all healthy in 60 s")
+                    time.sleep(0.1)
+            watcher = threading.Thread(
+                target=_watch_gateways, args=(urls, args.engines, stop, views), daemon=True
+            )
+            watcher.start()
+            try:
+                return replay_routers(
+                    urls,
+                    convs,
+                    routes,
+                    turns=args.turns,
+                    max_tokens=args.max_tokens,
+                    concurrency=args.concurrency,
+                    shuffle_seed=args.seed,
+                )
+            finally:
+                stop.set()
+                watcher.join()
+        finally:
+            for g in gateways:
+                g.proc.terminate()
+            for g in gateways:
+                try:
+                    g.proc.wait(timeout=15)
+                except Exception:
+                    g.proc.kill()
+                    g.proc.wait()
+
+
+def _mesh_run(
+    fleet: EngineFleet,
+    policy: str,
+    routers: int,
+    convs: Sequence[Conversation],
+    routes: list[list[int]],
+    args: argparse.Namespace,
+    views: Views,
+) -> list[Outcome]:
+    """The K routers as ``Mesh`` objects in this process (``--in-process``)."""
+    meshes = [
+        Mesh(
+            workers=fleet.urls,
+            policy=policy,
+            routing={"seed": 7 + i},
+            lifecycle={"health_interval_s": args.probe_interval},
+        )
+        for i in range(routers)
+    ]
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(meshes, args.engines, stop, views), daemon=True)
+    try:
+        for m in meshes:
+            m.start_lifecycle()
+        watcher.start()
+        return replay_routers(
+            meshes,
+            convs,
+            routes,
+            turns=args.turns,
+            max_tokens=args.max_tokens,
+            concurrency=args.concurrency,
+            shuffle_seed=args.seed,
+        )
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()
+        for m in meshes:
+            m.close()
+
+
 def one_run(
     round_: int,
     policy: str,
@@ -228,42 +365,12 @@ def one_run(
     ram = None if args.cache_ram_mib < 0 else args.cache_ram_mib
     routes = routes_for(len(convs), args.turns, routers, args.route_seed)
     views = Views()
+    run = _mesh_run if args.in_process else _gateway_run
     with EngineFleet(
         args.engines, ctx=args.ctx, parallel=args.parallel, cache_ram_mib=ram
     ) as fleet:
         fleet.warm_up()
-        meshes = [
-            Mesh(
-                workers=fleet.urls,
-                policy=policy,
-                routing={"seed": 7 + i},
-                lifecycle={"health_interval_s": args.probe_interval},
-            )
-            for i in range(routers)
-        ]
-        stop = threading.Event()
-        watcher = threading.Thread(
-            target=_watch, args=(meshes, args.engines, stop, views), daemon=True
-        )
-        try:
-            for m in meshes:
-                m.start_lifecycle()
-            watcher.start()
-            results = replay_routers(
-                meshes,
-                convs,
-                routes,
-                turns=args.turns,
-                max_tokens=args.max_tokens,
-                concurrency=args.concurrency,
-                shuffle_seed=args.seed,
-            )
-        finally:
-            stop.set()
-            if watcher.is_alive():
-                watcher.join()
-            for m in meshes:
-                m.close()
+        results = run(fleet, policy, routers, convs, routes, args, views)
         summary = summarize(results, fleet.aliases)
     per_router = [sum(r[i] == k for r in routes for i in range(len(convs))) for k in range(routers)]
     return Run(
@@ -315,9 +422,10 @@ def _table(runs: list[Run], policies: Sequence[str], base: str) -> list[str]:
 
     lines = [
         "| policy | cached-token ratio | mean TTFT | p90 TTFT | mean TTFT, turns 2+ "
+        "| engine prefill, turns 2+ "
         f"| mean latency | p90 latency | TTFT vs {base} | TTFT turns 2+ vs {base} "
         "| requests per engine (all rounds) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in policies:
         rs = [r for r in runs if r.policy == p]
@@ -335,6 +443,7 @@ def _table(runs: list[Run], policies: Sequence[str], base: str) -> list[str]:
             f"| {_fmt([r.summary.mean_ttft for r in rs])} "
             f"| {_fmt([r.summary.p90_ttft for r in rs])} "
             f"| {_fmt([r.summary.later_mean_ttft for r in rs])} "
+            f"| {_fmt([r.summary.later_mean_prefill for r in rs])} "
             f"| {_fmt([r.summary.mean_latency for r in rs])} "
             f"| {_fmt([r.summary.p90_latency for r in rs])} "
             f"| {_fmt(ttft_ratio, unit=TIMES) if ttft_ratio else DASH} "
@@ -369,15 +478,21 @@ def report(runs: list[Run], args: argparse.Namespace, meta: dict[str, str]) -> s
         "requests per run, "
         f"~{args.system_tokens}-token system prompt per tenant, max_tokens {args.max_tokens}, "
         f"temperature 0, {args.concurrency} concurrent clients",
-        f"- **Routers**: K = {', '.join(map(str, ks))}: K independent in-process `Mesh` "
-        "objects per run (nothing shared), each request through one drawn at random "
+        f"- **Routers**: K = {', '.join(map(str, ks))}: K independent "
+        + (
+            "in-process `Mesh` objects"
+            if args.in_process
+            else "`meshkit serve` processes (a config file each)"
+        )
+        + " per run (nothing shared), each request through one drawn at random "
         f"(`--route-seed {args.route_seed}`, the same draw for every policy); each probes "
         f"the engines every {args.probe_interval:g} s and reads their `/metrics` "
         "(`llamacpp:requests_processing`, `llamacpp:requests_deferred`); no KV events",
         f"- **Rounds**: {len(rounds)}, (K, policy) order reversed every other round; "
         f"median (min{DASH}max) over rounds; ratios against {base} of the same round and K",
         f"- **Pinning**: none {DASH} the engines take one core each; the client and the "
-        f"in-process meshes share them. Load average before/after: {meta['load']}",
+        + ("in-process meshes" if args.in_process else "gateways")
+        + f" share them. Load average before/after: {meta['load']}",
         "",
     ]
     for k in ks:
@@ -401,9 +516,10 @@ def report(runs: list[Run], args: argparse.Namespace, meta: dict[str, str]) -> s
         "saw them in the engines' last `/metrics` (its report minus its own in flight), "
         "summed over the engines, sampled every 0.25 s per router: mean / max.",
         "",
-        "| round | K | policy | cached | mean TTFT | p90 TTFT | TTFT turns 2+ | mean latency "
+        "| round | K | policy | cached | mean TTFT | p90 TTFT | TTFT turns 2+ "
+        "| engine prefill, turns 2+ | mean latency "
         "| per engine | per router | other routers' load | wall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         s = r.summary
@@ -411,7 +527,7 @@ def report(runs: list[Run], args: argparse.Namespace, meta: dict[str, str]) -> s
         lines.append(
             f"| {r.round + 1} | {r.routers} | {r.policy} | {s.cached_ratio:.1%} "
             f"| {s.mean_ttft:.2f}s | {s.p90_ttft:.2f}s | {s.later_mean_ttft:.2f}s "
-            f"| {s.mean_latency:.2f}s "
+            f"| {s.later_mean_prefill:.3f}s | {s.mean_latency:.2f}s "
             f"| {', '.join(f'{k}: {n}' for k, n in sorted(s.per_engine.items()))} "
             f"| {' / '.join(map(str, r.per_router))} "
             f"| {v.others_mean:.2f} / {v.others_max} "
@@ -520,9 +636,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--routers",
         default=[1],
         type=_ks,
-        help="K independent routers (Mesh objects) per run; a comma list compares them",
+        help="K independent routers per run; a comma list compares them",
     )
     ap.add_argument("--route-seed", type=int, default=5, help="which router takes each request")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="the K routers as Mesh objects in this process, not `meshkit serve` processes",
+    )
     ap.add_argument(
         "--probe-interval", type=float, default=1.0, help="lifecycle.health_interval_s (s)"
     )
@@ -556,7 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"round {n + 1} K={routers} {policy:<12} cached {s.cached_ratio:6.1%}  "
                 f"TTFT mean {s.mean_ttft:6.2f}s p90 {s.p90_ttft:6.2f}s "
-                f"turns 2+ {s.later_mean_ttft:6.2f}s  "
+                f"turns 2+ {s.later_mean_ttft:6.2f}s (engine prefill {s.later_mean_prefill:.3f}s)  "
                 f"latency mean {s.mean_latency:6.2f}s  {s.per_engine}  "
                 f"routers {run.per_router} others {run.views.others_mean:.2f}/"
                 f"{run.views.others_max} reported {run.views.reported}/{run.views.samples}  "

@@ -33,7 +33,7 @@ from meshkit.core.kv_events import relay_topic  # noqa: E402
 from meshkit.core.workers import Worker  # noqa: E402
 from meshkit.lifecycle.kv_relay import KvRelay, relay_registry  # noqa: E402
 from meshkit.mock.thread import MockWorkerThread  # noqa: E402
-from meshkit.testing.kv_relay import start_kv_relay  # noqa: E402
+from meshkit.testing.commands import start_kv_relay  # noqa: E402
 
 
 @contextmanager

@@ -11,14 +11,18 @@ the conversation) before computes only the new tail.
 :func:`make_tenants` writes deterministic system prompts (no tokenizer needed:
 about 4 characters per SmolLM2 token). :func:`replay` sends the
 conversations through a :class:`~meshkit.Mesh` (an ``httpx`` client on
-:class:`~meshkit.MeshTransport`, streamed chat completions with
-``stream_options.include_usage``, ``temperature`` 0) and records, per request:
+:class:`~meshkit.MeshTransport`), or through gateways (``meshkit serve``: a base
+URL each), as streamed chat completions with ``stream_options.include_usage``,
+``temperature`` 0, and records, per request:
 
 * the engine that answered (the ``model`` of the response: each engine of an
   :class:`~meshkit.testing.EngineFleet` serves its own alias);
 * the engine-reported ``prompt_tokens`` and
   ``prompt_tokens_details.cached_tokens``;
-* the client-measured time to the first content token and to the end.
+* the client-measured time to the first content token and to the end;
+* the engine's own prefill time, where it reports one (llama.cpp: ``timings``
+  ``prompt_ms`` in the last chunk): what the engine spent on the prompt, without
+  the client's and the routers' share of the TTFT.
 
 Turns are replayed in rounds: round *t* sends turn *t* of every conversation
 (tenants interleaved) over ``concurrency`` client threads, and a conversation's
@@ -126,6 +130,8 @@ class Outcome:
     cached_tokens: int = 0
     completion_tokens: int = 0
     ttft: float | None = None
+    #: the engine's prefill time in seconds, when it reports one
+    prefill: float | None = None
     latency: float = 0.0
     text: str = ""
     error: str = ""
@@ -221,6 +227,9 @@ def stream_chat(
                 out.completion_tokens = int(usage.get("completion_tokens") or 0)
                 details = usage.get("prompt_tokens_details") or {}
                 out.cached_tokens = int(details.get("cached_tokens") or 0)
+            timings = chunk.get("timings")
+            if isinstance(timings, dict) and isinstance(timings.get("prompt_ms"), int | float):
+                out.prefill = timings["prompt_ms"] / 1000.0
             if "error" in chunk:
                 out.error = json.dumps(chunk["error"])[:200]
     out.latency = clock() - start
@@ -230,7 +239,7 @@ def stream_chat(
 
 
 def replay(
-    mesh: Mesh | Sequence[Mesh],
+    mesh: Mesh | Sequence[Mesh | str],
     conversations: Sequence[Conversation],
     *,
     turns: int,
@@ -249,16 +258,20 @@ def replay(
         given one. A fixed cyclic order can line up with round robin's cycle (an
         even number of tenants on two engines gives round robin perfect tenant
         affinity), which real arrivals never do.
-    :param mesh: one router, or several independent ones (K routers over one fleet).
+    :param mesh: one router, or several independent ones (K routers over one fleet):
+        each a :class:`~meshkit.Mesh` in this process or a gateway's base URL.
     :param routes: with several routers, ``routes[turn][i]`` is the router that
         sends turn ``turn`` of conversation ``i`` (default: the first).
     """
-    meshes = [mesh] if isinstance(mesh, Mesh) else list(mesh)
-    transports = [MeshTransport(m) for m in meshes]
-    # The client's host is ignored: the transport places every request.
+    routers = [mesh] if isinstance(mesh, Mesh) else list(mesh)
+    transports = [MeshTransport(m) for m in routers if isinstance(m, Mesh)]
+    made = iter(transports)
+    # Through a transport the client's host is ignored: it places every request.
     clients = [
-        httpx.Client(transport=t, base_url="http://mesh.invalid", timeout=timeout)
-        for t in transports
+        httpx.Client(base_url=r, timeout=timeout, trust_env=False)
+        if isinstance(r, str)
+        else httpx.Client(transport=next(made), base_url="http://mesh.invalid", timeout=timeout)
+        for r in routers
     ]
     lock = threading.Lock()
     results: list[Outcome] = []
@@ -317,6 +330,8 @@ class Summary:
     #: mean TTFT of turns 2 and later: a tenant's first turn is cold whatever the
     #: policy, the later ones show what placement kept warm
     later_mean_ttft: float = 0.0
+    #: the engines' own mean prefill time of turns 2 and later (0: none reported)
+    later_mean_prefill: float = 0.0
 
     @property
     def cached_ratio(self) -> float:
@@ -335,6 +350,7 @@ def summarize(results: Sequence[Outcome], engines: Sequence[str] = ()) -> Summar
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     later = [r.ttft for r in ok if r.ttft is not None and r.turn > 0]
+    prefills = [r.prefill for r in ok if r.prefill is not None and r.turn > 0]
     lats = [r.latency for r in ok]
     per_engine = dict.fromkeys(engines, 0)
     for r in ok:
@@ -350,4 +366,5 @@ def summarize(results: Sequence[Outcome], engines: Sequence[str] = ()) -> Summar
         p90_latency=_p90(lats),
         per_engine=per_engine,
         later_mean_ttft=statistics.fmean(later) if later else 0.0,
+        later_mean_prefill=statistics.fmean(prefills) if prefills else 0.0,
     )
