@@ -91,8 +91,9 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -268,7 +269,6 @@ def _gateway_run(
     import tempfile
 
     gateways: list[GatewayStarted] = []
-    stop = threading.Event()
     with tempfile.TemporaryDirectory(prefix="real-engine-") as tmp:
         try:
             for i in range(routers):
@@ -284,23 +284,8 @@ def _gateway_run(
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{url}: the engines were not all healthy in 60 s")
                     time.sleep(0.1)
-            watcher = threading.Thread(
-                target=_watch_gateways, args=(urls, args.engines, stop, views), daemon=True
-            )
-            watcher.start()
-            try:
-                return replay_routers(
-                    urls,
-                    convs,
-                    routes,
-                    turns=args.turns,
-                    max_tokens=args.max_tokens,
-                    concurrency=args.concurrency,
-                    shuffle_seed=args.seed,
-                )
-            finally:
-                stop.set()
-                watcher.join()
+            watch = partial(_watch_gateways, urls, args.engines, views=views)
+            return _watched(urls, watch, convs, routes, args)
         finally:
             for g in gateways:
                 g.proc.terminate()
@@ -331,14 +316,30 @@ def _mesh_run(
         )
         for i in range(routers)
     ]
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(meshes, args.engines, stop, views), daemon=True)
     try:
         for m in meshes:
             m.start_lifecycle()
-        watcher.start()
+        watch = partial(_watch, meshes, args.engines, views=views)
+        return _watched(meshes, watch, convs, routes, args)
+    finally:
+        for m in meshes:
+            m.close()
+
+
+def _watched(
+    routers: Sequence[Mesh | str],
+    watch: Callable[[threading.Event], None],
+    convs: Sequence[Conversation],
+    routes: list[list[int]],
+    args: argparse.Namespace,
+) -> list[Outcome]:
+    """The replay through ``routers``, with ``watch`` sampling them until it ends."""
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
+    watcher.start()
+    try:
         return replay_routers(
-            meshes,
+            routers,
             convs,
             routes,
             turns=args.turns,
@@ -348,10 +349,7 @@ def _mesh_run(
         )
     finally:
         stop.set()
-        if watcher.is_alive():
-            watcher.join()
-        for m in meshes:
-            m.close()
+        watcher.join()
 
 
 def one_run(

@@ -73,13 +73,14 @@ def publishing_fleet(mock_factory: Callable[..., MockWorkerThread]) -> list[Mock
     ]
 
 
-def router(mesh_factory: Callable[..., Mesh], fleet: list[MockWorkerThread]) -> Mesh:
+def router(mesh_factory: Callable[..., Mesh], fleet: list[MockWorkerThread], **kw: Any) -> Mesh:
+    """A ``cache_aware`` router subscribed to ``fleet``'s events (``kw``: other
+    settings; by default no probes)."""
     workers = [
         Worker(w.url, kv_events=w.kv_events_endpoint, kv_replay=w.kv_replay_endpoint) for w in fleet
     ]
-    mesh = mesh_factory(
-        workers=workers, policy="cache_aware", tokenizer=TOKENIZER, lifecycle={"probe": False}
-    )
+    settings: dict[str, Any] = {"tokenizer": TOKENIZER, "lifecycle": {"probe": False}, **kw}
+    mesh = mesh_factory(workers=workers, policy="cache_aware", **settings)
     mesh.lifecycle.start()
     return mesh
 
@@ -136,18 +137,12 @@ def test_a_request_events_could_not_place_is_counted_and_warned_once(
     mesh_factory: Callable[..., Mesh],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    fleet = publishing_fleet(mock_factory)
-    workers = [
-        Worker(w.url, kv_events=w.kv_events_endpoint, kv_replay=w.kv_replay_endpoint) for w in fleet
-    ]
-    mesh = mesh_factory(
-        workers=workers,
-        policy="cache_aware",
+    mesh = router(
+        mesh_factory,
+        publishing_fleet(mock_factory),
         tokenizer=None if reason == "no_tokenizer" else TOKENIZER,
         prepare={"max_tokenize_bytes": 4096},
-        lifecycle={"probe": False},
     )
-    mesh.lifecycle.start()
     mode = MODE_CLASSES["transport"](mesh)
     try:
         # Until a batch says the engines' block size, nothing is matched on events.
@@ -235,16 +230,8 @@ def test_a_worker_whose_model_list_changes_keeps_what_its_engine_holds(
     import httpx2
 
     fleet = publishing_fleet(mock_factory)
-    workers = [
-        Worker(w.url, kv_events=w.kv_events_endpoint, kv_replay=w.kv_replay_endpoint) for w in fleet
-    ]
-    mesh = mesh_factory(
-        workers=workers,
-        policy="cache_aware",
-        tokenizer=TOKENIZER,
-        lifecycle={"health_interval_s": 0.05, "health_timeout_s": 2.0, "models_interval_s": 0.05},
-    )
-    mesh.lifecycle.start()
+    probes = {"health_interval_s": 0.05, "health_timeout_s": 2.0, "models_interval_s": 0.05}
+    mesh = router(mesh_factory, fleet, lifecycle=probes)
     kv, a = mesh.fleet.kv, fleet[0]
 
     def listed(adapters: frozenset[str]) -> bool:
