@@ -45,8 +45,10 @@ their thresholds to different workers, never a whole prefix: a plan of steps
 whose estimate straddles a step, and at K routers the mid-sized prefixes do.
 
 Noise: at ``K`` routers each estimate rests on ``1/K`` of the requests, so the
-shares differ a little between routers; the plan is recomputed after 8, 16, 32,
-… observations, then every :data:`REPLAN_EVERY`, and when the fleet changes.
+shares differ a little between routers; the plan is recomputed after 1, 2, 4, 8,
+… observations, then every :data:`REPLAN_EVERY`, and when the fleet changes. (A
+first plan kept until the eighth request sent the second to seventh tenants to
+their ring owners whatever those already held.)
 """
 
 from __future__ import annotations
@@ -241,7 +243,7 @@ class TrafficShares:
         self._counts: Decayed[int] = Decayed(half_life_s)
         self._total: Decayed[int] = Decayed(half_life_s)
         self._seen = 0
-        self._next_plan = 8
+        self._next_plan = 1
         self._plan: Plan | None = None
         self._members: tuple[str, ...] = ()
 
@@ -263,7 +265,7 @@ class TrafficShares:
         members = tuple(members)
         due = self._seen >= self._next_plan
         if due:
-            # 8, 16, 32, 64, 128 observations, then every REPLAN_EVERY
+            # 1, 2, 4, ... 128 observations, then every REPLAN_EVERY
             nxt = self._next_plan
             self._next_plan = nxt * 2 if nxt < REPLAN_EVERY else self._seen + REPLAN_EVERY
         if due or self._plan is None or members != self._members:
