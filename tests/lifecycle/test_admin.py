@@ -105,6 +105,36 @@ def test_bad_input(admin: Any) -> None:
     assert client.get("/workers/0/drain").status_code == 405
 
 
+def test_a_worker_added_with_its_kv_publisher_is_matched_on_its_events(
+    admin: Any, mock_factory: Any
+) -> None:
+    pytest.importorskip("zmq")
+    client, mesh, _ = admin
+    engine = mock_factory(
+        name="engine", cache_tokens=100_000, block_size=4, kv_events="tcp://127.0.0.1:0"
+    )
+    bad = {"url": engine.url, "kv_events": "udp://x"}
+    r = client.post("/workers", json=bad)
+    assert r.status_code == 400 and "workers.kv_events" in r.json()["error"]["message"]
+    r = client.post("/workers", json={"url": engine.url, "kv_replay": "tcp://127.0.0.1:1"})
+    assert r.status_code == 400 and "needs kv_events" in r.json()["error"]["message"]
+    r = client.post("/workers", json={"url": engine.url, "kv_events": engine.kv_events_endpoint})
+    assert r.status_code == 201, r.text
+    wid = Worker(engine.url).id
+    sent = iter(range(1000))
+
+    def stored() -> bool:
+        # A batch published before the subscription connects is not seen (no
+        # replay endpoint here): new prompts until one is.
+        prompt = f"prompt {next(sent)} " + "many words " * 20
+        r = httpx2.post(engine.url + "/v1/completions", json={"prompt": prompt})
+        return r.status_code == 200 and mesh.fleet.kv.blocks_of(wid) > 0
+
+    assert wait_until(stored)  # its publisher is followed
+    rows = client.get("/workers").json()["workers"]
+    assert next(w["prefix_match"] for w in rows if w["url"] == engine.url) == "events"
+
+
 def test_sleep_and_wake(admin: Any) -> None:
     client, mesh, sleepy = admin
     wid = mesh.workers[1].id

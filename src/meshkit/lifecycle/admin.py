@@ -12,7 +12,8 @@ mount (or any ASGI server to serve on an internal port)::
 ``GET /workers``                           the fleet: state, load, leases,
                                            breaker, activity (never API keys)
 ``POST /workers``                          add one: ``{"url", "api_key"?,
-                                           "labels"?}`` → 201
+                                           "labels"?, "kv_events"?,
+                                           "kv_replay"?}`` → 201
 ``DELETE /workers/{id}``                   drain, then remove → 200
 ``POST /workers/{id}/drain``               stop placements, wait for leases
 ``POST /workers/{id}/sleep``               ``?level=N``; 409 while it holds a
@@ -203,19 +204,26 @@ class AdminApp:
             raise _error(400, "invalid_json", "the body is not JSON") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("url"), str):
             raise _error(400, "invalid_worker", 'the body must be {"url": ..., ...}')
-        unknown = set(obj) - {"url", "api_key", "labels"}
+        unknown = set(obj) - {"url", "api_key", "labels", "kv_events", "kv_replay"}
         if unknown:
             raise _error(400, "invalid_worker", f"unknown keys: {sorted(unknown)}")
         key = obj.get("api_key")
         labels = obj.get("labels") or {}
-        if key is not None and not isinstance(key, str):
-            raise _error(400, "invalid_worker", "api_key must be a string")
+        for name in ("api_key", "kv_events", "kv_replay"):
+            if obj.get(name) is not None and not isinstance(obj[name], str):
+                raise _error(400, "invalid_worker", f"{name} must be a string")
         if not isinstance(labels, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
         ):
             raise _error(400, "invalid_worker", "labels must map strings to strings")
         try:
-            worker = Worker(obj["url"], api_key=key, labels=labels)
+            worker = Worker(
+                obj["url"],
+                api_key=key,
+                labels=labels,
+                kv_events=obj.get("kv_events"),
+                kv_replay=obj.get("kv_replay"),
+            )
         except ConfigError as exc:
             # ConfigError messages name the key and the URL, never the api_key.
             raise _error(400, "invalid_worker", str(exc)) from None
