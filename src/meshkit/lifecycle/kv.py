@@ -116,6 +116,9 @@ def subscriber(ctx: Any, config: KvConfig, topic: bytes) -> Any:
         ms = max(1, int(config.heartbeat_s * 1000))
         sub.setsockopt(zmq.HEARTBEAT_IVL, max(1, ms // 3))
         sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
+        # Pings start after the handshake: a peer that accepts the connection and
+        # then answers nothing would otherwise hold it for libzmq's 30 s default.
+        sub.setsockopt(zmq.HANDSHAKE_IVL, ms)
     return sub
 
 
