@@ -87,8 +87,14 @@ def test_the_relay_keys_are_read_from_a_file_and_checked(tmp_path: Path) -> None
     path.write_text(
         '[kv]\nrelay = "tcp://relay:5600"\n\n'
         '[kv_relay]\nbind = "tcp://*:5600"\npublishers = ["tcp://gpu:5557"]\nsend_hwm = 50\n'
+        "follow_routers = false\nmax_followed = 3\n"
     )
     config = MeshConfig.from_file(str(path))
+    assert (config.kv_relay.follow_routers, config.kv_relay.max_followed) == (False, 3)
+    assert MeshConfig.build().kv_relay.follow_routers is True
+    with pytest.raises(ConfigError) as info:
+        MeshConfig.build(kv_relay={"max_followed": 0})
+    assert info.value.key == "kv_relay.max_followed"
     assert config.kv.relay == "tcp://relay:5600"
     assert config.kv_relay.bind == "tcp://*:5600"
     assert config.kv_relay.publishers == ("tcp://gpu:5557",)

@@ -426,6 +426,11 @@ class KvRelayConfig:
     # /metrics over HTTP on metrics_host; 0 = none.
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    # Also relay the engines routers subscribe to that no worker or publisher here
+    # names (a worker added by an admin verb, found by a router's own discovery).
+    follow_routers: bool = True
+    # Engines followed that way, at most (past it a router's subscription is refused).
+    max_followed: int = 1024
 
     def __post_init__(self) -> None:
         zmq_endpoint("kv_relay.bind", self.bind, bind=True)
@@ -433,7 +438,7 @@ class KvRelayConfig:
         publisher_endpoints(self.publishers, "kv_relay.publishers")
         if self.replay_bind:
             zmq_endpoint("kv_relay.replay_bind", self.replay_bind, bind=True)
-        for name in ("send_hwm", "replay_bytes"):
+        for name in ("send_hwm", "replay_bytes", "max_followed"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"kv_relay.{name}", "must be at least 1")
         if not 0 <= self.metrics_port <= 65535:

@@ -72,6 +72,8 @@ def relay_of(
     kv: KvConfig | None = None,
     replay_bytes: int = 16 * 1024 * 1024,
     engine_replay: str | None = None,
+    follow_routers: bool = True,
+    max_followed: int = 1024,
 ) -> KvRelay:
     """A relay of ``publishers`` (the first with ``engine_replay``, its engine's)."""
     return KvRelay(
@@ -81,6 +83,8 @@ def relay_of(
             send_hwm=send_hwm,
             replay_bind="tcp://127.0.0.1:*",
             replay_bytes=replay_bytes,
+            follow_routers=follow_routers,
+            max_followed=max_followed,
         ),
         kv or KvConfig(),
     )
@@ -415,10 +419,17 @@ def test_an_engine_replay_that_never_ends_holds_the_routers_no_longer_than_the_t
 def test_the_relay_follows_a_changed_list_of_publishers(
     publisher: Callable[..., Publisher], router: Callable[..., Mesh]
 ) -> None:
+    # The list alone (kv_relay.follow_routers off): what routers ask adds nothing.
     a, b = publisher(), publisher()
-    with running(relay_of(a.endpoint)) as relay:
+    with running(relay_of(a.endpoint, follow_routers=False)) as relay:
         on_a = router(relay, a.endpoint)
         on_b = router(relay, b.endpoint, url="http://127.0.0.1:10")
+        store_until_seen(on_a, a)
+        for i in range(10):
+            b.store([b.seq + 30_000 + i], None, [7, 7, 7, i])
+        time.sleep(0.3)
+        assert blocks(on_b, "http://127.0.0.1:10") == 0  # b is not relayed
+        assert [src.endpoint for src in relay.sources] == [a.endpoint]
         store_until_seen(on_a, a)
         relay.request({a.endpoint: None, b.endpoint: None})  # b joins the fleet
         deadline = time.monotonic() + 20
@@ -429,6 +440,32 @@ def test_the_relay_follows_a_changed_list_of_publishers(
         relay.request({b.endpoint: None})  # a leaves: its routers start again
         until(lambda: blocks(on_a) == 0, "a's entries dropped")
         assert [src.endpoint for src in relay.sources] == [b.endpoint]
+
+
+def test_an_engine_no_list_names_is_relayed_while_a_router_asks_for_it(
+    publisher: Callable[..., Publisher], router: Callable[..., Mesh]
+) -> None:
+    # A worker an admin added, or one a router's own discovery found: the relay's
+    # list does not name its engine, and its routers subscribe to it all the same.
+    a, b, c = publisher(), publisher(), publisher()
+    with running(relay_of(a.endpoint, max_followed=1)) as relay:
+        on_b = router(relay, b.endpoint, url="http://127.0.0.1:10")
+        deadline = time.monotonic() + 20
+        while not blocks(on_b, "http://127.0.0.1:10"):
+            assert time.monotonic() < deadline, "b's batches never came through"
+            b.store([b.seq + 20_000], None, [7, 7, 7, b.seq])
+            time.sleep(0.05)
+        assert {src.endpoint for src in relay.sources} == {a.endpoint, b.endpoint}
+        # Past kv_relay.max_followed, a router's ask is refused (and counted).
+        on_c = router(relay, c.endpoint, url="http://127.0.0.1:11")
+        until(lambda: relay.refused == 1, "c refused")
+        for i in range(10):
+            c.store([c.seq + 30_000 + i], None, [8, 8, 8, i])
+        time.sleep(0.3)
+        assert blocks(on_c, "http://127.0.0.1:11") == 0
+        # The last router to b leaves: b is no longer relayed; a, listed, stays.
+        on_b.close()
+        until(lambda: [s.endpoint for s in relay.sources] == [a.endpoint], "b dropped")
 
 
 def test_a_message_over_the_bound_costs_the_engine_its_routers_not_the_relay_its_engine(
@@ -561,8 +598,11 @@ def _relay_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_kv_relay_without_a_publisher_or_with_a_bad_endpoint_exits_2() -> None:
-    done = _relay_cli("--bind", "tcp://127.0.0.1:*")
+def test_kv_relay_without_a_publisher_or_with_a_bad_endpoint_exits_2(tmp_path: Path) -> None:
+    # Without a publisher, it relays only what routers ask: that needs follow_routers.
+    config = tmp_path / "relay.toml"
+    config.write_text("[kv_relay]\nfollow_routers = false\n")
+    done = _relay_cli("--config", str(config), "--bind", "tcp://127.0.0.1:*")
     assert done.returncode == 2
     assert "no publisher to relay" in done.stderr
     done = _relay_cli("--publisher", "tcp://*:5557")

@@ -328,19 +328,29 @@ class KvRelay:
         relay: KvRelayConfig,
         kv: KvConfig,
     ) -> None:
-        if not publishers:
+        if not publishers and not relay.follow_routers:
             raise ConfigError(
                 "kv_relay.publishers",
-                "no publisher to relay: name workers with kv_events, or publishers",
+                "no publisher to relay: name workers with kv_events, or publishers "
+                "(or let the relay follow what routers ask: kv_relay.follow_routers)",
             )
         import zmq
 
         self._zmq = zmq
         self.kv = kv
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        # XPUB: a PUB that also reads the routers' subscriptions, the first to each
+        # topic and the last one's end (ZeroMQ folds the rest).
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, relay.send_hwm)
+        #: the publishers listed (config, discovery, flags), and those only routers name
+        self._listed: dict[str, str | None] = dict(publishers)
+        self._asked: dict[str, None] = {}
+        self._follow = relay.follow_routers
+        self._max_followed = relay.max_followed
+        #: routers' subscriptions refused (not a tcp endpoint, or past max_followed)
+        self.refused = 0
         try:
             self._pub.bind(relay.bind)
         except zmq.ZMQError:
@@ -367,6 +377,7 @@ class KvRelay:
                 raise
             self.replay_endpoint = self._replays.getsockopt_string(zmq.LAST_ENDPOINT)
             self._poller.register(self._replays, zmq.POLLIN)
+        self._poller.register(self._pub, zmq.POLLIN)
         self._by_socket: dict[Any, _Source] = {}
         #: publishers for :meth:`serve` to switch to (:meth:`request`)
         self._pending: queue.SimpleQueue[Mapping[str, str | None]] = queue.SimpleQueue()
@@ -482,8 +493,51 @@ class KvRelay:
         source.sock = source.monitor = None
 
     def request(self, publishers: Mapping[str, str | None]) -> None:
-        """(any thread) :meth:`serve` switches to these publishers at its next turn."""
+        """(any thread) :meth:`serve` switches to these publishers at its next turn
+        (and those routers ask for, :meth:`_on_subscriptions`)."""
         self._pending.put(dict(publishers))
+
+    def _wanted(self) -> dict[str, str | None]:
+        return {**self._asked, **self._listed}
+
+    def _on_subscriptions(self) -> None:
+        """Routers' subscriptions: an engine no one listed that a router subscribes
+        to is followed (tcp endpoints, up to ``kv_relay.max_followed``) until the
+        last router to it unsubscribes."""
+        zmq = self._zmq
+        changed = False
+        for _ in range(_TURN):
+            try:
+                msg = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if not self._follow or len(msg) < 3 or msg[-1:] != b"\0":
+                continue  # a router's whole-socket subscription, or not a relay topic
+            try:
+                endpoint = msg[1:-1].decode("utf-8")
+            except UnicodeDecodeError:
+                self.refused += 1
+                continue
+            if msg[0] == 0:
+                if endpoint in self._asked:
+                    del self._asked[endpoint]
+                    changed = True
+            elif endpoint not in self._listed and endpoint not in self._asked:
+                if not endpoint.startswith("tcp://") or "*" in endpoint:
+                    self.refused += 1
+                elif len(self._asked) >= self._max_followed:
+                    self.refused += 1
+                    log.warning(
+                        "kv relay: a router asked for %s past kv_relay.max_followed = %d; "
+                        "not relayed",
+                        endpoint,
+                        self._max_followed,
+                    )
+                else:
+                    self._asked[endpoint] = None
+                    changed = True
+        if changed:
+            self.update(self._wanted())
 
     def update(self, publishers: Mapping[str, str | None]) -> None:
         """Relay these publishers from now on (on :meth:`serve`'s thread; from others,
@@ -516,10 +570,14 @@ class KvRelay:
             while not self._pending.empty():
                 pending = self._pending.get_nowait()  # the newest request wins
             if pending is not None:
-                self.update(pending)
+                self._listed = pending
+                self.update(self._wanted())
             for sock, _ in self._poller.poll(_POLL_MS):
                 if sock is self._replays:
                     self._answer()
+                    continue
+                if sock is self._pub:
+                    self._on_subscriptions()
                     continue
                 source = self._by_socket.get(sock)
                 if source is None:
@@ -638,7 +696,8 @@ def relay_registry(relay: KvRelay) -> Any:
     only adds to plain ints): ``mesh_kv_relay_messages_total{publisher,outcome}``
     (``forwarded``, ``malformed``), ``mesh_kv_relay_lost_total{publisher}``,
     ``mesh_kv_relay_replays_total``, ``mesh_kv_relay_gaps_total{publisher,outcome}``
-    (``filled``, ``unfilled``) and ``mesh_kv_relay_connected{publisher}``."""
+    (``filled``, ``unfilled``), ``mesh_kv_relay_refused_total`` and
+    ``mesh_kv_relay_connected{publisher}``."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -660,6 +719,12 @@ def relay_registry(relay: KvRelay) -> Any:
                 "Replay requests the relay answered (routers joining, or filling a gap)",
             )
             replays.add_metric([], relay.replays)
+            refused = CounterMetricFamily(
+                "mesh_kv_relay_refused",
+                "Routers' subscriptions to an engine the relay does not list that it "
+                "did not follow (not a tcp endpoint, or past kv_relay.max_followed)",
+            )
+            refused.add_metric([], relay.refused)
             gaps = CounterMetricFamily(
                 "mesh_kv_relay_gaps",
                 "Jumps in an engine's sequence numbers the relay saw: filled from the "
@@ -681,6 +746,7 @@ def relay_registry(relay: KvRelay) -> Any:
             yield messages
             yield lost
             yield replays
+            yield refused
             yield gaps
             yield connected
 
