@@ -570,7 +570,7 @@ class KvRelay:
             while not self._pending.empty():
                 pending = self._pending.get_nowait()  # the newest request wins
             if pending is not None:
-                self._listed = pending
+                self._listed = dict(pending)
                 self.update(self._wanted())
             for sock, _ in self._poller.poll(_POLL_MS):
                 if sock is self._replays:
