@@ -216,3 +216,31 @@ def test_hung_workers_do_not_starve_the_probes_of_healthy_ones(
         assert all(state_of(mesh, w.id) is not State.READY for w in mesh.workers[:-1])
     finally:
         hole.close()
+
+
+def test_a_worker_started_after_its_router_is_ready_at_its_first_good_probe(
+    mesh_factory: Any,
+) -> None:
+    # A gateway and its engines started together: the engine's first probes fail.
+    # It was never ready, so there is no flapping for success_threshold (2) to
+    # guard against; it used to wait a second probe interval.
+    import socket
+
+    from meshkit.mock import MockConfig, MockWorkerThread
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    # Probes a second apart: a second probe within this test's polling is impossible.
+    mesh = mesh_factory(workers=[url], lifecycle={**FAST, "health_interval_s": 1.0})
+    mesh.start_lifecycle()
+    wid = Worker(url).id
+    assert wait_until(lambda: state_of(mesh, wid) is State.FAILED)
+    engine = MockWorkerThread(MockConfig(name="late"), port=port)
+    engine.start()
+    try:
+        assert wait_until(lambda: state_of(mesh, wid) is State.READY, timeout=30)
+        assert engine.worker.stats.requests_total.get("/health") == 1
+    finally:
+        engine.stop()

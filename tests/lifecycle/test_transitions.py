@@ -139,6 +139,22 @@ def test_failed_needs_success_threshold_probes_to_rejoin() -> None:
     assert m.handle(Event.PROBE_OK) is State.READY
 
 
+def test_a_worker_never_ready_rejoins_at_its_first_good_probe() -> None:
+    # Started before its engine: its first probe failed. success_threshold guards
+    # against flapping, which a worker never ready has not done.
+    m = WorkerMachine(Thresholds(failure=3, success=2))
+    m.handle(Event.ADDED)
+    assert m.handle(Event.PROBE_FAILED) is State.FAILED
+    assert m.handle(Event.PROBE_FAILED) is State.FAILED
+    assert m.handle(Event.PROBE_OK) is State.READY
+    # Ready once, it needs success_threshold good probes again.
+    for _ in range(3):
+        m.handle(Event.PROBE_FAILED)
+    assert m.state is State.FAILED
+    assert m.handle(Event.PROBE_OK) is State.FAILED
+    assert m.handle(Event.PROBE_OK) is State.READY
+
+
 def test_thresholds_of_one_settle_at_a_fixed_point() -> None:
     m = WorkerMachine(Thresholds(failure=1, success=1))
     m.handle(Event.ADDED)

@@ -401,6 +401,7 @@ class WorkerMachine:
         "breaker_failures",
         "failures",
         "opened_at",
+        "seen_ready",
         "state",
         "successes",
         "thresholds",
@@ -416,6 +417,9 @@ class WorkerMachine:
         self.breaker_failures = 0  # request failures in a row
         self.opened_at = 0.0
         self.trial = False
+        #: whether it was ever ready (a failed worker that never was rejoins at
+        #: once); a machine made in a later state (a copied fleet) may have been
+        self.seen_ready = state not in (State.UNTRACKED, State.UNVERIFIED)
 
     def __repr__(self) -> str:
         return f"WorkerMachine({self.state.value}, breaker={self.breaker.value})"
@@ -435,12 +439,20 @@ class WorkerMachine:
             self.failures += 1
             self.successes = 0
         self.state = target
+        if target is State.READY:
+            self.seen_ready = True
         # Counter-triggered events, fired once when a streak reaches its
         # threshold; a second pass settles at a fixed point (h11 _state.py).
+        # success_threshold guards against a worker that flaps; one that was never
+        # ready (it failed its first probe: started before its engine) has no
+        # flapping to guard against, and each probe interval it waited for a second
+        # good probe was time its engine served nothing.
         th = self.thresholds
         if event is Event.PROBE_FAILED and self.failures == max(1, th.failure):
             self.handle(Event.HEALTH_LOST)
-        elif event is Event.PROBE_OK and self.successes == max(1, th.success):
+        elif event is Event.PROBE_OK and (
+            self.successes == max(1, th.success) or (target is State.FAILED and not self.seen_ready)
+        ):
             self.handle(Event.HEALTH_RESTORED)
         return self.state
 
