@@ -96,8 +96,10 @@ def relayed() -> Iterator[Callable[..., Mesh]]:
     (published on ``endpoint``) come as its ``[kv]`` table says; closed at teardown."""
     made: list[Mesh] = []
 
-    def make(endpoint: str, kv: dict[str, object], url: str = URL) -> Mesh:
-        w = Worker(url, kv_events=endpoint)
+    def make(
+        endpoint: str, kv: dict[str, object], url: str = URL, replay: str | None = None
+    ) -> Mesh:
+        w = Worker(url, kv_events=endpoint, kv_replay=replay)
         mesh = Mesh(workers=[w], policy="cache_aware", lifecycle={"probe": False}, kv=kv)
         made.append(mesh)
         mesh.lifecycle.start()
@@ -466,6 +468,21 @@ def test_an_engine_no_list_names_is_relayed_while_a_router_asks_for_it(
         # The last router to b leaves: b is no longer relayed; a, listed, stays.
         on_b.close()
         until(lambda: [s.endpoint for s in relay.sources] == [a.endpoint], "b dropped")
+
+
+def test_a_router_joining_an_engine_the_relay_kept_nothing_of_asks_the_engine(
+    publisher: Callable[..., Publisher], relayed: Callable[..., Mesh]
+) -> None:
+    # The relay follows b only once a router asks (no list names it), so it kept
+    # none of what b published before: the router asks b's own replay endpoint.
+    a, b = publisher(), publisher(replay=True)
+    for i in range(3):
+        b.store([50 + i], None if i == 0 else 49 + i, [5, 5, 5, i])
+    with running(relay_of(a.endpoint)) as relay:
+        kv = {"relay": relay.endpoint, "relay_replay": relay.replay_endpoint or ""}
+        mesh = relayed(b.endpoint, kv, replay=b.replay_endpoint)
+        until(lambda: blocks(mesh) == 3, "b's history from its own replay")
+        assert b.replays == 1
 
 
 def test_a_message_over_the_bound_costs_the_engine_its_routers_not_the_relay_its_engine(

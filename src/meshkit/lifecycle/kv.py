@@ -142,7 +142,7 @@ class _Source:
     asked and with which topic (a relay's replay endpoint needs it); ``others``:
     the other relays' replay endpoints, asked for a gap this one cannot fill."""
 
-    __slots__ = ("connect", "others", "replay", "subscribe", "topic")
+    __slots__ = ("connect", "engine", "others", "replay", "subscribe", "topic")
 
     def __init__(
         self, connect: str, replay: str | None, topic: bytes | None, subscribe: bytes
@@ -152,6 +152,8 @@ class _Source:
         self.topic = topic
         self.subscribe = subscribe
         self.others: tuple[str, ...] = ()
+        #: a relay's: the engine's own replay endpoint (the worker's kv_replay)
+        self.engine: str | None = None
 
 
 class _Followed(BatchStream):
@@ -279,6 +281,8 @@ class KvSubscribers:
         sources = [
             _Source(relay, rep, topic, topic) for relay, rep in zip(relays, replays, strict=True)
         ]
+        for source in sources:
+            source.engine = replay
         for i, source in enumerate(sources):
             source.others = replays[i + 1 :] + replays[:i]
         return sources
@@ -369,6 +373,10 @@ class KvSubscribers:
                 # Subscribed first, then asked: what the publisher stored before
                 # (or while) meshkit joined is not missed, even on an idle engine.
                 got = await self._replay(source.replay, 0, _ALL, source.topic)
+                if got is None and source.engine is not None:
+                    # The relay kept nothing of it (it follows the engine since
+                    # lately, or only since a router asked): the engine's own buffer.
+                    got = await self._replay(source.engine, 0, _ALL)
                 if got is not None:
                     await self._join(worker_id, endpoint, stream, got)
             while True:
