@@ -281,10 +281,9 @@ class KvSubscribers:
         sources = [
             _Source(relay, rep, topic, topic) for relay, rep in zip(relays, replays, strict=True)
         ]
-        for source in sources:
-            source.engine = replay
         for i, source in enumerate(sources):
             source.others = replays[i + 1 :] + replays[:i]
+            source.engine = replay
         return sources
 
     async def _follow(self, worker_id: str, endpoint: str, replay: str | None) -> None:
