@@ -17,6 +17,7 @@ import httpx2
 import pytest
 
 from harness import wait_until
+from meshkit.server.supervisor import CHILD_ENV
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -180,6 +181,8 @@ def test_sighup_reloads_every_child(mock_factory: Any, spawn: Any, tmp_path: Pat
 def test_children_do_not_outlive_a_killed_parent(two: Any) -> None:
     kids = children_of(two.popen.pid)
     assert len(kids) == 2
+    run_dir = Path(_place_of(kids[0])["run_dir"])
+    assert run_dir.is_dir()
     two.popen.kill()
     two.popen.wait(10)
 
@@ -187,6 +190,15 @@ def test_children_do_not_outlive_a_killed_parent(two: Any) -> None:
         return not any(Path(f"/proc/{k}").exists() and _alive(k) for k in kids)
 
     assert wait_until(gone, timeout=60)
+    # the parent could not clean up: its last child did
+    assert not run_dir.exists()
+
+
+def _place_of(pid: int) -> dict[str, Any]:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    raw = next(v for v in env if v.startswith(CHILD_ENV.encode() + b"="))
+    place: dict[str, Any] = json.loads(raw.split(b"=", 1)[1])
+    return place
 
 
 def _alive(pid: int) -> bool:

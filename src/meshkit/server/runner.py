@@ -373,7 +373,15 @@ async def _serve_child(
     # the pipe reads EOF and this child drains as if told SIGTERM.
     loop = asyncio.get_running_loop()
     lifeline = child.lifeline_fd
-    loop.add_reader(lifeline, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    orphaned = False
+
+    def parent_gone() -> None:
+        nonlocal orphaned
+        orphaned = True
+        loop.remove_reader(lifeline)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    loop.add_reader(lifeline, parent_gone)
     if child.restarted:
         try:
             # The fleet its siblings run: admin verbs may have changed it since start.
@@ -404,6 +412,17 @@ async def _serve_child(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         await peers.aclose()
+        if orphaned:
+            _leave_run_dir(child.run_dir)
+
+
+def _leave_run_dir(run_dir: str) -> None:
+    """Remove what a killed parent left of the run directory. Each child unlinks its
+    own socket before trying, so the last one out finds the directory empty."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(run_dir, SHARES_FILE))  # siblings keep their mappings
+    with contextlib.suppress(OSError):
+        os.rmdir(run_dir)
 
 
 class GatewayThread:
