@@ -319,12 +319,12 @@ def test_a_turn_taken_by_another_router_sends_the_next_back_to_the_ring(
     assert b.select(kit.ctx(cs, kit.view(texts[1]))).key == owner
     # Router a sees two answers since its turn: the history is where b sent it.
     assert a.select(kit.ctx(cs, kit.view(texts[2]))).key == owner
-    assert (a._turns_own, a._turns_seen) == (0.0, 1.0)
+    assert (a._turns.own, a._turns.seen) == (0.0, 1.0)
     # Had a taken the second turn too, the conversation would stay where it spilled.
     c = PrefixHash(owner_share=0)
     assert c.select(kit.ctx(cs, kit.view(texts[0]), load=hot)).key == spilled
     assert [c.select(kit.ctx(cs, kit.view(t))).key for t in texts[1:]] == [spilled] * 3
-    assert (c._turns_own, c._turns_seen) == (3.0, 3.0)
+    assert (c._turns.own, c._turns.seen) == (3.0, 3.0)
 
 
 def test_without_memory_the_conversation_returns_to_the_owner(kit: SimpleNamespace) -> None:
@@ -502,3 +502,31 @@ def test_a_subclass_is_heard_also_in_the_compiled_build(kit: SimpleNamespace) ->
     got = p.select(kit.ctx(cs, v))
     p.on_placed(got, v, 0.0)
     assert seen == [got.key]
+
+
+def test_every_turn_of_a_chat_with_a_short_first_message_has_one_key(
+    kit: SimpleNamespace,
+) -> None:
+    # Keyed on the first 1,024 characters, turn 2 would take in the first answer
+    # and have another owner; a router that did not place turn 1 follows the ring.
+    p = PrefixHash()
+    cs = kit.cands(8)
+    head = "system\nYou are a helpful assistant.\nuser\nhow do tides work?"
+    answer = "\nassistant\n" + "the moon pulls the sea. " * 10
+    turns = [head, head + answer + "\nuser\nand the sun?"]
+    turns.append(turns[1] + answer + "\nuser\n" + "and in a lake? " * 60)
+    # (a tokenizer's ids of each turn do not change that)
+    points = {p.key_point(kit.ctx(cs, kit.view(t, token_ids=[ord(c) for c in t]))) for t in turns}
+    assert len(points) == 1
+    ids = list(range(300))
+    # each turn through a fresh router: the same worker
+    assert len({PrefixHash().select(kit.ctx(cs, kit.view(t), fleet=cs)).key for t in turns}) == 1
+    # A head past the key's reach (a long system prompt) keys as before: the token
+    # ids when there are some, else the first prefix_chars characters.
+    long = "system\n" + "policy " * 200 + "\nuser\nhi"
+    assert p.key_point(kit.ctx(cs, kit.view(long, token_ids=ids))) == p.key_point(
+        kit.ctx(cs, kit.view("other text", token_ids=ids))
+    )
+    assert p.key_point(kit.ctx(cs, kit.view(long))) == p.key_point(
+        kit.ctx(cs, kit.view(long[:1024] + " and more"))
+    )

@@ -385,7 +385,7 @@ def test_at_four_routers_behind_a_random_balancer_placement_stays_on_the_plan(
     _, moved = _long_conversations(kit, routers, random.Random(3))
     # Each router saw the turn before about a quarter of the time: none places by
     # its own counts, which the others could not follow (forced, 34 turns move).
-    assert not any(r._sees_own_turns() for r in routers)
+    assert not any(r._turns.holds() for r in routers)
     # of 448 follow-ups: 20, the plans' early differences (31 with the first replan
     # at 8 requests, 24 before the segments)
     assert moved <= 28

@@ -9,7 +9,10 @@ The key is the first ``prefix_token_count`` token ids when the prepare stage has
 a tokenizer (it fills :attr:`~meshkit.core.requests.RequestView.token_ids`), and
 otherwise the first ``prefix_chars`` characters of the routing text. Without a
 tokenizer the character prefix is an approximation: two prompts that share 1,024
-characters usually share their first ~250 tokens too.
+characters usually share their first ~250 tokens too. A chat whose first user
+message ends within the first ``prefix_chars`` characters is keyed by its text up
+to there instead: a longer key takes in the first answers, and each turn of it
+would have another owner.
 
 The key is hashed onto a :class:`~meshkit.core.policies.ring.HashRing` built over
 the *whole* fleet (healthy or not) and rebuilt only when the fleet's version
@@ -119,7 +122,7 @@ from mypy_extensions import mypyc_attr
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
 from meshkit.core.policies.ring import HashRing, bounded_load_pick, hash_bytes, hash_token_ids
-from meshkit.core.policies.shares import Decayed, Plan, TrafficShares
+from meshkit.core.policies.shares import Decayed, OwnTurns, Plan, TrafficShares
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker, candidates_for
 from meshkit.errors import ConfigError
@@ -130,11 +133,6 @@ __all__ = ["PrefixHash", "RingCache", "conversation_head"]
 _HEAD_TAIL = 512
 _USER = "\nuser\n"
 _ASSISTANT = "\nassistant\n"
-#: running-conversation turns over which a router judges whether it sees its
-#: conversations' turns itself (older ones count half, then a quarter...)
-_TURNS_WINDOW = 64.0
-#: turns seen before that judgement is made at all
-_TURNS_MIN = 16.0
 
 
 def conversation_head(text: str, limit: int) -> tuple[int, bool] | None:
@@ -294,19 +292,24 @@ class PrefixHash(BasePolicy):
         self._memory: OrderedDict[int, tuple[str, int]] = OrderedDict()
         #: conversations started lately, per candidate key
         self._starts: Decayed[str] = Decayed(self.share_half_life_s)
-        #: running conversations' turns seen (decayed), and those whose turn before
-        #: went through this router too
-        self._turns_seen = 0.0
-        self._turns_own = 0.0
+        #: whether this router saw the turn before of its conversations' turns
+        self._turns = OwnTurns(self.own_turns)
 
     def key_point(self, ctx: PlacementContext) -> int | None:
         """The request's point on the ring, or ``None`` when it has no prefix."""
+        text = ctx.view.routing_text
+        # A chat whose first user message ends within the key's reach is keyed up
+        # to there: a longer key would take in its answers, and each turn of it
+        # would have another owner (the routers that did not place the turn
+        # before follow the ring).
+        head = conversation_head(text, self.prefix_chars)
+        short = head is not None and head[0] < self.prefix_chars
         ids = ctx.view.token_ids
-        if ids:
+        if ids and not short:
             return hash_token_ids(ids[: self.prefix_token_count])
-        text = ctx.view.routing_text[: self.prefix_chars]
-        if text:
-            return hash_bytes(b"c:" + text.encode("utf-8", "surrogatepass"))
+        key = text[: head[0]] if head is not None and short else text[: self.prefix_chars]
+        if key:
+            return hash_bytes(b"c:" + key.encode("utf-8", "surrogatepass"))
         return None
 
     def conversation_point(self, view: RequestView, point: int) -> tuple[int, bool] | None:
@@ -402,12 +405,12 @@ class PrefixHash(BasePolicy):
             there, upto = entry
             steps = text.count(_ASSISTANT, upto) if seen > upto else 0
             if steps and counted:
-                self._observe(steps == 1)
+                self._turns.observe(steps == 1)
             if steps <= 1 and there in by_key and load.get(there, 0) + 1 <= bound:
                 self._remember(conv, there, seen)
                 return by_key[there]
         elif not first and counted:
-            self._observe(False)  # a running conversation whose last turn went elsewhere
+            self._turns.observe(False)  # a running conversation whose last turn went elsewhere
 
         # 2. The prefix's owner; a new conversation leaves it some headroom.
         chosen: str | None = None
@@ -418,7 +421,7 @@ class PrefixHash(BasePolicy):
                 and plan is not None
                 and pooled is not None
                 and point not in plan.heirs
-                and self._sees_own_turns()
+                and self._turns.holds()
             ):
                 second = plan.second(spread)
                 chosen = self._less_started(owner, second, by_key, load, first_limit, ctx.now)
@@ -457,22 +460,6 @@ class PrefixHash(BasePolicy):
         memory.move_to_end(conv)
         if len(memory) > self.spill_memory:
             memory.popitem(last=False)
-
-    def _observe(self, own: bool) -> None:
-        """One running conversation's turn: did this router see the turn before it?"""
-        self._turns_seen += 1.0
-        if own:
-            self._turns_own += 1.0
-        if self._turns_seen >= _TURNS_WINDOW:  # a window of about the last 64
-            self._turns_seen *= 0.5
-            self._turns_own *= 0.5
-
-    def _sees_own_turns(self) -> bool:
-        """This router sees its conversations' turns one after another (it is the
-        only router, or the balancer in front keeps a conversation on one), so a
-        conversation it places off the plan is found again: by this router alone."""
-        seen = self._turns_seen
-        return seen >= _TURNS_MIN and self._turns_own >= self.own_turns * seen
 
     def _less_started(
         self,

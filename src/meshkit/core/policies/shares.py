@@ -60,7 +60,15 @@ from typing import Generic, TypeVar
 
 from meshkit.core.policies.ring import HashRing
 
-__all__ = ["REPLAN_EVERY", "Decayed", "Plan", "TrafficShares", "mix64", "unit_interval"]
+__all__ = [
+    "REPLAN_EVERY",
+    "Decayed",
+    "OwnTurns",
+    "Plan",
+    "TrafficShares",
+    "mix64",
+    "unit_interval",
+]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -135,6 +143,53 @@ class Decayed(Generic[K]):
 
     def __len__(self) -> int:
         return len(self._scaled)
+
+
+#: running-conversation turns over which a router judges whether it sees its
+#: conversations' turns itself (older ones count half, then a quarter...)
+_TURNS_WINDOW = 64.0
+#: turns seen before that judgement is made at all
+_TURNS_MIN = 16.0
+
+
+class OwnTurns:
+    """Whether this router sees its conversations' turns one after another.
+
+    It does when it is the only router, or when the balancer in front keeps a
+    conversation on one router: what it places off the deterministic plan is then
+    found again, by this router alone. Behind a balancer that deals turns over K
+    routers it sees the turn before about ``1/K`` of the time. Judged over the
+    last ~64 running-conversation turns, once 16 were counted; until then it
+    neither :meth:`holds` nor :meth:`fails`.
+
+    :param threshold: the share of turns whose turn before this router saw.
+    """
+
+    __slots__ = ("own", "seen", "threshold")
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+        self.seen = 0.0
+        self.own = 0.0
+
+    def observe(self, own: bool) -> None:
+        """One running conversation's turn: did this router see the turn before it?"""
+        self.seen += 1.0
+        if own:
+            self.own += 1.0
+        if self.seen >= _TURNS_WINDOW:
+            self.seen *= 0.5
+            self.own *= 0.5
+
+    def holds(self) -> bool:
+        """Seen to: enough turns counted, and enough of them its own."""
+        seen = self.seen
+        return seen >= _TURNS_MIN and self.own >= self.threshold * seen
+
+    def fails(self) -> bool:
+        """Seen not to: enough turns counted, and too few of them its own."""
+        seen = self.seen
+        return seen >= _TURNS_MIN and self.own < self.threshold * seen
 
 
 def unit_interval(point: int) -> float:
