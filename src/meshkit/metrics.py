@@ -287,7 +287,8 @@ class RouterMetrics:
 class KvCollector(Collector):
     """The KV index per scrape: ``mesh_kv_blocks{worker}``, ``mesh_kv_index_entries
     {model}``, ``mesh_kv_index_evicted_total``, ``mesh_kv_unchained_total`` and
-    ``mesh_worker_prefix_match{worker,kind}`` (events, or the approximate tree)."""
+    ``mesh_worker_prefix_match{worker,kind}`` (events, the approximate tree, or
+    the ring)."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -303,13 +304,14 @@ class KvCollector(Collector):
         kind = GaugeMetricFamily(
             "mesh_worker_prefix_match",
             "How cache_aware matches a worker's prefixes (1 = current): events "
-            "(its KV events) or approximate (this router's own tree)",
+            "(its KV events), approximate (this router's own tree) or ring (other "
+            "routers place this one's conversations' turns: prefix_hash's placement)",
             labels=["worker", "kind"],
         )
-        for url, n, covered in rows:
+        for url, n, how in rows:
             blocks.add_metric([url], float(n))
-            kind.add_metric([url, "events"], 1.0 if covered else 0.0)
-            kind.add_metric([url, "approximate"], 0.0 if covered else 1.0)
+            for k in ("events", "approximate", "ring"):
+                kind.add_metric([url, k], 1.0 if how == k else 0.0)
         entries = GaugeMetricFamily(
             "mesh_kv_index_entries",
             "KV index entries per model group (bounded by kv.max_blocks_per_model)",

@@ -565,13 +565,24 @@ class Router:
         with self._lock:
             self.fleet.kv.clear(worker_id)
 
-    def kv_rows(self) -> tuple[list[tuple[str, int, bool]], dict[str, int], int, int]:
-        """For the metrics: per worker (url, blocks, matched by events), entries per
-        model group, evicted and unchained counts."""
+    def kv_rows(self) -> tuple[list[tuple[str, int, str]], dict[str, int], int, int]:
+        """For the metrics: per worker (url, blocks, :meth:`prefix_match`), entries
+        per model group, evicted and unchained counts."""
         with self._lock:
             kv = self.fleet.kv
-            rows = [(w.url, kv.blocks_of(w.id), kv.covers(w.id)) for w in self.fleet.workers]
+            rows = [
+                (w.url, kv.blocks_of(w.id), self.prefix_match(w.id)) for w in self.fleet.workers
+            ]
             return rows, kv.group_sizes(), kv.evicted, kv.unchained
+
+    def prefix_match(self, worker_id: str) -> str:
+        """How cache_aware matches a worker's prefixes: ``events`` (its own KV
+        events), ``approximate`` (this router's tree of what it sent there) or
+        ``ring`` (other routers place this router's conversations' turns, so chats go
+        where ``prefix_hash`` sends them, alike in every router)."""
+        if self.fleet.kv.covers(worker_id):
+            return "events"
+        return "ring" if getattr(self._policy, "ring_placement", False) else "approximate"
 
     def learn_models(self, worker_id: str, models: frozenset[str] | None) -> None:
         """What an unlabelled worker's ``GET /v1/models`` listed (the probes call this)."""
@@ -615,9 +626,7 @@ class Router:
             for i, w in enumerate(self.fleet.workers):
                 if worker_id is None or w.id == worker_id:
                     row = self.states.describe(w, i, now)
-                    # How cache_aware matches its prefixes: its own KV events, or
-                    # this router's approximate tree of what it sent there.
-                    row["prefix_match"] = "events" if kv.covers(w.id) else "approximate"
+                    row["prefix_match"] = self.prefix_match(w.id)
                     if w.kv_events:
                         row["kv_blocks"] = kv.blocks_of(w.id)
                         row["kv_silent"] = self.fleet.kv_silence.silent(w.id)

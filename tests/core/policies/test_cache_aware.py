@@ -43,6 +43,8 @@ def test_defaults_and_needs() -> None:
         ("match_slack_chars", -1),
         ("max_models", 0),
         ("ttl_s", 0),
+        ("own_turns", -0.1),
+        ("own_turns", 1.5),
     ],
 )
 def test_bad_options_name_the_key(option: str, value: float) -> None:

@@ -60,9 +60,9 @@ from collections.abc import Sequence
 from mypy_extensions import mypyc_attr
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
-from meshkit.core.policies.prefix_hash import conversation_head
+from meshkit.core.policies.prefix_hash import PrefixHash, conversation_head
 from meshkit.core.policies.radix import RadixTree
-from meshkit.core.policies.shares import Decayed
+from meshkit.core.policies.shares import Decayed, OwnTurns
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker, candidates_for
 from meshkit.errors import ConfigError
@@ -74,6 +74,9 @@ def _spread_key(digest: bytes, cand: Candidate) -> bytes:
     # Rendezvous hashing: each (text, candidate) pair gets its own rank, so equal
     # loads are broken differently for different texts yet the same way each time.
     return hashlib.blake2b(digest + cand.key.encode("utf-8"), digest_size=8).digest()
+
+
+_ASSISTANT = "\nassistant\n"
 
 
 def _digest(text: str) -> bytes:
@@ -112,6 +115,10 @@ class CacheAware(BasePolicy):
     :param match_slack_chars: matches this close to the best count as equally good.
     :param max_models: how many model trees to keep (least recently used dropped).
     :param ttl_s: :meth:`sweep` forgets tenancies idle for longer (``None``: never).
+    :param own_turns: a router that saw the turn before of fewer than this share of
+        its running conversations' turns (other routers place the turns between)
+        places chats on workers without KV events as ``prefix_hash`` does, alike in
+        every router, instead of by its own tree. ``0``: always the tree.
     """
 
     name = "cache_aware"
@@ -130,6 +137,7 @@ class CacheAware(BasePolicy):
         work_half_life_s: float = 300.0,
         spill_prefix_chars: int = 256,
         conversation_slack: float = 1.0,
+        own_turns: float = 0.75,
     ) -> None:
         key = "policies.cache_aware."
         if load_factor is not None and not load_factor >= 1.0:
@@ -140,6 +148,8 @@ class CacheAware(BasePolicy):
             raise ConfigError(key + "spill_prefix_chars", "must be >= 1")
         if not conversation_slack >= 0:
             raise ConfigError(key + "conversation_slack", "must be >= 0")
+        if not 0.0 <= own_turns <= 1.0:
+            raise ConfigError(key + "own_turns", "must be 0 (off) to 1")
         if not 0.0 <= cache_threshold <= 1.0:
             raise ConfigError(key + "cache_threshold", "must be in [0, 1]")
         if balance_abs_threshold < 0:
@@ -173,6 +183,17 @@ class CacheAware(BasePolicy):
         self._recent: Decayed[str] = Decayed(self.work_half_life_s)
         #: conversations started lately, per candidate (first turns)
         self._starts: Decayed[str] = Decayed(self.work_half_life_s)
+        self.own_turns = float(own_turns)
+        #: whether this router sees its conversations' turns, and what places them
+        #: when it does not (the tree then holds a fraction of each conversation)
+        self._turns = OwnTurns(self.own_turns) if own_turns else None
+        self._shared = PrefixHash() if own_turns else None
+
+    @property
+    def ring_placement(self) -> bool:
+        """Whether this router found that others place its conversations' turns, and
+        so places chats on workers without KV events as ``prefix_hash`` does."""
+        return self._turns is not None and self._turns.fails()
 
     # -- placement ---------------------------------------------------------------
 
@@ -195,7 +216,16 @@ class CacheAware(BasePolicy):
         head = conversation_head(text, self.spill_prefix_chars * 64)
         over = self._over(cands, ctx.now, head is not None) if head is None or head[1] else None
         spread = _digest(text[: self.spill_prefix_chars])
-        rates = self._rates(ctx, cands, text)
+        rates, by_text, covered = self._rates(ctx, cands, text)
+        turns = self._turns
+        if turns is not None and head is not None and not covered and self._shared is not None:
+            # A chat: its turns may come through other routers, whose trees differ.
+            if not head[1] and ctx.attempt == 0:
+                own = _saw_turn_before(text, head[0], by_text)
+                if own is not None:
+                    turns.observe(own)
+            if turns.fails():
+                return self._shared.select(ctx)
         if rates is not None:
             best = max(rates)
             if best > self.cache_threshold:
@@ -245,10 +275,11 @@ class CacheAware(BasePolicy):
 
     def _rates(
         self, ctx: PlacementContext, cands: Sequence[Candidate], text: str
-    ) -> list[float] | None:
+    ) -> tuple[list[float] | None, dict[str, int], bool]:
         """Per candidate, the share of the prompt it holds: from the KV index for
         workers whose events it has (in tokens), from this router's tree for the
-        others (in characters). None: nothing to match."""
+        others (in characters); None: nothing to match. Also the tree's matches
+        (characters per origin) and whether any candidate is on events."""
         ids, kv = ctx.view.prompt_ids, ctx.kv
         by_events: dict[str, int] = {}
         if ids and kv is not None:
@@ -260,14 +291,15 @@ class CacheAware(BasePolicy):
         if text and tree is not None and len(by_events) < len(cands):
             by_text = tree.match(text, {c.origin for c in cands})
         if not by_events and not by_text:
-            return None
+            return None, by_text, bool(by_events)
         n_ids, n_text = len(ids or ()) or 1, len(text) or 1
-        return [
+        rates = [
             by_events[c.worker.id] / n_ids
             if c.worker.id in by_events
             else by_text.get(c.origin, 0) / n_text
             for c in cands
         ]
+        return rates, by_text, bool(by_events)
 
     def _by_match(
         self,
@@ -319,6 +351,8 @@ class CacheAware(BasePolicy):
         tree.insert(text, cand.origin, now)
 
     def on_removed(self, worker: Worker) -> None:
+        if self._shared is not None:
+            self._shared.on_removed(worker)
         keys = [c.key for c in candidates_for(worker)]
         self._recent.forget(keys)
         self._starts.forget(keys)
@@ -342,3 +376,15 @@ class CacheAware(BasePolicy):
             if not tree.node_count:
                 del self._trees[model]
         return freed
+
+
+def _saw_turn_before(text: str, head_end: int, by_text: dict[str, int]) -> bool | None:
+    """Whether this router placed the turn before this one (its tree holds the
+    conversation up to the previous answer). None: the tree holds the whole text
+    (a retry, or a text cut at ``match_chars``): nothing to judge."""
+    matched = max(by_text.values(), default=0)
+    if matched < head_end:
+        return False  # never saw the conversation
+    # The previous turn's text ends where its answer begins.
+    steps = text.count(_ASSISTANT, max(0, matched - len(_ASSISTANT) + 1))
+    return None if steps == 0 else steps == 1

@@ -1,0 +1,83 @@
+"""cache_aware without KV events when other routers place the turns between: it
+notices, and places chats as ``prefix_hash`` does, alike in every router."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from meshkit.core.policies import CacheAware
+from meshkit.core.policies.cache_aware import _saw_turn_before
+from meshkit.core.workers import Candidate
+
+SYSTEM = "system\nYou are assistant {}. " + "Policy text. " * 20
+
+
+def _chat(conv: int, turn: int) -> str:
+    """Conversation ``conv`` at its ``turn``-th turn (1: new); three tenants."""
+    parts = [SYSTEM.format(conv % 3)]
+    for k in range(turn):
+        parts.append(f"user\nconversation {conv} question {k}: " + "details " * 12)
+        if k < turn - 1:
+            parts.append(f"assistant\nanswer {k}: " + "explained " * 20)
+    return "\n".join(parts)
+
+
+def _deal(
+    kit: SimpleNamespace, routers: list[CacheAware], convs: int = 40, turns: int = 6
+) -> tuple[int, list[str]]:
+    """Each conversation's turns dealt in turn over the routers, each router seeing
+    its own requests in flight (a different worker looks idle to each). Returns the
+    follow-ups of the later half of the conversations that moved, and every choice."""
+    cs: list[Candidate] = kit.cands(4)
+    views = [{c.key: 0 if i == r else 2 for i, c in enumerate(cs)} for r in range(len(routers))]
+    where: dict[int, str] = {}
+    moved, chosen, now = 0, [], 0.0
+    for conv in range(convs):
+        for turn in range(1, turns + 1):
+            r = (conv + turn) % len(routers)
+            v = kit.view(_chat(conv, turn))
+            c = routers[r].select(kit.ctx(cs, v, fleet=cs, load=views[r], now=now))
+            routers[r].on_placed(c, v, now)
+            now += 1.0
+            if conv >= convs // 2 and conv in where and where[conv] != c.key:
+                moved += 1
+            where[conv] = c.key
+            chosen.append(c.key)
+    return moved, chosen
+
+
+def test_routers_that_see_every_other_turn_stop_placing_by_their_own_trees(
+    kit: SimpleNamespace,
+) -> None:
+    trees = [CacheAware(own_turns=0), CacheAware(own_turns=0)]
+    moved_by_trees, _ = _deal(kit, trees)
+    routers = [CacheAware(), CacheAware()]
+    moved, _ = _deal(kit, routers)
+    # each saw the turn before of none of its conversations' turns
+    assert all(r._turns is not None and r._turns.fails() for r in routers)
+    # Each tree sends a follow-up it did not see where its own load view points;
+    # the ring is the same in both routers.
+    assert moved_by_trees >= 50
+    assert moved * 2 < moved_by_trees
+
+
+def test_one_router_keeps_its_tree(kit: SimpleNamespace) -> None:
+    one = CacheAware()
+    _, chosen = _deal(kit, [one])
+    _, by_tree = _deal(kit, [CacheAware(own_turns=0)])
+    assert chosen == by_tree
+    assert one._turns is not None and one._turns.holds()
+
+
+def test_what_counts_as_the_turn_before() -> None:
+    before, now = _chat(7, 2), _chat(7, 3)
+    head_end = now.index("\nassistant\n")
+    # the tree holds the previous turn's text: this router placed it
+    assert _saw_turn_before(now, head_end, {"w": len(before)}) is True
+    # it holds the turn before that one only: another router placed the last
+    assert _saw_turn_before(now, head_end, {"w": len(_chat(7, 1))}) is False
+    # it holds the tenant's system prompt only: never saw the conversation
+    assert _saw_turn_before(now, head_end, {"w": len(SYSTEM.format(1))}) is False
+    assert _saw_turn_before(now, head_end, {}) is False
+    # it holds the whole text (the same turn sent again): nothing to judge
+    assert _saw_turn_before(now, head_end, {"w": len(now)}) is None
