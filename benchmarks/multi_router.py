@@ -49,6 +49,9 @@ Workloads
   grows to ~3.5k tokens), C=8.
 - ``one-off``: unique single-turn prompts, no sharing, C=8 (only balance matters;
   the bound is ~0 so there is no ratio).
+- ``chats``: what a chat app sends: one short generic system prompt, conversations
+  of 2-10 short turns (40-300 characters each), C=8. Its first user message ends
+  well within any prefix key (``prefix_hash`` keys such a chat up to there).
 - ``lora`` (only when named in ``--workloads``; mock fleet): four LoRA adapters of the model,
   Zipf 1.1 over them, every conversation under ONE system prompt, C=8. The engines
   cache each adapter's blocks apart (vLLM hashes the adapter's name with each
@@ -237,6 +240,19 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
     n = int(300 * scale)
     convs = [Conversation(i, -1, None, [_text(rng, rng.randrange(1000, 3600))]) for i in range(n)]
     out.append(Workload("one-off", 8, convs, f"{n} unique prompts"))
+
+    # (e) chats as a chat app sees them: one short generic system prompt, short
+    # first messages (the first user message ends within any prefix key's reach)
+    target = int(300 * scale)
+    generic = "You are a helpful assistant."
+    convs = []
+    total = 0
+    while total < target:
+        turns = min(rng.randrange(2, 11), target - total)
+        users = [_text(rng, rng.randrange(40, 300)) for _ in range(turns)]
+        convs.append(Conversation(len(convs), 0, generic, users))
+        total += turns
+    out.append(Workload("chats", 8, convs, f"{len(convs)} conversations of 2-10 short turns"))
 
     # (d) LoRA adapters under one shared system prompt (only when asked for)
     if "lora" in args.workloads:
@@ -1351,7 +1367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--workloads",
         default="",
-        help="zipf,conversations,one-off (default all), lora; or one by its name ('zipf C=32')",
+        help="zipf,conversations,one-off,chats (default all), lora; or one by its name "
+        "('zipf C=32')",
     )
     ap.add_argument("--tenants", type=int, default=12)
     ap.add_argument("--zipf", type=float, default=1.1)
