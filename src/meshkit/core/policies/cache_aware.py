@@ -77,6 +77,8 @@ def _spread_key(digest: bytes, cand: Candidate) -> bytes:
 
 
 _ASSISTANT = "\nassistant\n"
+#: running-conversation turns counted before judging whether others place them
+_DECIDE_AFTER = 8.0
 
 
 def _digest(text: str) -> bytes:
@@ -186,7 +188,9 @@ class CacheAware(BasePolicy):
         self.own_turns = float(own_turns)
         #: whether this router sees its conversations' turns, and what places them
         #: when it does not (the tree then holds a fraction of each conversation)
-        self._turns = OwnTurns(self.own_turns) if own_turns else None
+        # One router never fails the judgement, whatever the count: it can be made
+        # early, before many conversations are placed where others cannot find them.
+        self._turns = OwnTurns(self.own_turns, least=_DECIDE_AFTER) if own_turns else None
         self._shared = PrefixHash() if own_turns else None
 
     @property

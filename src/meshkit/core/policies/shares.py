@@ -148,8 +148,6 @@ class Decayed(Generic[K]):
 #: running-conversation turns over which a router judges whether it sees its
 #: conversations' turns itself (older ones count half, then a quarter...)
 _TURNS_WINDOW = 64.0
-#: turns seen before that judgement is made at all
-_TURNS_MIN = 16.0
 
 
 class OwnTurns:
@@ -159,16 +157,18 @@ class OwnTurns:
     conversation on one router: what it places off the deterministic plan is then
     found again, by this router alone. Behind a balancer that deals turns over K
     routers it sees the turn before about ``1/K`` of the time. Judged over the
-    last ~64 running-conversation turns, once 16 were counted; until then it
-    neither :meth:`holds` nor :meth:`fails`.
+    last ~64 running-conversation turns, once ``least`` were counted; until then
+    it neither :meth:`holds` nor :meth:`fails`.
 
     :param threshold: the share of turns whose turn before this router saw.
+    :param least: turns counted before either judgement is made.
     """
 
-    __slots__ = ("own", "seen", "threshold")
+    __slots__ = ("least", "own", "seen", "threshold")
 
-    def __init__(self, threshold: float) -> None:
+    def __init__(self, threshold: float, least: float = 16.0) -> None:
         self.threshold = threshold
+        self.least = least
         self.seen = 0.0
         self.own = 0.0
 
@@ -184,12 +184,12 @@ class OwnTurns:
     def holds(self) -> bool:
         """Seen to: enough turns counted, and enough of them its own."""
         seen = self.seen
-        return seen >= _TURNS_MIN and self.own >= self.threshold * seen
+        return seen >= self.least and self.own >= self.threshold * seen
 
     def fails(self) -> bool:
         """Seen not to: enough turns counted, and too few of them its own."""
         seen = self.seen
-        return seen >= _TURNS_MIN and self.own < self.threshold * seen
+        return seen >= self.least and self.own < self.threshold * seen
 
 
 def unit_interval(point: int) -> float:
