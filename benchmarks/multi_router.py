@@ -639,6 +639,20 @@ class Run:
         return moved, later
 
     @property
+    def same_router(self) -> tuple[int, int]:
+        """(turns of a running conversation sent through the router that sent its
+        previous turn, turns that had a previous turn)."""
+        last: dict[int, Any] = {}
+        same = later = 0
+        for rec in sorted(self.log, key=lambda r: r["t_send"] or 0.0):
+            prev = last.get(rec["conv"])
+            if prev is not None:
+                later += 1
+                same += prev == rec["router"]
+            last[rec["conv"]] = rec["router"]
+        return same, later
+
+    @property
     def imbalance(self) -> float:
         xs = list(self.per_worker.values())
         mean = sum(xs) / len(xs) if xs else 0.0
@@ -697,6 +711,11 @@ class Cell:
     @property
     def moved(self) -> tuple[int, int]:
         pairs = [r.moved for r in self.runs]
+        return sum(m for m, _ in pairs), sum(n for _, n in pairs)
+
+    @property
+    def same_router(self) -> tuple[int, int]:
+        pairs = [r.same_router for r in self.runs]
         return sum(m for m, _ in pairs), sum(n for _, n in pairs)
 
     @property
@@ -774,6 +793,18 @@ class Bound:
         return hits[0] / total, hits[1] / total
 
 
+class RandomDispatch:
+    """Each turn to a router drawn at random (``--dispatch random``): a balancer
+    that spreads requests, not connections, with no say from the routers."""
+
+    def __init__(self, queues: list[Any], seed: int) -> None:
+        self.queues = queues
+        self.rng = random.Random(seed)
+
+    def put(self, item: Any) -> None:
+        self.queues[self.rng.randrange(len(self.queues))].put(item)
+
+
 def run_one(
     ctx: Any,
     args: argparse.Namespace,
@@ -807,7 +838,8 @@ def run_one(
     child.close()  # the fleet's end: a fleet that dies is then an EOF here, not a wait
     routers: list[Any] = []
     stop = ctx.Event()
-    tasks = ctx.Queue()
+    queues = [ctx.Queue()] if args.dispatch == "queue" else [ctx.Queue() for _ in range(k)]
+    tasks: Any = queues[0] if len(queues) == 1 else RandomDispatch(queues, args.seed)
     results = ctx.Queue()
     # (sent at, body, prompt tokens, reply)
     served: list[tuple[float, dict[str, Any], int, str]] = []
@@ -829,7 +861,8 @@ def run_one(
             "config": config,
             "fleet": endpoints,
             "tokenizer": args.tokenizer,
-            "threads": max(1, math.ceil(wl.concurrency / k)),
+            # dealt at random, one router may hold all C requests at once
+            "threads": max(1, math.ceil(wl.concurrency / len(queues))),
             "max_life_s": max_life,
             "kv_max_blocks": args.kv_max_blocks,
             "policy_options": args.policy_option,
@@ -838,7 +871,7 @@ def run_one(
         for i in range(k):
             p = ctx.Process(
                 target=router_main,
-                args=(i, rcfg, tasks, results, stop),
+                args=(i, rcfg, queues[i % len(queues)], results, stop),
                 name=f"router{i}",
                 daemon=True,
             )
@@ -938,7 +971,7 @@ def run_one(
             proc.terminate()
             if proc.wait(10) != 0:
                 run.notes.append(f"kv-relay exited with {proc.returncode}")
-        for q in (tasks, results):
+        for q in (*queues, results):
             q.close()
             q.cancel_join_thread()
     if config == "cache_aware+events" and infos:
@@ -1084,9 +1117,9 @@ def drive(
 def fmt_table(runs: Sequence[Cell]) -> list[str]:
     lines = [
         "| workload | config | K | requests | failed | hit | bound | ratio | ratio range "
-        "| fleet LRU | hit / fleet LRU | max/mean | per worker | moved | events "
+        "| fleet LRU | hit / fleet LRU | max/mean | per worker | moved | same router | events "
         "| index age p50/p90 (ms) | wall (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         ratio = "—" if math.isnan(r.ratio) else f"{r.ratio:.3f}"
@@ -1096,6 +1129,8 @@ def fmt_table(runs: Sequence[Cell]) -> list[str]:
         ev = "—" if r.events is None else f"{r.events}/{len(r.per_worker)}"
         moved, later = r.moved
         mv = f"{moved}/{later}" if later else "—"
+        same, after = r.same_router
+        sr = f"{same / after:.0%}" if after else "—"
         p50, p90 = (age_quantile(r.kv_age, q) for q in (0.5, 0.9))
         age = "—" if math.isnan(p50) else f"≤{p50 * 1000:g}/≤{p90 * 1000:g}"
         lines.append(
@@ -1103,7 +1138,7 @@ def fmt_table(runs: Sequence[Cell]) -> list[str]:
             f"| {r.hit:.1%} | {r.bound:.1%} | {ratio} | {spread} | {r.fleet_lru:.1%} "
             f"| {f'{r.hit / r.fleet_lru:.3f}' if r.fleet_lru > 0.01 else '—'} "
             f"| {r.imbalance:.2f} | {per} "
-            f"| {mv} | {ev} | {age} "
+            f"| {mv} | {sr} | {ev} | {age} "
             f"| {r.wall_s:.1f} |"
         )
     return lines
@@ -1251,7 +1286,10 @@ def write_report(
         "same blocks, requests in the order sent; ratio = hit / bound; fleet LRU = one LRU "
         "cache of the fleet's total size, same requests; max/mean = requests "
         "per worker; moved = turns of a running conversation sent to another worker than its "
-        "previous turn; events = workers matched on KV events by every router at the end; "
+        "previous turn; same router = such turns sent through the router that sent the "
+        "previous one (the routers take turns from one shared queue, or with --dispatch "
+        "random each turn goes to a router drawn at random); "
+        "events = workers matched on KV events by every router at the end; "
         "index age = how old the KV-event batches were when they reached the routers' "
         "indexes, p50/p90 (upper edges of mesh_kv_event_age_seconds' buckets).",
         "",
@@ -1439,6 +1477,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--tokenizer", default=TOKENIZER)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--dispatch",
+        choices=("queue", "random"),
+        default="queue",
+        help="queue: the routers take turns from one shared queue (a free router takes "
+        "the next, often the one that sent the turn before); random: each turn to a "
+        "router drawn at random, as an L7 balancer spreading requests",
+    )
     ap.add_argument("--out", help="Markdown report (default: benchmarks/MULTI_ROUTER.md)")
     ap.add_argument(
         "--png",
