@@ -530,3 +530,59 @@ def test_every_turn_of_a_chat_with_a_short_first_message_has_one_key(
     assert p.key_point(kit.ctx(cs, kit.view(long))) == p.key_point(
         kit.ctx(cs, kit.view(long[:1024] + " and more"))
     )
+
+
+def test_a_chat_keyed_by_its_own_head_goes_to_its_ring_owner_whatever_the_plan(
+    kit: SimpleNamespace,
+) -> None:
+    # Each such chat is its own prefix: it shares nothing the plan could spread,
+    # and routers whose estimates differ would place it apart. However hot it looks
+    # to this router, its turns go to the ring's owner.
+    cs = kit.cands(4)
+    p = PrefixHash()
+    head = "user\nwhat is a ring?"
+    turns = [head + "\nassistant\nan answer\nuser\nmore " + str(i) for i in range(60)]
+    owner = p._rings.get(kit.ctx(cs, fleet=cs)).owner(p.key_point(kit.ctx(cs, kit.view(head))) or 0)
+    got = {
+        p.select(kit.ctx(cs, kit.view(t), fleet=cs, now=float(i))).key for i, t in enumerate(turns)
+    }
+    assert got == {owner}
+
+
+def _short_chat(conv: int, turn: int) -> str:
+    parts = ["system\nYou are a helpful assistant."]
+    for j in range(turn):
+        parts.append(f"user\nchat {conv} question {j}")
+        if j < turn - 1:
+            parts.append(f"assistant\nanswer {j}")
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("routers", [1, 2])
+def test_short_chats_stay_put_and_one_router_balances_their_starts(
+    kit: SimpleNamespace, routers: int
+) -> None:
+    """64 chats of 4 turns, four running at a time, their turns dealt over the
+    routers in turn. One router places each new one on the less started of two
+    ring draws (its memory finds it again); two follow the ring's owner, the one
+    draw both make. Neither moves a running chat."""
+    ps = [PrefixHash() for _ in range(routers)]
+    cs = kit.cands(4)
+    starts: Counter[str] = Counter()
+    where: dict[int, str] = {}
+    moved, now = 0, 0.0
+    for batch in range(16):
+        for conv in range(batch * 4, batch * 4 + 4):
+            for turn in range(1, 5):
+                p = ps[(conv + turn) % routers]
+                key = p.select(
+                    kit.ctx(cs, kit.view(_short_chat(conv, turn)), fleet=cs, now=now)
+                ).key
+                now += 1.0
+                if turn == 1:
+                    starts[key] += 1
+                moved += turn > 1 and where[conv] != key
+                where[conv] = key
+    assert moved == 0
+    if routers == 1:
+        assert max(starts.values()) <= 1.1 * 16

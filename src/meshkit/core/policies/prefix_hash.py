@@ -297,20 +297,27 @@ class PrefixHash(BasePolicy):
 
     def key_point(self, ctx: PlacementContext) -> int | None:
         """The request's point on the ring, or ``None`` when it has no prefix."""
-        text = ctx.view.routing_text
+        return self._key(ctx.view)[0]
+
+    def _key(self, view: RequestView) -> tuple[int | None, bool]:
+        """The request's point, and whether the key is its conversation's own (a
+        chat keyed up to the end of its first user message)."""
+        text = view.routing_text
         # A chat whose first user message ends within the key's reach is keyed up
         # to there: a longer key would take in its answers, and each turn of it
         # would have another owner (the routers that did not place the turn
         # before follow the ring).
         head = conversation_head(text, self.prefix_chars)
-        short = head is not None and head[0] < self.prefix_chars
-        ids = ctx.view.token_ids
-        if ids and not short:
-            return hash_token_ids(ids[: self.prefix_token_count])
-        key = text[: head[0]] if head is not None and short else text[: self.prefix_chars]
+        if head is not None and head[0] < self.prefix_chars:
+            key = text[: head[0]]
+            return hash_bytes(b"c:" + key.encode("utf-8", "surrogatepass")), True
+        ids = view.token_ids
+        if ids:
+            return hash_token_ids(ids[: self.prefix_token_count]), False
+        key = text[: self.prefix_chars]
         if key:
-            return hash_bytes(b"c:" + key.encode("utf-8", "surrogatepass"))
-        return None
+            return hash_bytes(b"c:" + key.encode("utf-8", "surrogatepass")), False
+        return None, False
 
     def conversation_point(self, view: RequestView, point: int) -> tuple[int, bool] | None:
         """The conversation's point and whether it is new, or ``None`` (not a chat).
@@ -332,7 +339,7 @@ class PrefixHash(BasePolicy):
             return cands[0]
         ring = self._rings.get(ctx)
         load = ctx.load
-        point = self.key_point(ctx)
+        point, own_key = self._key(ctx.view)
         if point is None:
             # Nothing to keep warm: start the walk anywhere, the bound balances.
             return bounded_load_pick(ring, ctx.rng.getrandbits(64), cands, load, self.load_factor)
@@ -361,7 +368,9 @@ class PrefixHash(BasePolicy):
             if ctx.attempt == 0:
                 shares.observe(point, ctx.now)
             plan = shares.plan(ring, ring.keys, ctx.now)
-            kept = plan.kept.get(point)
+            # A conversation keyed by its own head shares nothing to spread: its
+            # owner is the ring's, which routers with different estimates agree on.
+            kept = None if own_key else plan.kept.get(point)
             if kept is not None:
                 conv_first = self.conversation_point(ctx.view, point)
                 conv_known = True
@@ -372,7 +381,10 @@ class PrefixHash(BasePolicy):
                     # conversation spreads the pool's share; the prefix's walk would
                     # pile it onto the owner's neighbour.
                     walk_from = spread
-            owner = pooled if pooled is not None else plan.owner(point, ring)
+            if pooled is not None:
+                owner = pooled
+            else:
+                owner = ring.owner(point) if own_key else plan.owner(point, ring)
             # The plan balances the expected load; in flight, only a burst past
             # ``burst_factor`` times the mean moves a request.
             bound = first_limit = math.ceil(self.burst_factor * share)
@@ -416,14 +428,12 @@ class PrefixHash(BasePolicy):
         chosen: str | None = None
         if owner_load + 1 <= (first_limit if first else bound):
             chosen = owner
-            if (
-                first
-                and plan is not None
-                and pooled is not None
-                and point not in plan.heirs
-                and self._turns.holds()
-            ):
-                second = plan.second(spread)
+            if first and plan is not None and self._turns.holds():
+                second: str | None = None
+                if pooled is not None and point not in plan.heirs:
+                    second = plan.second(spread)
+                elif own_key:
+                    second = next((k for k in ring.walk(point) if k != owner and k in by_key), None)
                 chosen = self._less_started(owner, second, by_key, load, first_limit, ctx.now)
         else:
             # 3. Spill along the conversation's own walk, so that the same
