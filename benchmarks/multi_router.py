@@ -571,12 +571,12 @@ def router_main(
         for t in threads:
             t.join(cfg["max_life_s"])
         rows = mesh.router.describe()
-        kv = mesh.router.fleet.kv
+        index = mesh.router.fleet.kv
         info = {
             "events": sum(1 for r in rows if r.get("prefix_match") == "events"),
             "kv_blocks": [r.get("kv_blocks") for r in rows],
-            "kv_evicted": kv.evicted if kv is not None else 0,
-            "kv_unchained": kv.unchained if kv is not None else 0,
+            "kv_evicted": index.evicted if index is not None else 0,
+            "kv_unchained": index.unchained if index is not None else 0,
             "kv_gaps": kv_breaks(mesh),
             "kv_age": kv_age(mesh),
         }

@@ -12,7 +12,8 @@ tokenizer the character prefix is an approximation: two prompts that share 1,024
 characters usually share their first ~250 tokens too. A chat whose first user
 message ends within the first ``prefix_chars`` characters is keyed by its text up
 to there instead: a longer key takes in the first answers, and each turn of it
-would have another owner.
+would have another owner. Such a chat shares nothing to spread, so it goes to its
+ring owner whatever the traffic-share plan says (below).
 
 The key is hashed onto a :class:`~meshkit.core.policies.ring.HashRing` built over
 the *whole* fleet (healthy or not) and rebuilt only when the fleet's version
