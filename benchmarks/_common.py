@@ -239,6 +239,31 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def ports_to_reuse(n: int, rng: random.Random | None = None) -> list[int]:
+    """``n`` distinct ports nothing listens on now, below the kernel's ephemeral
+    range: a run that binds them again later (another fleet on the same hash ring)
+    does not find one taken as the local port of some outgoing connection, which
+    ports from :func:`free_ports` may be on a busy machine."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = rng or random.Random()
+    out: list[int] = []
+    while len(out) < n:
+        port = rng.randrange(10000, max(10001 + n, low))
+        if port in out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+    return out
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct ports nothing listens on now (bound together, then released)."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]

@@ -126,7 +126,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from _common import cpu_model, free_ports, kept_reading, source_state
+from _common import cpu_model, kept_reading, ports_to_reuse, source_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "src", "meshkit", "demo", "tokenizer")
@@ -450,8 +450,12 @@ def fleet_main(cfg: dict[str, Any], conn: Connection) -> None:
         for i in range(cfg["workers"])
     ]
     try:
-        for m in mocks:
-            m.start()
+        try:
+            for m in mocks:
+                m.start()
+        except OSError as exc:  # a port taken: say so, not only that the fleet died
+            conn.send(("error", repr(exc)))
+            raise
         endpoints = [(m.url, m.kv_events_endpoint, m.kv_replay_endpoint) for m in mocks]
         _serve(conn, endpoints, cfg["max_life_s"])
         stats = []
@@ -850,6 +854,8 @@ def run_one(
         if not parent.poll(VLLM_START_S if args.vllm else START_TIMEOUT_S):
             raise RuntimeError("the fleet did not start")
         endpoints = parent.recv()
+        if isinstance(endpoints, tuple) and endpoints[0] == "error":
+            raise RuntimeError(f"the fleet did not start: {endpoints[1]}")
         if args.relays and config == "cache_aware+events":
             relay_at = ([], [])
             for _ in range(args.relays):
@@ -1570,7 +1576,7 @@ def _main(args: argparse.Namespace, configs: list[str], argv: list[str], t0: flo
         if args.base_port:  # the same rings in another invocation (another version)
             ports = [args.base_port + rep * args.workers + i for i in range(args.workers)]
         elif not args.vllm:
-            ports = free_ports(args.workers)
+            ports = ports_to_reuse(args.workers)
         for wl, config, k in [(w, c, k) for w in wls for c in configs for k in args.routers]:
             run = run_one(ctx, args, wl, config, k, bound, ports)
             runs.append(run)

@@ -14,14 +14,16 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_quality.py
 
 
 def bench(*args: str) -> str:
-    """What the benchmark prints, on conversations only, in its quick form."""
-    return subprocess.run(
+    """What the benchmark prints, on conversations only, in its quick form (and the
+    end of its stderr, where a process that died says why)."""
+    done = subprocess.run(
         [sys.executable, str(BENCH), "--quick", "--workloads", "conversations", *args],
         capture_output=True,
         text=True,
         timeout=600,
         check=True,
-    ).stdout
+    )
+    return done.stdout + "\n[stderr]\n" + done.stderr[-4000:]
 
 
 def test_two_router_processes_place_over_one_fleet_with_and_without_events(

@@ -186,10 +186,9 @@ class CacheAware(BasePolicy):
         #: conversations started lately, per candidate (first turns)
         self._starts: Decayed[str] = Decayed(self.work_half_life_s)
         self.own_turns = float(own_turns)
-        #: whether this router sees its conversations' turns, and what places them
-        #: when it does not (the tree then holds a fraction of each conversation)
-        # One router never fails the judgement, whatever the count: it can be made
-        # early, before many conversations are placed where others cannot find them.
+        #: whether other routers place this one's conversations' turns (its tree then
+        #: holds a fraction of each), judged early: one router never fails the count;
+        #: and what then places chats on the workers without events
         self._turns = OwnTurns(self.own_turns, least=_DECIDE_AFTER) if own_turns else None
         self._shared = PrefixHash() if own_turns else None
 
