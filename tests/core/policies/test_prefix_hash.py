@@ -586,3 +586,15 @@ def test_short_chats_stay_put_and_one_router_balances_their_starts(
     assert moved == 0
     if routers == 1:
         assert max(starts.values()) <= 1.1 * 16
+
+
+def test_a_first_message_ending_just_under_the_key_keeps_one_key(kit: SimpleNamespace) -> None:
+    # Its second turn's "\nassistant\n" starts under prefix_chars and ends past it:
+    # the head still ends where the first turn did.
+    p = PrefixHash()
+    cs = kit.cands(4)
+    first = "user\n" + "x" * (1020 - len("user\n"))
+    second = first + "\nassistant\nok\nuser\nand then?"
+    assert len(first) == 1020
+    a = p.key_point(kit.ctx(cs, kit.view(first)))
+    assert a == p.key_point(kit.ctx(cs, kit.view(second)))

@@ -298,18 +298,23 @@ class PrefixHash(BasePolicy):
 
     def key_point(self, ctx: PlacementContext) -> int | None:
         """The request's point on the ring, or ``None`` when it has no prefix."""
-        return self._key(ctx.view)[0]
+        return self._key(ctx.view, self._head(ctx.view))[0]
 
-    def _key(self, view: RequestView) -> tuple[int | None, bool]:
+    def _head(self, view: RequestView) -> tuple[int, bool] | None:
+        """:func:`conversation_head` within ``conversation_chars``: read once per
+        request, for the key and for the conversation's point."""
+        return conversation_head(view.routing_text, self.conversation_chars)
+
+    def _key(self, view: RequestView, head: tuple[int, bool] | None) -> tuple[int | None, bool]:
         """The request's point, and whether the key is its conversation's own (a
         chat keyed up to the end of its first user message)."""
         text = view.routing_text
         # A chat whose first user message ends within the key's reach is keyed up
         # to there: a longer key would take in its answers, and each turn of it
         # would have another owner (the routers that did not place the turn
-        # before follow the ring).
-        head = conversation_head(text, self.prefix_chars)
-        if head is not None and head[0] < self.prefix_chars:
+        # before follow the ring). An end at conversation_chars is the window's,
+        # not the message's.
+        if head is not None and head[0] < min(self.prefix_chars, self.conversation_chars):
             key = text[: head[0]]
             return hash_bytes(b"c:" + key.encode("utf-8", "surrogatepass")), True
         ids = view.token_ids
@@ -326,12 +331,15 @@ class PrefixHash(BasePolicy):
         ``point`` is the request's prefix point: two tenants whose users open
         with the same words are still two conversations.
         """
-        text = view.routing_text
-        head = conversation_head(text, self.conversation_chars)
+        return self._conversation_point(view, point, self._head(view))
+
+    def _conversation_point(
+        self, view: RequestView, point: int, head: tuple[int, bool] | None
+    ) -> tuple[int, bool] | None:
         if head is None:
             return None
         end, first = head
-        tail = text[max(0, end - _HEAD_TAIL) : end].encode("utf-8", "surrogatepass")
+        tail = view.routing_text[max(0, end - _HEAD_TAIL) : end].encode("utf-8", "surrogatepass")
         return hash_bytes(b"h:%d:" % point + tail), first
 
     def select(self, ctx: PlacementContext) -> Candidate:
@@ -340,7 +348,8 @@ class PrefixHash(BasePolicy):
             return cands[0]
         ring = self._rings.get(ctx)
         load = ctx.load
-        point, own_key = self._key(ctx.view)
+        head = self._head(ctx.view)
+        point, own_key = self._key(ctx.view, head)
         if point is None:
             # Nothing to keep warm: start the walk anywhere, the bound balances.
             return bounded_load_pick(ring, ctx.rng.getrandbits(64), cands, load, self.load_factor)
@@ -373,7 +382,7 @@ class PrefixHash(BasePolicy):
             # owner is the ring's, which routers with different estimates agree on.
             kept = None if own_key else plan.kept.get(point)
             if kept is not None:
-                conv_first = self.conversation_point(ctx.view, point)
+                conv_first = self._conversation_point(ctx.view, point, head)
                 conv_known = True
                 spread = self._spread_point(ctx.view, point, conv_first)
                 pooled = plan.pooled(point, kept, spread)
@@ -398,7 +407,7 @@ class PrefixHash(BasePolicy):
             return by_key[owner]  # room for any request, and no memory to consult
 
         if not conv_known:
-            conv_first = self.conversation_point(ctx.view, point)
+            conv_first = self._conversation_point(ctx.view, point, head)
         if conv_first is None:
             # Not a chat: the owner, else clockwise from the prefix.
             if owner_load + 1 <= bound:
