@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from mypy_extensions import mypyc_attr
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
-from meshkit.core.policies.prefix_hash import PrefixHash, conversation_head
+from meshkit.core.policies.prefix_hash import _ASSISTANT, PrefixHash, conversation_head
 from meshkit.core.policies.radix import RadixTree
 from meshkit.core.policies.shares import Decayed, OwnTurns
 from meshkit.core.requests import RequestView
@@ -76,7 +76,6 @@ def _spread_key(digest: bytes, cand: Candidate) -> bytes:
     return hashlib.blake2b(digest + cand.key.encode("utf-8"), digest_size=8).digest()
 
 
-_ASSISTANT = "\nassistant\n"
 #: running-conversation turns counted before judging whether others place them
 _DECIDE_AFTER = 8.0
 
