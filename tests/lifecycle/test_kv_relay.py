@@ -31,7 +31,7 @@ from meshkit import Mesh  # noqa: E402
 from meshkit.config import KvConfig, KvRelayConfig  # noqa: E402
 from meshkit.core.kv_events import relay_topic  # noqa: E402
 from meshkit.core.workers import Worker  # noqa: E402
-from meshkit.lifecycle.kv_relay import KvRelay, relay_registry  # noqa: E402
+from meshkit.lifecycle.kv_relay import KvRelay, followable, relay_registry  # noqa: E402
 from meshkit.mock.thread import MockWorkerThread  # noqa: E402
 from meshkit.testing.commands import start_kv_relay  # noqa: E402
 
@@ -810,3 +810,19 @@ def test_the_relays_lookup_that_hangs_is_given_up_after_resolve_timeout_s(
     assert any(
         "dns://hangs.test: lookup failed (timed out)" in r.getMessage() for r in caplog.records
     )
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "ok"),
+    [
+        ("tcp://127.0.0.1:5557", True),
+        ("tcp://", False),  # no host
+        ("tcp://*:5557", False),  # a bind address
+        ("ipc:///tmp/engine.sock", False),  # not the relay host's paths
+        ("inproc://engine", False),
+        (" tcp://127.0.0.1:5557", False),  # not the endpoint the topic names
+        ("udp://127.0.0.1:5557", False),
+    ],
+)
+def test_what_a_router_may_ask_a_relay_to_follow(endpoint: str, ok: bool) -> None:
+    assert followable(endpoint) is ok

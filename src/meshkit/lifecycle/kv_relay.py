@@ -78,6 +78,7 @@ from meshkit.config import (
 )
 from meshkit.core.discovery import FleetSources
 from meshkit.core.kv_events import END_OF_REPLAY, PUBLISHER_LOST, relay_topic, replay_request
+from meshkit.core.workers import zmq_endpoint
 from meshkit.errors import ConfigError
 from meshkit.lifecycle.discovery import look_up
 from meshkit.lifecycle.kv import subscriber
@@ -318,6 +319,17 @@ class _Source:
             self.holes = None
 
 
+def followable(endpoint: str) -> bool:
+    """Whether a router's subscription names an engine the relay may connect to: a
+    ZeroMQ endpoint as a worker's ``kv_events`` is checked, and tcp only (a router
+    does not get to open the relay host's ipc paths)."""
+    try:
+        checked = zmq_endpoint("kv_relay", endpoint)
+    except ConfigError:
+        return False
+    return checked == endpoint and endpoint.startswith("tcp://")
+
+
 class KvRelay:
     """The relay (module docstring). ``serve`` runs it until ``stop`` is set;
     ``endpoint`` is where routers subscribe (the port picked, for ``:*``)."""
@@ -523,7 +535,7 @@ class KvRelay:
                     del self._asked[endpoint]
                     changed = True
             elif endpoint not in self._listed and endpoint not in self._asked:
-                if not endpoint.startswith("tcp://") or "*" in endpoint:
+                if not followable(endpoint):
                     self.refused += 1
                 elif len(self._asked) >= self._max_followed:
                     self.refused += 1
