@@ -80,6 +80,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, message: str, *, source: str | None = None) -> None:
         self.key = key
+        self.message = message
         self.source = source
         where = f" ({source})" if source else ""
         super().__init__(f"config key {key!r}{where}: {message}")

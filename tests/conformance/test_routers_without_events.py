@@ -2,7 +2,8 @@
 every other turn of each conversation (as behind a load balancer): each notices
 that another router placed the turn before, and both place chats as
 ``prefix_hash`` does, alike, which ``/workers`` and ``/metrics`` say. The real
-openai SDK through the gateway's server and through the transport. (Where the
+openai SDK through the gateway's server and through the transport. With one
+tokenizer and the same ring options, a ``prefix_hash`` router agrees with them. (Where the
 turns then go: tests/core/policies/test_cache_aware_routers.py.)"""
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from typing import Any
 
 from harness import MODE_CLASSES
 from meshkit import Mesh
+from meshkit.demo import TOKENIZER
 from meshkit.mock.thread import MockWorkerThread
+
+TINY = str(TOKENIZER / "tokenizer.json")
 
 TOPICS = ["billing", "weather", "recipes", "travel", "music", "gardens"]
 
@@ -85,3 +89,45 @@ def test_routers_that_take_every_other_turn_place_chats_by_the_ring(
     for mesh in trees:
         assert _match_kinds(mesh) == {"approximate"}
         assert _ring_gauge(mesh, urls[0]) == 0.0
+
+
+def test_cache_aware_on_the_ring_places_chats_where_prefix_hash_does(
+    mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
+) -> None:
+    """Routers of the two policies over one fleet, with one tokenizer and the same
+    ring options: a chat goes to the same worker through either. The ring's key is
+    the first 16 token ids (the system prompts are longer than prefix_chars), so the
+    cache_aware routers must read ids as the prefix_hash router does."""
+    fleet = [mock_factory(name=f"w{i}", output_tokens=3) for i in range(4)]
+    urls = [w.url for w in fleet]
+    # the plan off: each chat goes to its key's ring owner (one request at a time)
+    ring = {"prefix_token_count": 16, "prefix_chars": 48, "owner_share": 0.0}
+
+    def router(policy: str, options: dict[str, Any]) -> Mesh:
+        return mesh_factory(
+            workers=urls,
+            policy=policy,
+            policies={policy: options},
+            tokenizer=TINY,
+            lifecycle={"probe": False},
+        )
+
+    pair = [router("cache_aware", {"ring_options": ring}) for _ in range(2)]
+    hashing = router("prefix_hash", ring)
+    modes = [MODE_CLASSES["gateway"](pair[0]), MODE_CLASSES["transport"](pair[1])]
+    by_hash = MODE_CLASSES["gateway"](hashing)
+    try:
+        _converse(modes, 12, 4)  # the pair decides that others place its turns
+        assert all(_match_kinds(mesh) == {"ring"} for mesh in pair)
+        agreed = 0
+        for c, topic in enumerate(TOPICS * 2):
+            msgs = [
+                {"role": "system", "content": f"Tenant {c}: you answer about {topic}. " * 4},
+                {"role": "user", "content": f"a new question on {topic}"},
+            ]
+            got = {_turn(m, msgs)[0] for m in (*modes, by_hash)}
+            agreed += len(got) == 1
+    finally:
+        for m in (*modes, by_hash):
+            m.close()
+    assert agreed == 2 * len(TOPICS)

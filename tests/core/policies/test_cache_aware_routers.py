@@ -3,11 +3,18 @@ notices, and places chats as ``prefix_hash`` does, alike in every router."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
-from meshkit.core.policies import CacheAware
+import pytest
+
+from meshkit.config import MeshConfig
+from meshkit.core.policies import CacheAware, PrefixHash
 from meshkit.core.policies.cache_aware import _saw_turn_before
+from meshkit.core.policies.registry import create_policy
 from meshkit.core.workers import Candidate
+from meshkit.errors import ConfigError
 
 SYSTEM = "system\nYou are assistant {}. " + "Policy text. " * 20
 
@@ -81,3 +88,58 @@ def test_what_counts_as_the_turn_before() -> None:
     assert _saw_turn_before(now, head_end, {}) is False
     # it holds the whole text (the same turn sent again): nothing to judge
     assert _saw_turn_before(now, head_end, {"w": len(now)}) is None
+
+
+def test_the_ring_takes_its_options_and_reads_token_ids_once_in_use(
+    kit: SimpleNamespace,
+) -> None:
+    # prefix_chars under the chats' heads: keyed by their ids, not their own text
+    opts = {"prefix_token_count": 8, "prefix_chars": 64}
+    routers = [CacheAware(ring_options=opts) for _ in range(2)]
+    assert all(r.needs.prefix_tokens is None for r in routers)  # the tree reads no ids
+    _deal(kit, routers)
+    assert all(r.ring_placement for r in routers)
+    # in ring placement the prepare stage reads the ring key's ids
+    assert all(r.needs.prefix_tokens == 8 for r in routers)
+    cs = kit.cands(4)
+    ids = list(range(100, 140))
+    ctx = kit.ctx(cs, kit.view(_chat(1, 1), token_ids=ids), fleet=cs)
+    shared = routers[0]._shared
+    assert shared is not None
+    # the key is a prefix_hash router's with the same options: 8 ids, not 256
+    assert shared.key_point(ctx) == PrefixHash(**opts).key_point(ctx)
+    longer = kit.ctx(cs, kit.view(_chat(1, 1), token_ids=ids[:8] + [7] * 32), fleet=cs)
+    assert shared.key_point(longer) == shared.key_point(ctx)
+    default = PrefixHash(prefix_chars=64)
+    assert default.key_point(longer) != default.key_point(ctx)
+    # a router whose tree holds its turns reads no ids
+    one = CacheAware(ring_options=opts)
+    _deal(kit, [one])
+    assert one.needs.prefix_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"load_factor": 0.5}, "policies.cache_aware.ring_options.load_factor"),
+        ({"no_such_option": 1}, "policies.cache_aware.ring_options"),
+        ("prefix_token_count=8", "policies.cache_aware.ring_options"),
+    ],
+)
+def test_bad_ring_options_name_their_key(options: Any, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        CacheAware(ring_options=options)
+    assert err.value.key == key
+
+
+def test_ring_options_from_a_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "meshkit.toml"
+    path.write_text(
+        'policy = "cache_aware"\n[policies.cache_aware]\n'
+        "ring_options = { prefix_token_count = 512, owner_share = 0.5 }\n",
+        encoding="utf-8",
+    )
+    config = MeshConfig.from_file(path)
+    policy = create_policy(config.policy, config.policies["cache_aware"])
+    assert isinstance(policy, CacheAware) and policy._shared is not None
+    assert (policy._shared.prefix_token_count, policy._shared.owner_share) == (512, 0.5)

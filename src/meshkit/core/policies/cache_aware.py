@@ -55,7 +55,8 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mypy_extensions import mypyc_attr
 
@@ -120,6 +121,9 @@ class CacheAware(BasePolicy):
         its running conversations' turns (other routers place the turns between)
         places chats on workers without KV events as ``prefix_hash`` does, alike in
         every router, instead of by its own tree. ``0``: always the tree.
+    :param ring_options: the options of that ``prefix_hash`` (the keys of
+        ``[policies.prefix_hash]``). Routers that mix the two policies over one
+        fleet agree only when both tables say the same.
     """
 
     name = "cache_aware"
@@ -139,6 +143,7 @@ class CacheAware(BasePolicy):
         spill_prefix_chars: int = 256,
         conversation_slack: float = 1.0,
         own_turns: float = 0.75,
+        ring_options: Mapping[str, Any] | None = None,
     ) -> None:
         key = "policies.cache_aware."
         if load_factor is not None and not load_factor >= 1.0:
@@ -179,7 +184,8 @@ class CacheAware(BasePolicy):
         self.work_half_life_s = float(work_half_life_s)
         self.spill_prefix_chars = spill_prefix_chars
         self.conversation_slack = float(conversation_slack)
-        self.needs = Needs(text=True, prefix_chars=match_chars, kv_events=True)
+        self._tree_needs = Needs(text=True, prefix_chars=match_chars, kv_events=True)
+        self.needs = self._tree_needs
         self._trees: OrderedDict[str, RadixTree] = OrderedDict()
         self._recent: Decayed[str] = Decayed(self.work_half_life_s)
         #: conversations started lately, per candidate (first turns)
@@ -189,7 +195,16 @@ class CacheAware(BasePolicy):
         #: holds a fraction of each), judged early: one router never fails the count;
         #: and what then places chats on the workers without events
         self._turns = OwnTurns(self.own_turns, least=_DECIDE_AFTER) if own_turns else None
-        self._shared = PrefixHash() if own_turns else None
+        self._shared = _ring_policy(ring_options) if own_turns else None
+        #: in ring placement the prepare stage also reads the ring key's token ids,
+        #: so that the key is a prefix_hash router's (with a tokenizer: its ids)
+        self._ring_needs = self._tree_needs
+        if self._shared is not None:
+            ring = self._shared.needs
+            chars = None if match_chars is None else max(match_chars, ring.prefix_chars or 0)
+            self._ring_needs = Needs(
+                text=True, prefix_tokens=ring.prefix_tokens, prefix_chars=chars, kv_events=True
+            )
 
     @property
     def ring_placement(self) -> bool:
@@ -227,7 +242,9 @@ class CacheAware(BasePolicy):
                 if own is not None:
                     turns.observe(own)
             if turns.fails():
+                self.needs = self._ring_needs
                 return self._shared.select(ctx)
+            self.needs = self._tree_needs
         if rates is not None:
             best = max(rates)
             if best > self.cache_threshold:
@@ -378,6 +395,18 @@ class CacheAware(BasePolicy):
             if not tree.node_count:
                 del self._trees[model]
         return freed
+
+
+def _ring_policy(options: Mapping[str, Any] | None) -> PrefixHash:
+    key = "policies.cache_aware.ring_options"
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(key, "must be a table of prefix_hash options")
+    try:
+        return PrefixHash(**dict(options or {}))
+    except ConfigError as exc:
+        raise ConfigError(f"{key}.{exc.key.rsplit('.', 1)[-1]}", exc.message) from None
+    except TypeError as exc:
+        raise ConfigError(key, f"not a prefix_hash option: {exc}") from None
 
 
 def _saw_turn_before(text: str, head_end: int, by_text: dict[str, int]) -> bool | None:
