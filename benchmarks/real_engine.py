@@ -72,6 +72,8 @@ Usage::
     python benchmarks/real_engine.py                 # 6-10 min on 2 cores
     python benchmarks/real_engine.py --rounds 1      # a quick look
     python benchmarks/real_engine.py --routers 1,2   # K = 1 against K = 2
+    python benchmarks/real_engine.py --routers 2 --policies cache_aware,cache_aware/own_turns=0
+        # a policy against a variant of it (options of its [policies.<name>] table)
 
 Adds a dated section at the top of ``benchmarks/REAL_ENGINE_RESULTS.md``
 (``--out``; the older sections stay below it) and, when matplotlib is
@@ -84,6 +86,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import itertools
+import json
 import os
 import platform
 import random
@@ -96,6 +99,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -247,11 +251,30 @@ def _watch_gateways(
                 views.others_max = max(views.others_max, total)
 
 
+def policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name/key=value/...`` (a variant: options of its
+    ``[policies.<name>]`` table, each value read as JSON, else a string)."""
+    name, *pairs = spec.split("/")
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"{spec!r}: {pair!r} is not key=value")
+        try:
+            options[key] = json.loads(raw)
+        except ValueError:
+            options[key] = raw
+    return name, options
+
+
 def _gateway_config(path: Path, urls: Sequence[str], policy: str, seed: int, probe: float) -> None:
     workers = "".join(f'[[workers]]\nurl = "{u}"\n' for u in urls)
+    name, options = policy_spec(policy)
+    table = "".join(f"{k} = {json.dumps(v)}\n" for k, v in options.items())
     path.write_text(
-        f'policy = "{policy}"\n{workers}'
+        f'policy = "{name}"\n{workers}'
         f"[routing]\nseed = {seed}\n[lifecycle]\nhealth_interval_s = {probe}\n"
+        + (f"[policies.{name}]\n{table}" if options else "")
     )
 
 
@@ -307,10 +330,12 @@ def _mesh_run(
     views: Views,
 ) -> list[Outcome]:
     """The K routers as ``Mesh`` objects in this process (``--in-process``)."""
+    name, options = policy_spec(policy)
     meshes = [
         Mesh(
             workers=fleet.urls,
-            policy=policy,
+            policy=name,
+            policies={name: options},
             routing={"seed": 7 + i},
             lifecycle={"health_interval_s": args.probe_interval},
         )
@@ -629,7 +654,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=11, help="arrival order within each turn")
-    ap.add_argument("--policies", default=",".join(POLICIES), type=lambda s: s.split(","))
+    ap.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        type=lambda s: s.split(","),
+        help="names, or variants name/key=value (e.g. cache_aware/own_turns=0)",
+    )
     ap.add_argument(
         "--routers",
         default=[1],

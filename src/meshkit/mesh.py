@@ -148,7 +148,7 @@ class Mesh:
             config,
             self.pool,
             self.tokenizers,
-            lambda: router.policy,
+            router.needs,
             lambda: router.kv_sizes,
             lambda model: router.fleet.kv.root(model),
             self._kv_unmatched,

@@ -44,7 +44,14 @@ from meshkit.core.placement import (
     uncached_weight,
 )
 from meshkit.core.policies.affinity import ResponsesAffinity
-from meshkit.core.policies.base import BasePolicy, Completion, PlacementContext, Policy
+from meshkit.core.policies.base import (
+    BasePolicy,
+    Completion,
+    Needs,
+    PlacementContext,
+    Policy,
+    merged,
+)
 from meshkit.core.policies.registry import create_policy
 from meshkit.core.requests import RequestView
 from meshkit.core.states import WorkerStates, is_tracked
@@ -189,7 +196,7 @@ class Router:
         #: the block sizes of the workers the KV index has events of (prepare reads it)
         self.kv_sizes: frozenset[int] = frozenset()
         self._roles_version = -1
-        self._roles: frozenset[str] = frozenset()
+        self._pairs = False
 
     @property
     def policy(self) -> Policy:
@@ -340,18 +347,30 @@ class Router:
 
     # -- prefill/decode ---------------------------------------------------------------
 
+    def _has_pairs(self) -> bool:
+        """Whether the fleet has prefill and decode workers."""
+        fleet = self.fleet
+        if fleet.version != self._roles_version:
+            roles = frozenset(w.role for w in fleet.workers)
+            self._pairs = "prefill" in roles and "decode" in roles
+            self._roles_version = fleet.version
+        return self._pairs
+
     def disaggregated(self, view: RequestView) -> bool:
         """Whether ``view`` runs on prefill/decode pairs: the fleet has both roles and
         no regular worker serves its API."""
-        if view.api in (Api.MODELS, Api.TOKENIZE):
+        if view.api in (Api.MODELS, Api.TOKENIZE) or not self._has_pairs():
             return False
-        fleet = self.fleet
-        if fleet.version != self._roles_version:
-            self._roles = frozenset(w.role for w in fleet.workers)
-            self._roles_version = fleet.version
-        if "prefill" not in self._roles or "decode" not in self._roles:
-            return False
-        return not any(w.role == "regular" and w.serves(view.api) for w in fleet.workers)
+        return not any(w.role == "regular" and w.serves(view.api) for w in self.fleet.workers)
+
+    def needs(self) -> Needs:
+        """What the placement policies read from a request (the prepare stage asks
+        per request): the policy's, and on a fleet of prefill/decode pairs also what
+        the prefill and decode policies read."""
+        needs = self._policy.needs
+        if not self._has_pairs():
+            return needs
+        return merged(needs, self.prefill_policy.needs, self.decode_policy.needs)
 
     def place_pair(self, view: RequestView) -> tuple[Candidate, Candidate]:
         """A (prefill, decode) pair, each side by its own policy. A pair takes two of
@@ -582,7 +601,11 @@ class Router:
         where ``prefix_hash`` sends them, alike in every router)."""
         if self.fleet.kv.covers(worker_id):
             return "events"
-        return "ring" if getattr(self._policy, "ring_placement", False) else "approximate"
+        policy = self._policy
+        worker = self.fleet.get(worker_id)
+        if worker is not None and worker.role != "regular" and self._has_pairs():
+            policy = self.prefill_policy if worker.role == "prefill" else self.decode_policy
+        return "ring" if getattr(policy, "ring_placement", False) else "approximate"
 
     def learn_models(self, worker_id: str, models: frozenset[str] | None) -> None:
         """What an unlabelled worker's ``GET /v1/models`` listed (the probes call this)."""

@@ -11,6 +11,7 @@ import pytest
 
 from harness import AsyncTransportMode, TransportMode, wait_until
 from meshkit import Worker
+from meshkit.core.policies import RoundRobin
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "disaggregate me"}]}
 
@@ -23,6 +24,10 @@ def _pd(mock_factory: Any, protocol: str, **kw: Any) -> tuple[Any, Any]:
     prefill = mock_factory(name="p", pd_role="prefill", pd_protocol=protocol, api_key="pk", **kw)
     decode = mock_factory(name="d", pd_role="decode", pd_protocol=protocol, api_key="dk", **kw)
     return prefill, decode
+
+
+def _chats(mock: Any) -> int:
+    return int(mock.worker.stats.requests_total.get("/v1/chat/completions", 0))
 
 
 def _workers(prefill: Any, decode: Any) -> list[Worker]:
@@ -298,3 +303,57 @@ def test_sync_callers_run_at_most_sync_leg_threads_prefill_legs(
     assert statuses == [200] * 6
     assert most == 2
     assert prefill.worker.stats.requests_total.get("/v1/chat/completions") == 6
+
+
+def test_the_prefill_policy_reads_what_it_needs_whatever_the_main_policy(
+    mock_factory: Any, mesh_factory: Any, run_mode: Any
+) -> None:
+    """The main policy (round robin) reads no text; the prefill policy
+    (``cache_aware``, the default) does: it gets the text, so each conversation's
+    next turn goes to the prefill worker that holds its prefix, and new ones spread."""
+    prefills = [
+        mock_factory(name=f"p{i}", pd_role="prefill", pd_protocol="sglang") for i in range(2)
+    ]
+    decode = mock_factory(name="d", pd_role="decode", pd_protocol="sglang")
+    workers = [
+        Worker(p.url, labels={"mesh.role": "prefill", "mesh.bootstrap_port": "9123"})
+        for p in prefills
+    ] + [Worker(decode.url, labels={"mesh.role": "decode"})]
+    mesh = mesh_factory(workers=workers, pd={"protocol": "sglang"})
+    assert mesh.router.policy.name == "round_robin"
+    mode = run_mode(mesh)
+
+    def turn(messages: list[dict[str, str]]) -> str:
+        before = [_chats(p) for p in prefills]
+        r = mode.request("POST", "/v1/chat/completions", json={"model": "m", "messages": messages})
+        assert r.status == 200, r.body
+        after = [_chats(p) for p in prefills]
+        (took,) = [f"p{i}" for i, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
+        return took
+
+    firsts, moved = [], 0
+    for c in range(8):
+        msgs = [
+            {"role": "system", "content": f"Tenant {c}: " + "a long shared policy. " * 30},
+            {"role": "user", "content": f"question {c}"},
+        ]
+        first = turn(msgs)
+        msgs += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more"}]
+        moved += turn(msgs) != first
+        firsts.append(first)
+    assert moved == 0
+    assert set(firsts) == {"p0", "p1"}
+    tree = mesh.router.prefill_policy.tree("m")
+    assert tree is not None and tree.node_count > 0
+    # /workers says how each side matches: a prefill policy on the ring, its workers
+    mesh.router.set_policy(None, prefill=_OnTheRing())
+    kinds = {row["url"]: row["prefix_match"] for row in mesh.router.describe()}
+    assert [kinds[p.url] for p in prefills] == ["ring", "ring"]
+    assert kinds[decode.url] == "approximate"
+
+
+class _OnTheRing(RoundRobin):
+    """A policy that says it places chats by the ring (as ``cache_aware`` does
+    when other routers place its conversations' turns)."""
+
+    ring_placement = True

@@ -35,7 +35,7 @@ from meshkit.errors import InvalidRequest, RequestTooLarge
 
 if TYPE_CHECKING:
     from meshkit.config import MeshConfig
-    from meshkit.core.policies.base import Policy
+    from meshkit.core.policies.base import Needs
     from meshkit.prepare.pool import PreparePool
     from meshkit.prepare.tokenizers import TokenizerRegistry
 
@@ -58,8 +58,8 @@ _Heads = tuple[bytes | None, bytes | None, bytes | None]
 class Preparer:
     """Prepares requests for one Mesh.
 
-    :param policy: the current placement policy (it may be replaced at runtime,
-        so it is asked per request what it needs).
+    :param needs: what the current placement policies read from a request (they
+        may be replaced at runtime, so this is asked per request).
     """
 
     def __init__(
@@ -67,7 +67,7 @@ class Preparer:
         config: MeshConfig,
         pool: PreparePool,
         tokenizers: TokenizerRegistry,
-        policy: Callable[[], Policy],
+        needs: Callable[[], Needs],
         kv_sizes: Callable[[], frozenset[int]] = frozenset,
         kv_root: Callable[[str | None], int] = lambda model: ROOT,
         kv_unmatched: Callable[[str], None] = lambda reason: None,
@@ -79,7 +79,7 @@ class Preparer:
         self._kv_unmatched = kv_unmatched
         self._match_tokens = config.kv.match_tokens
         self.tokenizers = tokenizers
-        self._policy = policy
+        self._needs = needs
         self._inline_bytes = config.prepare.inline_threshold_bytes
         self._max_tokenize = config.prepare.max_tokenize_bytes
         self._depth = config.bounds.max_json_depth
@@ -155,7 +155,7 @@ class Preparer:
         the policy matches KV events, some worker sends them, and a tokenizer
         renders this model's prompts as its engine does (or the request gives its
         token ids)."""
-        if not self._policy().needs.kv_events or view.match.endpoint.api not in _KV_APIS:
+        if not self._needs().kv_events or view.match.endpoint.api not in _KV_APIS:
             return frozenset()
         sizes = self._kv_sizes()
         if not sizes:
@@ -198,7 +198,7 @@ class Preparer:
         view.kv_keys = {size: chain(ids, size, root) for size in sizes}
 
     def _parse(self, match: Match, body: bytes) -> RequestView:
-        needs = self._policy().needs
+        needs = self._needs()
         want_text = needs.text or needs.prefix_tokens is not None
         return parse_request(match, body, want_text=want_text, max_depth=self._depth)
 
@@ -210,7 +210,7 @@ class Preparer:
             the caller runs this on the pool.
         :returns: False when the fast path declined (the pool must run it).
         """
-        n = self._policy().needs.prefix_tokens
+        n = self._needs().prefix_tokens
         if not n or view.token_ids is not None or not view.routing_text:
             return True
         tok = self.tokenizers.get(view.model)

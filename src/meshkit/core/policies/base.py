@@ -39,7 +39,7 @@ from meshkit.core.policies.context import PlacementContext
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
 
-__all__ = ["BasePolicy", "Completion", "Needs", "PlacementContext", "Policy"]
+__all__ = ["BasePolicy", "Completion", "Needs", "PlacementContext", "Policy", "merged"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,20 @@ class Needs:
     #: match against the workers' KV events: the engine's prompt token ids
     #: (``RequestView.prompt_ids``) while some worker publishes them
     kv_events: bool = False
+
+
+def merged(*needs: Needs) -> Needs:
+    """What several policies read from one request (a prefill/decode fleet's)."""
+    tokens = [n.prefix_tokens for n in needs if n.prefix_tokens is not None]
+    # how far the text is read: as far as the farthest reader reads (None: all)
+    chars = [n.prefix_chars for n in needs if n.text or n.prefix_tokens is not None]
+    limits = [c for c in chars if c is not None]
+    return Needs(
+        text=any(n.text for n in needs),
+        prefix_tokens=max(tokens) if tokens else None,
+        prefix_chars=max(limits) if limits and len(limits) == len(chars) else None,
+        kv_events=any(n.kv_events for n in needs),
+    )
 
 
 @dataclass(frozen=True, slots=True)
