@@ -2,8 +2,8 @@
 every other turn of each conversation (as behind a load balancer): each notices
 that another router placed the turn before, and both place chats as
 ``prefix_hash`` does, alike, which ``/workers`` and ``/metrics`` say. The real
-openai SDK through the gateway's server and through the transport. With one
-tokenizer and the same ring options, a ``prefix_hash`` router agrees with them. (Where the
+openai SDK through the gateway's server and through the transport. With the same
+ring options, a ``prefix_hash`` router agrees with them. (Where the
 turns then go: tests/core/policies/test_cache_aware_routers.py.)"""
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ from typing import Any
 
 from harness import MODE_CLASSES
 from meshkit import Mesh
-from meshkit.demo import TOKENIZER
 from meshkit.mock.thread import MockWorkerThread
-
-TINY = str(TOKENIZER / "tokenizer.json")
 
 TOPICS = ["billing", "weather", "recipes", "travel", "music", "gardens"]
 
@@ -94,21 +91,19 @@ def test_routers_that_take_every_other_turn_place_chats_by_the_ring(
 def test_cache_aware_on_the_ring_places_chats_where_prefix_hash_does(
     mock_factory: Callable[..., MockWorkerThread], mesh_factory: Callable[..., Mesh]
 ) -> None:
-    """Routers of the two policies over one fleet, with one tokenizer and the same
-    ring options: a chat goes to the same worker through either. The ring's key is
-    the first 16 token ids (the system prompts are longer than prefix_chars), so the
-    cache_aware routers must read ids as the prefix_hash router does."""
+    """Routers of the two policies over one fleet, with the same ring options (no
+    tokenizer: both key a chat by its text's head, here 48 characters, shorter than
+    the system prompts): a chat goes to the same worker through either."""
     fleet = [mock_factory(name=f"w{i}", output_tokens=3) for i in range(4)]
     urls = [w.url for w in fleet]
     # the plan off: each chat goes to its key's ring owner (one request at a time)
-    ring = {"prefix_token_count": 16, "prefix_chars": 48, "owner_share": 0.0}
+    ring = {"prefix_chars": 48, "owner_share": 0.0}
 
     def router(policy: str, options: dict[str, Any]) -> Mesh:
         return mesh_factory(
             workers=urls,
             policy=policy,
             policies={policy: options},
-            tokenizer=TINY,
             lifecycle={"probe": False},
         )
 

@@ -90,32 +90,20 @@ def test_what_counts_as_the_turn_before() -> None:
     assert _saw_turn_before(now, head_end, {"w": len(now)}) is None
 
 
-def test_the_ring_takes_its_options_and_reads_token_ids_once_in_use(
-    kit: SimpleNamespace,
-) -> None:
-    # prefix_chars under the chats' heads: keyed by their ids, not their own text
-    opts = {"prefix_token_count": 8, "prefix_chars": 64}
+def test_the_ring_takes_its_options(kit: SimpleNamespace) -> None:
+    opts = {"prefix_chars": 64, "owner_share": 0.5}
     routers = [CacheAware(ring_options=opts) for _ in range(2)]
-    assert all(r.needs.prefix_tokens is None for r in routers)  # the tree reads no ids
     _deal(kit, routers)
     assert all(r.ring_placement for r in routers)
-    # in ring placement the prepare stage reads the ring key's ids
-    assert all(r.needs.prefix_tokens == 8 for r in routers)
-    cs = kit.cands(4)
-    ids = list(range(100, 140))
-    ctx = kit.ctx(cs, kit.view(_chat(1, 1), token_ids=ids), fleet=cs)
     shared = routers[0]._shared
-    assert shared is not None
-    # the key is a prefix_hash router's with the same options: 8 ids, not 256
+    assert shared is not None and shared.owner_share == 0.5
+    cs = kit.cands(4)
+    ctx = kit.ctx(cs, kit.view(_chat(1, 1)), fleet=cs)
+    # keyed by 64 characters (the chats' heads are longer), as prefix_hash with them
     assert shared.key_point(ctx) == PrefixHash(**opts).key_point(ctx)
-    longer = kit.ctx(cs, kit.view(_chat(1, 1), token_ids=ids[:8] + [7] * 32), fleet=cs)
-    assert shared.key_point(longer) == shared.key_point(ctx)
-    default = PrefixHash(prefix_chars=64)
-    assert default.key_point(longer) != default.key_point(ctx)
-    # a router whose tree holds its turns reads no ids
-    one = CacheAware(ring_options=opts)
-    _deal(kit, [one])
-    assert one.needs.prefix_tokens is None
+    assert shared.key_point(ctx) != PrefixHash().key_point(ctx)
+    # the key is the text's: the policy asks for no token ids, in either mode
+    assert all(r.needs.prefix_tokens is None for r in routers)
 
 
 @pytest.mark.parametrize(
