@@ -263,3 +263,23 @@ def test_the_parent_marks_a_dead_child_absent(tmp_path: Path) -> None:
         finally:
             sup.close()
         assert not Path(sup.run_dir).exists()
+
+
+def test_a_connection_being_made_counts_once(child: _Child) -> None:
+    """Between the protocol's connection_made (the server counts it open) and the
+    end of the acceptor's connect, a connection was counted open and pending: a
+    burst's connections counted twice, and siblings handed this child too few."""
+    seen: list[int] = []
+    counted = child.acceptor.counted
+
+    def watched(connections: int) -> None:
+        counted(connections)
+        seen.append(child.shares.held()[0])  # what the siblings read right then
+
+    child.acceptor.counted = watched  # type: ignore[method-assign]
+    child.connect(5)
+    child.turn(until=5)
+    child.loop.run_until_complete(asyncio.sleep(0.01))  # every connect ended
+    assert len(seen) == 5
+    assert max(seen) <= 5  # never more than the connections there are
+    assert child.shares.held()[0] == 5

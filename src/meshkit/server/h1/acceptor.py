@@ -76,6 +76,8 @@ class Acceptor:
         #: open connections, and those taken whose transport is not made yet
         self._connections = 0
         self._pending = 0
+        #: pending connections counted open since, whose _connect has not ended
+        self._moved = 0
         sock.setblocking(False)
         self._publish()
         loop.add_reader(self._fd, self._ready)
@@ -83,6 +85,14 @@ class Acceptor:
 
     def counted(self, connections: int) -> None:
         """This child now holds ``connections`` open connections."""
+        made = connections - self._connections
+        if made > 0:
+            # A connection taken is open now: it stops counting as pending in the
+            # same store, or it counts twice until its _connect resumes (several
+            # at once in a burst, and siblings then hand this child too few).
+            moved = min(made, self._pending)
+            self._pending -= moved
+            self._moved += moved
         self._connections = connections
         self._publish()
 
@@ -157,7 +167,10 @@ class Acceptor:
         except OSError:
             conn.close()  # the client reset it before the transport was made
         finally:
-            self._pending -= 1
+            if self._moved:
+                self._moved -= 1  # counted open already
+            else:
+                self._pending -= 1  # refused, reset, or not made yet
             self._publish()
 
     def _resume(self) -> None:
