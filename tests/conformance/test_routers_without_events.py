@@ -74,7 +74,7 @@ def test_routers_that_take_every_other_turn_place_chats_by_the_ring(
     tree_modes = [MODE_CLASSES["gateway"](trees[0]), MODE_CLASSES["transport"](trees[1])]
     try:
         # 12 conversations of 4 turns: each router sees 18 follow-ups whose turn
-        # before the other placed (8 decide)
+        # before the other placed (4 decide)
         _converse(modes, 12, 4)
         _converse(tree_modes, 12, 4)
     finally:

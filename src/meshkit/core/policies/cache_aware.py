@@ -78,7 +78,7 @@ def _spread_key(digest: bytes, cand: Candidate) -> bytes:
 
 
 #: running-conversation turns counted before judging whether others place them
-_DECIDE_AFTER = 8.0
+_DECIDE_AFTER = 4.0
 
 
 def _digest(text: str) -> bytes:
