@@ -131,3 +131,34 @@ def test_ring_options_from_a_config_file(tmp_path: Path) -> None:
     policy = create_policy(config.policy, config.policies["cache_aware"])
     assert isinstance(policy, CacheAware) and policy._shared is not None
     assert (policy._shared.prefix_token_count, policy._shared.owner_share) == (512, 0.5)
+
+
+def test_a_lone_router_back_on_its_own_turns_returns_to_its_tree(kit: SimpleNamespace) -> None:
+    """A client that rewrites an earlier answer of its history sends a follow-up whose
+    turn before this router never saw: two such of six counted turns flip a lone
+    router to the ring; its own turns after that bring it back to its tree."""
+    router = CacheAware()
+    cs = kit.cands(4)
+    now = 0.0
+
+    def send(text: str) -> None:
+        nonlocal now
+        v = kit.view(text)
+        c = router.select(kit.ctx(cs, v, fleet=cs, now=now))
+        router.on_placed(c, v, now)
+        now += 1.0
+
+    edited = "answer 0 (edited):"
+    for conv in range(2):  # each rewrites its first answer at its fourth turn
+        for turn in (1, 2, 3):
+            send(_chat(conv, turn))
+        # two answers back: the tree holds this turn's history up to its first
+        # answer only, as if another router had placed the turns between
+        send(_chat(conv, 4).replace("answer 0:", edited))
+    assert router.ring_placement
+    turn = 5
+    while router.ring_placement and turn < 12:
+        for conv in range(2):
+            send(_chat(conv, turn).replace("answer 0:", edited))
+        turn += 1
+    assert not router.ring_placement
