@@ -197,6 +197,8 @@ class Router:
         self.kv_sizes: frozenset[int] = frozenset()
         self._roles_version = -1
         self._pairs = False
+        #: the PD policies' needs last merged, and what they merged to
+        self._merged: tuple[tuple[Needs, Needs, Needs], Needs] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -370,7 +372,12 @@ class Router:
         needs = self._policy.needs
         if not self._has_pairs():
             return needs
-        return merged(needs, self.prefill_policy.needs, self.decode_policy.needs)
+        parts = (needs, self.prefill_policy.needs, self.decode_policy.needs)
+        last = self._merged
+        if last is None or any(a is not b for a, b in zip(parts, last[0], strict=True)):
+            # asked three times per request: merged once per change of a policy
+            last = self._merged = (parts, merged(*parts))
+        return last[1]
 
     def place_pair(self, view: RequestView) -> tuple[Candidate, Candidate]:
         """A (prefill, decode) pair, each side by its own policy. A pair takes two of
@@ -589,21 +596,18 @@ class Router:
         per model group, evicted and unchained counts."""
         with self._lock:
             kv = self.fleet.kv
-            rows = [
-                (w.url, kv.blocks_of(w.id), self.prefix_match(w.id)) for w in self.fleet.workers
-            ]
+            rows = [(w.url, kv.blocks_of(w.id), self.prefix_match(w)) for w in self.fleet.workers]
             return rows, kv.group_sizes(), kv.evicted, kv.unchained
 
-    def prefix_match(self, worker_id: str) -> str:
+    def prefix_match(self, worker: Worker) -> str:
         """How cache_aware matches a worker's prefixes: ``events`` (its own KV
         events), ``approximate`` (this router's tree of what it sent there) or
         ``ring`` (other routers place this router's conversations' turns, so chats go
         where ``prefix_hash`` sends them, alike in every router)."""
-        if self.fleet.kv.covers(worker_id):
+        if self.fleet.kv.covers(worker.id):
             return "events"
         policy = self._policy
-        worker = self.fleet.get(worker_id)
-        if worker is not None and worker.role != "regular" and self._has_pairs():
+        if worker.role != "regular" and self._has_pairs():
             policy = self.prefill_policy if worker.role == "prefill" else self.decode_policy
         return "ring" if getattr(policy, "ring_placement", False) else "approximate"
 
@@ -649,7 +653,7 @@ class Router:
             for i, w in enumerate(self.fleet.workers):
                 if worker_id is None or w.id == worker_id:
                     row = self.states.describe(w, i, now)
-                    row["prefix_match"] = self.prefix_match(w.id)
+                    row["prefix_match"] = self.prefix_match(w)
                     if w.kv_events:
                         row["kv_blocks"] = kv.blocks_of(w.id)
                         row["kv_silent"] = self.fleet.kv_silence.silent(w.id)

@@ -346,7 +346,9 @@ def test_the_prefill_policy_reads_what_it_needs_whatever_the_main_policy(
     tree = mesh.router.prefill_policy.tree("m")
     assert tree is not None and tree.node_count > 0
     # /workers says how each side matches: a prefill policy on the ring, its workers
+    assert mesh.router.needs().text
     mesh.router.set_policy(None, prefill=_OnTheRing())
+    assert not mesh.router.needs().text  # no policy of the three reads text now
     kinds = {row["url"]: row["prefix_match"] for row in mesh.router.describe()}
     assert [kinds[p.url] for p in prefills] == ["ring", "ring"]
     assert kinds[decode.url] == "approximate"

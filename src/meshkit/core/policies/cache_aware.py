@@ -61,7 +61,7 @@ from typing import Any
 from mypy_extensions import mypyc_attr
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
-from meshkit.core.policies.prefix_hash import _ASSISTANT, PrefixHash, conversation_head
+from meshkit.core.policies.prefix_hash import PrefixHash, answers_after, conversation_head
 from meshkit.core.policies.radix import RadixTree
 from meshkit.core.policies.shares import Decayed, OwnTurns
 from meshkit.core.requests import RequestView
@@ -218,12 +218,7 @@ class CacheAware(BasePolicy):
         if len(cands) == 1:
             return cands[0]
         text = self._text(ctx.view)
-        loads = [ctx.load_of(c) for c in cands]
-        # The bound moves new conversations; a follow-up stays with its history
-        # (only the in-flight gate moves it).
         head = conversation_head(text, self.spill_prefix_chars * 64)
-        over = self._over(cands, ctx.now, head is not None) if head is None or head[1] else None
-        spread = _digest(text[: self.spill_prefix_chars])
         rates, by_text, covered = self._rates(ctx, cands, text)
         turns = self._turns
         if turns is not None and head is not None and not covered and self._shared is not None:
@@ -234,6 +229,11 @@ class CacheAware(BasePolicy):
                     turns.observe(own)
             if turns.fails():
                 return self._shared.select(ctx)
+        loads = [ctx.load_of(c) for c in cands]
+        # The bound moves new conversations; a follow-up stays with its history
+        # (only the in-flight gate moves it).
+        over = self._over(cands, ctx.now, head is not None) if head is None or head[1] else None
+        spread = _digest(text[: self.spill_prefix_chars])
         if rates is not None:
             best = max(rates)
             if best > self.cache_threshold:
@@ -405,6 +405,5 @@ def _saw_turn_before(text: str, head_end: int, by_text: dict[str, int]) -> bool 
     matched = max(by_text.values(), default=0)
     if matched < head_end:
         return False  # never saw the conversation
-    # The previous turn's text ends where its answer begins.
-    steps = text.count(_ASSISTANT, max(0, matched - len(_ASSISTANT) + 1))
+    steps = answers_after(text, matched)
     return None if steps == 0 else steps == 1

@@ -128,12 +128,19 @@ from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker, candidates_for
 from meshkit.errors import ConfigError
 
-__all__ = ["PrefixHash", "RingCache", "conversation_head"]
+__all__ = ["PrefixHash", "RingCache", "answers_after", "conversation_head"]
 
 #: characters at the end of a conversation's head hashed into its key
 _HEAD_TAIL = 512
 _USER = "\nuser\n"
 _ASSISTANT = "\nassistant\n"
+
+
+def answers_after(text: str, seen: int) -> int:
+    """How many answers a chat routing text holds past its first ``seen``
+    characters: the turns placed since a router saw it that far (1: only the
+    turn before this one). A match may end inside an answer's marker."""
+    return text.count(_ASSISTANT, max(0, seen - len(_ASSISTANT) + 1))
 
 
 def conversation_head(text: str, limit: int) -> tuple[int, bool] | None:
@@ -425,7 +432,7 @@ class PrefixHash(BasePolicy):
         entry = memory.get(conv)
         if entry is not None:
             there, upto = entry
-            steps = text.count(_ASSISTANT, upto) if seen > upto else 0
+            steps = answers_after(text, upto) if seen > upto else 0
             if steps and counted:
                 self._turns.observe(steps == 1)
             if steps <= 1 and there in by_key and load.get(there, 0) + 1 <= bound:
