@@ -300,6 +300,25 @@ def test_an_added_worker_is_added_in_every_process(processes: Any, mock_factory:
     assert "processes" not in again.json()
 
 
+def test_an_add_over_the_admin_body_bound_is_refused_and_sent_nowhere(
+    processes: Any, mock_factory: Any
+) -> None:
+    a, extra = mock_factory(name="a"), mock_factory(name="extra")
+    procs = processes(2, [Worker(a.url)], bounds={"max_admin_body_bytes": 200})
+    big = {"url": extra.url, "labels": {"note": "x" * 200}}
+    r = procs[0].client.post("/workers", json=big)
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "too_large"
+    assert "bounds.max_admin_body_bytes (200 bytes)" in r.json()["error"]["message"]
+    # The key is checked first, whatever the body's size.
+    r = httpx.post(procs[0].public.url + "/workers", json=big)
+    assert r.status_code == 401, r.text
+    assert all(p.mesh.router.get(Worker(extra.url).id) is None for p in procs)
+    r = procs[0].client.post("/workers", json={"url": extra.url})
+    assert r.status_code == 201, r.text
+    assert all(p.mesh.router.get(Worker(extra.url).id) is not None for p in procs)
+
+
 def test_a_removal_reaches_every_process(processes: Any, mock_factory: Any) -> None:
     a, b = mock_factory(name="a"), mock_factory(name="b")
     procs = processes(2, [Worker(a.url), Worker(b.url)])

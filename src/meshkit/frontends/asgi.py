@@ -34,6 +34,7 @@ from typing import Any
 from meshkit.core.endpoints import Match, shape_for_path
 from meshkit.core.requests import check_head
 from meshkit.errors import MeshError, RequestTooLarge
+from meshkit.frontends.asgi_body import receive_body
 from meshkit.frontends.routed import Routed, error_reply
 from meshkit.mesh import Mesh
 from meshkit.types import ASGIApp, Headers, Message, Receive, Scope, Send
@@ -178,19 +179,4 @@ class _Exchange:
                 if declared > limit:
                     raise RequestTooLarge(f"request body is over {limit} bytes")
                 break
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            if chunk:
-                total += len(chunk)
-                if total > limit:
-                    # Checked while the body streams in, before it is all buffered.
-                    raise RequestTooLarge(f"request body is over {limit} bytes")
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return await receive_body(self.receive, limit)

@@ -49,7 +49,8 @@ from urllib.parse import parse_qs
 
 from meshkit.core.lifecycle import LifecycleError
 from meshkit.core.workers import Worker
-from meshkit.errors import ConfigError
+from meshkit.errors import ConfigError, RequestTooLarge
+from meshkit.frontends.asgi_body import receive_body
 from meshkit.types import Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -272,21 +273,18 @@ def _int(query: dict[str, list[str]], name: str) -> int | None:
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
     """The body, refused (413) past ``limit`` bytes (``bounds.max_admin_body_bytes``)."""
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _error(400, "disconnected", "the client left")
-        chunk = message.get("body", b"")
-        total += len(chunk)
-        if total > limit:
-            raise _error(
-                413, "too_large", f"the body is over bounds.max_admin_body_bytes ({limit} bytes)"
-            )
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    try:
+        body = await receive_body(receive, limit)
+    except RequestTooLarge:
+        raise too_large(limit) from None
+    if body is None:
+        raise _error(400, "disconnected", "the client left")
+    return body
+
+
+def too_large(limit: int) -> _Reply:
+    """The admin app's answer to a body over ``bounds.max_admin_body_bytes``."""
+    return _error(413, "too_large", f"the body is over bounds.max_admin_body_bytes ({limit} bytes)")
 
 
 async def _send(send: Send, status: int, body: Any, headers: list[tuple[bytes, bytes]]) -> None:

@@ -59,8 +59,9 @@ from urllib.parse import parse_qs, quote
 from meshkit.core.lifecycle import LifecycleError
 from meshkit.core.states import WorkerStates
 from meshkit.core.workers import Worker
-from meshkit.errors import ConfigError
-from meshkit.lifecycle.admin import AdminApp, index_of
+from meshkit.errors import ConfigError, RequestTooLarge
+from meshkit.frontends.asgi_body import receive_body
+from meshkit.lifecycle.admin import AdminApp, index_of, too_large
 from meshkit.server.merged_workers import merge_row, merge_rows
 from meshkit.server.peers import PeerReply, Peers, fleet_spec
 from meshkit.types import Message, Receive, Scope, Send
@@ -263,7 +264,18 @@ class PeerAdmin:
         await _send(send, local.status, obj, local.headers)
 
     async def _add(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await _read_body(receive, self.mesh.config.bounds.max_admin_body_bytes)
+        limit = self.mesh.config.bounds.max_admin_body_bytes
+        try:
+            body = await receive_body(receive, limit)
+        except RequestTooLarge:
+            if not self.admin._authorized(scope):
+                await self._relay(send, await self._local(scope))  # its 401 comes first
+                return
+            reply = too_large(limit)
+            await _send(send, reply.status, reply.body, reply.headers)
+            return
+        if body is None:
+            return  # the client left: nobody to answer
         local = await self._local(scope, body)
         if not local.ok:
             await self._relay(send, local)
@@ -488,23 +500,6 @@ def _wait_s(scope: Scope, default: float) -> float | None:
     except ValueError:
         return None
     return value if value >= 0 else None
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    """The client's body, up to one byte past ``limit`` (the admin app refuses it)."""
-    limit += 1
-    chunks: list[bytes] = []
-    total = 0
-    while total < limit:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        chunk = message.get("body", b"")
-        chunks.append(chunk)
-        total += len(chunk)
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)[:limit]
 
 
 # -- what siblings ask ------------------------------------------------------------------
