@@ -77,6 +77,7 @@ COMPILED = (
     "src/meshkit/core/streams.py",
     "src/meshkit/core/workers.py",
     "src/meshkit/frontends/asgi.py",
+    "src/meshkit/frontends/asgi_body.py",
     "src/meshkit/frontends/routed.py",
     "src/meshkit/frontends/wsgi.py",
     "src/meshkit/http1.py",
