@@ -468,6 +468,10 @@ class ServerConfig:
     # Router processes accepting on the one port ("auto": the usable CPUs); a
     # supervisor restarts a child that dies (meshkit.server.supervisor).
     processes: int | str = 1
+    # With processes > 1, the children take the engines' KV events through one relay
+    # process the supervisor runs (one subscription per engine, not one per child),
+    # unless [kv] relay names a relay of your own; false: each child subscribes.
+    kv_relay: bool = True
 
 
 @dataclass(frozen=True)

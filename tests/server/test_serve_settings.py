@@ -115,3 +115,13 @@ def test_server_bounds_come_from_the_file(tmp_path: Path) -> None:
     path.write_text("[server]\nmax_pipelined = 4\nmax_connections = 9\n")
     _, s = resolve_settings(config=str(path), environ={})
     assert (s.max_pipelined, s.max_connections) == (4, 9)
+
+
+def test_the_processes_kv_relay_is_on_unless_the_file_turns_it_off(tmp_path: Path) -> None:
+    assert resolve_settings(environ={})[1].kv_relay is True
+    path = tmp_path / "relay.toml"
+    path.write_text("[server]\nkv_relay = false\n")
+    assert resolve_settings(config=str(path), environ={})[1].kv_relay is False
+    path.write_text('[server]\nkv_relay = "no"\n')
+    with pytest.raises(ConfigError, match=r"server\.kv_relay.*true or false"):
+        resolve_settings(config=str(path), environ={})

@@ -28,17 +28,24 @@ unless ``--access-log`` (or ``[server] access_log = true``) turns it on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from meshkit import __version__, build
-from meshkit.config import ExtProcConfig, MeshConfig
+from meshkit.config import ExtProcConfig, KvRelayConfig, MeshConfig
 from meshkit.errors import ConfigError
 from meshkit.mesh import Mesh
 from meshkit.server.settings import LOG_LEVELS, SERVERS, ServeSettings, resolve_settings
+
+if TYPE_CHECKING:
+    from meshkit.lifecycle.kv_relay import KvRelay
+    from meshkit.server.supervisor import ChildPlace
 
 __all__ = ["build_parser", "main"]
 
@@ -156,7 +163,9 @@ def _setup_logging(level: str) -> None:
 
 
 def _settings(ns: argparse.Namespace) -> tuple[MeshConfig, ServeSettings]:
-    return resolve_settings(
+    from meshkit.server.supervisor import child_place
+
+    config, settings = resolve_settings(
         config=ns.config,
         workers=ns.worker,
         policy=ns.policy,
@@ -168,9 +177,21 @@ def _settings(ns: argparse.Namespace) -> tuple[MeshConfig, ServeSettings]:
         server=ns.server,
         processes=getattr(ns, "processes", None),
     )
+    place = child_place()
+    relay = place.kv_relay if place is not None and place.role == "router" else None
+    if relay is not None and config.kv.relay is None:
+        # A supervised router: its engines' events come through the gateway's relay.
+        kv = dataclasses.replace(config.kv, relay=relay[0], relay_replay=relay[1])
+        config = dataclasses.replace(config, kv=kv)
+    return config, settings
 
 
 def _serve(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    from meshkit.server.supervisor import child_place
+
+    place = child_place()
+    if place is not None and place.role == "kv-relay":
+        return _gateway_relay(ns, place)
     try:
         config, settings = _settings(ns)
         mesh = Mesh(config=config)  # the policy (a plugin, maybe) is checked here
@@ -178,7 +199,6 @@ def _serve(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         return _fail(str(exc))
     try:
         from meshkit.server import runner
-        from meshkit.server.supervisor import child_place
     except ImportError as exc:  # uvicorn is the [server] extra
         mesh.close()
         return _fail(f"meshkit serve needs uvicorn: pip install 'meshkit[server]' ({exc})")
@@ -186,10 +206,10 @@ def _serve(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         mesh.close()
         return _fail("--server granian: granian is not installed (pip install 'meshkit[granian]')")
     _setup_logging(settings.log_level)
-    child = child_place()
+    child = place
     if child is None and settings.processes > 1:
         mesh.close()  # the children build their own; this one only checked the config
-        return _supervise(settings, argv)
+        return _supervise(config, settings, argv)
     if child is None and not (mesh.workers or config.dns_workers or config.workers_file):
         log.warning("no worker is configured: /health answers 503 and every request 501")
 
@@ -215,8 +235,9 @@ def _serve(ns: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     return 0
 
 
-def _supervise(settings: ServeSettings, argv: Sequence[str]) -> int:
-    """``serve --processes N``: bind the port, run N children on it."""
+def _supervise(config: MeshConfig, settings: ServeSettings, argv: Sequence[str]) -> int:
+    """``serve --processes N``: bind the port, run N children on it (and their
+    KV-event relay, :func:`_wants_relay`)."""
     from meshkit.server.runner import listen, url_of
     from meshkit.server.supervisor import Supervisor
 
@@ -231,13 +252,40 @@ def _supervise(settings: ServeSettings, argv: Sequence[str]) -> int:
         print(f"meshkit gateway listening on {url}", flush=True)
         log.info("%d processes; server: %s", settings.processes, settings.server)
 
-    sup = Supervisor(
-        list(argv), sock, url_of(sock), settings.processes, settings.grace_s, on_ready=announce
-    )
+    try:
+        sup = Supervisor(
+            list(argv),
+            sock,
+            url_of(sock),
+            settings.processes,
+            settings.grace_s,
+            on_ready=announce,
+            kv_relay=_wants_relay(config, settings),
+        )
+    except ValueError as exc:
+        sock.close()
+        return _fail(str(exc))
     try:
         return sup.run()
     finally:
         sock.close()
+
+
+def _wants_relay(config: MeshConfig, settings: ServeSettings) -> bool:
+    """Whether ``serve --processes N`` runs one relay for its children's KV events:
+    ``[server] kv_relay`` on, no relay of the operator's own, pyzmq installed, and
+    a source of engines that may publish (a worker naming ``kv_events``, a
+    ``kv_relay.publishers`` entry, or discovery). An admin may still add a worker
+    with ``kv_events`` to a gateway that started without one: its children then
+    subscribe to it each."""
+    import importlib.util
+
+    if not settings.kv_relay or config.kv.relay is not None:
+        return False
+    if importlib.util.find_spec("zmq") is None:
+        return False
+    publishes = any(w.kv_events for w in config.workers) or bool(config.kv_relay.publishers)
+    return publishes or bool(config.dns_workers or config.workers_file)
 
 
 def _extproc_settings(ns: argparse.Namespace) -> tuple[MeshConfig, ExtProcConfig, str]:
@@ -280,9 +328,6 @@ def _extproc(ns: argparse.Namespace) -> int:
 
 
 def _kv_relay(ns: argparse.Namespace) -> int:
-    import signal
-    import threading
-
     try:
         config, settings = resolve_settings(
             config=ns.config, workers=[], policy=None, log_level=ns.log_level
@@ -293,6 +338,71 @@ def _kv_relay(ns: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         return _fail(str(exc))
+    _setup_logging(settings.log_level)
+
+    def announce(relay: KvRelay) -> None:
+        replays = f" (replays on {relay.replay_endpoint})" if relay.replay_endpoint else ""
+        print(f"meshkit kv-relay listening on {relay.endpoint}{replays}", flush=True)
+        log.info("relaying %d publishers", len(relay.sources))
+
+    def load() -> MeshConfig:
+        # SIGHUP: the workers and kv_relay.publishers; the other keys need a restart
+        return resolve_settings(config=ns.config, workers=[], policy=None)[0]
+
+    return _run_relay(config, relay_config, ns.publisher, load, announce)
+
+
+def _gateway_relay(ns: argparse.Namespace, place: ChildPlace) -> int:
+    """``serve --processes N``'s relay child: the engines the gateway's flags, file
+    and environment name, on the endpoints the supervisor gives; it also follows
+    what the routers subscribe to (a worker an admin added)."""
+    assert place.kv_relay is not None
+    try:
+        config, settings = _settings(ns)
+        relay_config = dataclasses.replace(
+            config.kv_relay,
+            bind=place.kv_relay[0],
+            replay_bind=place.kv_relay[1],
+            metrics_port=0,
+            follow_routers=True,
+        )
+    except ConfigError as exc:
+        return _fail(str(exc))
+    _setup_logging(settings.log_level)
+
+    def announce(relay: KvRelay) -> None:
+        log.info("KV-event relay for the processes: %d publishers", len(relay.sources))
+        os.write(place.ready_fd, b"1")
+        os.close(place.ready_fd)
+
+    parent = os.getppid()
+    try:
+        return _run_relay(
+            config, relay_config, (), lambda: _settings(ns)[0], announce, place.lifeline_fd
+        )
+    finally:
+        for endpoint in place.kv_relay:  # ZeroMQ unlinks them too; a kill does not
+            with contextlib.suppress(OSError):
+                os.unlink(endpoint.removeprefix("ipc://"))
+        if os.getppid() != parent:  # killed: no parent to clean up after us
+            from meshkit.server.supervisor import leave_run_dir
+
+            leave_run_dir(place.run_dir)
+
+
+def _run_relay(
+    config: MeshConfig,
+    relay_config: KvRelayConfig,
+    publishers: Sequence[str],
+    load: Callable[[], MeshConfig],
+    announce: Callable[[KvRelay], None],
+    lifeline_fd: int | None = None,
+) -> int:
+    """Relay until SIGTERM / SIGINT (or, with ``lifeline_fd``, the parent's exit);
+    SIGHUP loads the workers again."""
+    import signal
+    import threading
+
     try:
         import zmq
     except ImportError:
@@ -301,9 +411,8 @@ def _kv_relay(ns: argparse.Namespace) -> int:
 
     from meshkit.lifecycle.kv_relay import KvRelay, RelayFleet, follow_fleet, relay_registry
 
-    _setup_logging(settings.log_level)
     try:
-        fleet = RelayFleet(config, ns.publisher)  # --publisher entries checked here
+        fleet = RelayFleet(config, publishers)  # --publisher entries checked here
         asyncio.run(fleet.refresh())  # dns:// names looked up before the first subscription
         relay = KvRelay(fleet.publishers(), relay_config, config.kv)
     except ConfigError as exc:
@@ -317,11 +426,10 @@ def _kv_relay(ns: argparse.Namespace) -> int:
 
     hup = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: hup.set())
-
-    def load() -> MeshConfig:
-        # SIGHUP: the workers and kv_relay.publishers; the other keys need a restart
-        return resolve_settings(config=ns.config, workers=[], policy=None)[0]
-
+    if lifeline_fd is not None:
+        threading.Thread(
+            target=_until_eof, args=(lifeline_fd, stop), name="kv-relay-lifeline", daemon=True
+        ).start()
     threading.Thread(
         target=follow_fleet,
         args=(relay, fleet, stop, hup, load),
@@ -337,9 +445,7 @@ def _kv_relay(ns: argparse.Namespace) -> int:
                 relay_config.metrics_host,
                 registry=relay_registry(relay),
             )
-        replays = f" (replays on {relay.replay_endpoint})" if relay.replay_endpoint else ""
-        print(f"meshkit kv-relay listening on {relay.endpoint}{replays}", flush=True)
-        log.info("relaying %d publishers", len(relay.sources))
+        announce(relay)
         relay.serve(stop)
     except OSError as exc:
         print(f"meshkit: error: cannot listen: {exc}", file=sys.stderr)
@@ -347,6 +453,14 @@ def _kv_relay(ns: argparse.Namespace) -> int:
     finally:
         relay.close()
     return 0
+
+
+def _until_eof(fd: int, stop: threading.Event) -> None:
+    # The parent holds the other end: EOF is its exit, whatever killed it.
+    with contextlib.suppress(OSError):
+        while os.read(fd, 64):
+            pass
+    stop.set()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

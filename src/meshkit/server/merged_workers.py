@@ -19,7 +19,7 @@ everything else                        this process's: identity (``id``, ``url``
                                        (``state``, ``healthy``, ``breaker``,
                                        ``prefix_match``, ``kv_blocks``,
                                        ``kv_silent``, ``kv_heard_s``: each
-                                       process subscribes on its own;
+                                       process keeps its own index;
                                        ``engine_load``: the engine's own count)
 ``processes``                          added: ``{"<index>": {load, leases,
                                        breaker_trips, activity, state, breaker,

@@ -45,6 +45,7 @@ from meshkit.server.h1.acceptor import Inboxes, Sharing
 from meshkit.server.h1.server import H1Server
 from meshkit.server.hangup import reload_on_hangup
 from meshkit.server.settings import ServeSettings
+from meshkit.server.supervisor import leave_run_dir
 
 if TYPE_CHECKING:
     from meshkit.server.peers import Peers
@@ -413,16 +414,7 @@ async def _serve_child(
             os.unlink(path)
         await peers.aclose()
         if orphaned:
-            _leave_run_dir(child.run_dir)
-
-
-def _leave_run_dir(run_dir: str) -> None:
-    """Remove what a killed parent left of the run directory. Each child unlinks its
-    own socket before trying, so the last one out finds the directory empty."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(run_dir, SHARES_FILE))  # siblings keep their mappings
-    with contextlib.suppress(OSError):
-        os.rmdir(run_dir)
+            leave_run_dir(child.run_dir)
 
 
 class GatewayThread:

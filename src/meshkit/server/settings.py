@@ -52,6 +52,8 @@ class ServeSettings:
     max_pipelined: int = 16
     #: router processes on the one port (resolved: "auto" is the usable CPUs)
     processes: int = 1
+    #: with processes > 1, the children's KV events through one relay process
+    kv_relay: bool = True
 
 
 def usable_cpus() -> int:
@@ -156,6 +158,7 @@ def resolve_settings(
             processes if processes is not None else s.processes,
             "--processes" if processes is not None else source,
         ),
+        kv_relay=s.kv_relay,
     )
     if settings.server not in SERVERS:
         where = "--server" if server else source

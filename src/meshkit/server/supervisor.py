@@ -24,10 +24,15 @@ The parent serves nothing itself. It
   copy of the listening socket when shutdown starts, and kills what is still
   running ``grace_s`` + :data:`KILL_AFTER_S` seconds later.
 
+With KV events to take (:func:`meshkit.server.cli._wants_relay`), the parent also
+runs one more child, the KV-event relay (:mod:`meshkit.lifecycle.kv_relay`) on
+``ipc://`` sockets in the run directory: started first, restarted like the others,
+and the routers' ``[kv] relay``, so each engine is subscribed to once per gateway.
+
 A child learns its place from :data:`CHILD_ENV` (a JSON object: the listening
 socket's file descriptor, its index, the count, the run directory of the
-siblings' private sockets, its ready pipe). The run directory is created with
-mode 0700 and removed when the parent exits.
+siblings' private sockets, its ready pipe, its role, the relay's endpoints). The
+run directory is created with mode 0700 and removed when the parent exits.
 
 Exit codes: the parent exits 0 after a graceful shutdown, or with the code of a
 child that failed before the gateway was up (2 for a configuration error, 1 when
@@ -62,6 +67,7 @@ __all__ = [
     "ChildPlace",
     "Supervisor",
     "child_place",
+    "leave_run_dir",
 ]
 
 log = logging.getLogger("meshkit.server")
@@ -77,6 +83,10 @@ KILL_AFTER_S = 10.0
 #: how long the first start of all children may take before the parent gives up
 START_TIMEOUT_S = 120.0
 _TICK_S = 0.1
+#: the relay child's index (not a router: it holds no connections)
+RELAY_INDEX = -1
+#: the longest path a Unix socket takes (sun_path, less its NUL)
+MAX_UNIX_PATH = 107
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,10 @@ class ChildPlace:
     inbox_fd: int = -1
     #: ...and it hands them on through these, one per child
     outbox_fds: tuple[int, ...] = ()
+    #: "router" (a gateway) or "kv-relay" (the children's one KV-event relay)
+    role: str = "router"
+    #: where the children's KV-event relay publishes and answers replays
+    kv_relay: tuple[str, str] | None = None
 
 
 def child_place(environ: dict[str, str] | None = None) -> ChildPlace | None:
@@ -105,6 +119,7 @@ def child_place(environ: dict[str, str] | None = None) -> ChildPlace | None:
     if not raw:
         return None
     obj = json.loads(raw)
+    relay = obj.get("kv_relay")
     return ChildPlace(
         int(obj["fd"]),
         int(obj["index"]),
@@ -115,7 +130,22 @@ def child_place(environ: dict[str, str] | None = None) -> ChildPlace | None:
         bool(obj.get("restarted", False)),
         int(obj.get("inbox_fd", -1)),
         tuple(int(fd) for fd in obj.get("outbox_fds", ())),
+        str(obj.get("role", "router")),
+        None if relay is None else (str(relay[0]), str(relay[1])),
     )
+
+
+def leave_run_dir(run_dir: str) -> None:
+    """Remove what a killed parent left of the run directory. Each child unlinks its
+    own sockets before trying, so the last one out finds the directory empty."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(run_dir, SHARES_FILE))  # siblings keep their mappings
+    with contextlib.suppress(OSError):
+        os.rmdir(run_dir)
+
+
+def _name(child: _Child) -> str:
+    return "the KV-event relay" if child.index == RELAY_INDEX else f"process {child.index}"
 
 
 class _Child:
@@ -147,7 +177,11 @@ class Supervisor:
     """Run ``count`` children of ``argv`` (the ``meshkit`` arguments) on ``sock``.
 
     :param on_ready: called with the URL once every child accepts requests.
+    :param kv_relay: also run the children's KV-event relay, a child of its own,
+        started (and up) before them and restarted as they are.
     :param clock: monotonic seconds (tests may pass their own).
+    :raises ValueError: the run directory (in ``TMPDIR``) is too long a path for
+        the Unix sockets it holds.
     """
 
     def __init__(
@@ -159,6 +193,7 @@ class Supervisor:
         grace_s: float,
         *,
         on_ready: Callable[[str], None] | None = None,
+        kv_relay: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.argv = list(argv)
@@ -169,6 +204,14 @@ class Supervisor:
         self.on_ready = on_ready
         self.clock = clock
         self.run_dir = tempfile.mkdtemp(prefix="meshkit-serve-")  # mode 0700
+        # The siblings' sockets and the relay's live there (meshkit.server.peers).
+        longest = os.path.join(self.run_dir, f"p{count - 1}.sock kv.replay")
+        if len(os.fsencode(longest)) > MAX_UNIX_PATH:
+            os.rmdir(self.run_dir)
+            raise ValueError(
+                f"the run directory {self.run_dir} is too long a path for a Unix socket "
+                f"({MAX_UNIX_PATH} bytes): set TMPDIR to a shorter directory"
+            )
         #: each child's open connections, and the socket pairs that carry the
         #: connections one hands to another; held here for the gateway's life, so a
         #: connection handed to a child that dies waits for its successor
@@ -176,6 +219,12 @@ class Supervisor:
         self.shares = Shares.create(os.path.join(self.run_dir, SHARES_FILE), count)
         self.inboxes = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(count)]
         self.children = [_Child(i) for i in range(count)]
+        #: the KV-event relay's child and its endpoints (in the 0700 run directory)
+        self.kv_endpoints = (
+            f"ipc://{self.run_dir}/kv.pub",
+            f"ipc://{self.run_dir}/kv.replay",
+        )
+        self.relay = _Child(RELAY_INDEX) if kv_relay else None
         self.restarts = 0
         self._signals: list[int] = []
         self._stopping = False
@@ -184,30 +233,40 @@ class Supervisor:
 
     # -- children ---------------------------------------------------------------------
 
+    @property
+    def _all(self) -> list[_Child]:
+        return self.children if self.relay is None else [self.relay, *self.children]
+
     def _start(self, child: _Child) -> None:
         r, w = os.pipe()
         life_r, life_w = os.pipe()
-        fd = self.sock.fileno()
-        inbox = self.inboxes[child.index][0].fileno()
-        outboxes = [pair[1].fileno() for pair in self.inboxes]
-        place = {
-            "fd": fd,
+        place: dict[str, Any] = {
+            "fd": -1,
             "index": child.index,
             "count": self.count,
             "run_dir": self.run_dir,
             "ready_fd": w,
             "lifeline_fd": life_r,
             "restarted": child.starts > 0,
-            "inbox_fd": inbox,
-            "outbox_fds": outboxes,
         }
+        if self.relay is not None:
+            place["kv_relay"] = self.kv_endpoints
+        if child is self.relay:
+            place["role"] = "kv-relay"
+            fds: tuple[int, ...] = (w, life_r)
+        else:
+            fd = self.sock.fileno()
+            inbox = self.inboxes[child.index][0].fileno()
+            outboxes = [pair[1].fileno() for pair in self.inboxes]
+            place.update(fd=fd, inbox_fd=inbox, outbox_fds=outboxes)
+            fds = (fd, w, life_r, inbox, *outboxes)
         env = {**os.environ, CHILD_ENV: json.dumps(place)}
         try:
             # The arguments are this process's own command line, run again.
             child.popen = subprocess.Popen(  # noqa: S603
                 [sys.executable, "-m", "meshkit", *self.argv],
                 env=env,
-                pass_fds=(fd, w, life_r, inbox, *outboxes),
+                pass_fds=fds,
                 # Signals come from this parent only: a terminal's Ctrl-C reaches the
                 # whole foreground group, and the children would each see it first.
                 start_new_session=True,
@@ -238,12 +297,13 @@ class Supervisor:
                 os.close(fd)
         child.ready_r = child.lifeline_w = None
         child.popen = None
-        # Its connections are gone: the siblings no longer leave any to it.
-        self.shares.set_open(child.index, ABSENT)
+        if child.index >= 0:
+            # Its connections are gone: the siblings no longer leave any to it.
+            self.shares.set_open(child.index, ABSENT)
         return code
 
     def _read_ready(self) -> None:
-        pending = {c.ready_r: c for c in self.children if c.ready_r is not None and not c.ready}
+        pending = {c.ready_r: c for c in self._all if c.ready_r is not None and not c.ready}
         if not pending:
             return
         readable, _, _ = select.select(list(pending), [], [], 0)
@@ -260,7 +320,7 @@ class Supervisor:
         self._signals.append(sig)
 
     def _forward(self, sig: int) -> None:
-        for c in self.children:
+        for c in self._all:
             if c.popen is not None and c.popen.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     c.popen.send_signal(sig)
@@ -280,7 +340,8 @@ class Supervisor:
             self.close()
 
     def _loop(self) -> int:
-        for c in self.children:
+        # The relay first: a router that joins asks it for what its engines sent.
+        for c in self.children if self.relay is None else [self.relay]:
             self._start(c)
         started = self.clock()
         deadline: float | None = None
@@ -299,7 +360,7 @@ class Supervisor:
                 self._forward(sig)  # a second SIGINT: the children cut their grace
             self._read_ready()
             now = self.clock()
-            for c in self.children:
+            for c in self._all:
                 code = self._reap(c)
                 if code is None:
                     continue
@@ -307,7 +368,7 @@ class Supervisor:
                     continue
                 if not self._announced:
                     # A child that cannot start: the others would not either.
-                    log.error("process %d exited with code %d while starting", c.index, code)
+                    log.error("%s exited with code %d while starting", _name(c), code)
                     self._stopping = True
                     self._forward(signal.SIGTERM)
                     deadline = now + self.grace_s + KILL_AFTER_S
@@ -318,11 +379,14 @@ class Supervisor:
                 c.start_after = now + (0.0 if lived >= STABLE_S else c.backoff_s)
                 self.restarts += 1
                 log.warning(
-                    "process %d exited with code %d after %.1f s; restarting", c.index, code, lived
+                    "%s exited with code %d after %.1f s; restarting", _name(c), code, lived
                 )
             if not self._stopping:
-                for c in self.children:
-                    if c.popen is None and now >= c.start_after:
+                # Once the gateway is up, a router restarts whether the relay is up
+                # or not (it then takes its events when the relay is back).
+                routers = self._announced or self.relay is None or self.relay.ready
+                for c in self._all:
+                    if c.popen is None and now >= c.start_after and (routers or c is self.relay):
                         self._start(c)
                 if not self._announced and all(c.ready for c in self.children):
                     self._announced = True
@@ -335,7 +399,7 @@ class Supervisor:
                     self._forward(signal.SIGTERM)
                     deadline = now + KILL_AFTER_S
             if self._stopping:
-                if all(c.popen is None for c in self.children):
+                if all(c.popen is None for c in self._all):
                     return self._exit_code
                 if deadline is not None and now >= deadline:
                     log.warning("processes still running after the grace: killed")
@@ -351,7 +415,7 @@ class Supervisor:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _stop_all(self, *, force: bool) -> None:
-        for c in self.children:
+        for c in self._all:
             p = c.popen
             if p is None:
                 continue
