@@ -31,6 +31,7 @@ from meshkit.server.merged_workers import merge_rows
 from meshkit.server.peer_admin import gate_lifecycle
 from meshkit.server.peers import MAX_REPLY_BYTES, Peers, copy_fleet, fleet_spec, peer_app
 from meshkit.server.runner import GatewayThread
+from meshkit.server.supervisor import RELAY_INDEX
 
 ADMIN = "admin-key-xyz"
 AUTH = {"authorization": f"Bearer {ADMIN}"}
@@ -606,6 +607,27 @@ def test_a_text_that_does_not_parse_is_left_out(mesh_factory: Any) -> None:
     text = merge_metrics([(1, b'mesh_x{a="1" 2\n'), (0, own), (2, own)], 3).decode()
     assert samples(text, "mesh_gateway_processes_up") == [({}, 2.0)]
     assert samples(text, "mesh_router_retries_total") == [({"reason": "failover"}, 2.0)]
+
+
+def test_the_relay_childs_text_is_merged_apart_from_the_routers(mesh_factory: Any) -> None:
+    own = mesh_factory(workers=["http://127.0.0.1:9"]).metrics.render()
+    relay = (
+        b"# TYPE mesh_kv_relay_connected gauge\n"
+        b'mesh_kv_relay_connected{publisher="tcp://e:1"} 1.0\n'
+        b"# TYPE mesh_kv_relay_replays_total counter\n"
+        b"mesh_kv_relay_replays_total 3.0\n"
+    )
+    text = merge_metrics([(0, own), (RELAY_INDEX, relay), (1, own)], 2, relay=True).decode()
+    assert samples(text, "mesh_gateway_processes_up") == [({}, 2.0)]
+    assert samples(text, "mesh_gateway_kv_relay_up") == [({}, 1.0)]
+    assert samples(text, "mesh_kv_relay_connected") == [
+        ({"publisher": "tcp://e:1", "process": "kv-relay"}, 1.0)
+    ]
+    assert samples(text, "mesh_kv_relay_replays_total") == [({}, 3.0)]
+    # the relay did not answer: said so, and the routers' text is whole
+    down = merge_metrics([(0, own), (1, own)], 2, relay=True).decode()
+    assert samples(down, "mesh_gateway_kv_relay_up") == [({}, 0.0)]
+    assert samples(down, "mesh_gateway_processes_up") == [({}, 2.0)]
 
 
 def test_a_worker_only_a_sibling_lists_is_listed_without_an_index() -> None:

@@ -85,6 +85,17 @@ def every_process_holds_more_than(url: str, floor: int) -> bool:
     )
 
 
+def metric(text: str, name: str, label: str = "") -> float:
+    """The sum of ``name``'s samples whose labels hold ``label``."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ") and label in line
+    ]
+    assert values, f"no {name} {label} in the scrape"
+    return sum(values)
+
+
 def relay_child(parent: int) -> int | None:
     for pid in children_of(parent):
         if _alive(pid) and _place_of(pid).get("role") == "kv-relay":
@@ -110,6 +121,16 @@ def test_the_children_subscribe_once_per_engine_through_their_relay(
     # What one child placed reaches the other's index too: the engine's events.
     assert wait_until(lambda: every_process_holds_more_than(gw.url, 0), timeout=30)
     assert established_to(port) == subscriptions
+    # One /metrics: the relay's counts are in it, and it is not a router process.
+    text = fresh(gw.url, path="/metrics").text
+    assert metric(text, "mesh_gateway_processes_up") == 2
+    if relay:
+        assert metric(text, "mesh_gateway_kv_relay_up") == 1
+        assert metric(text, "mesh_kv_relay_messages_total", 'outcome="forwarded"') > 0
+        assert metric(text, "mesh_kv_relay_connected", 'process="kv-relay"') == 1
+    else:
+        assert "mesh_gateway_kv_relay_up" not in text
+        assert "mesh_kv_relay_messages" not in text
 
 
 def test_a_killed_relay_comes_back_and_the_children_follow_it(

@@ -44,6 +44,7 @@ supervisor's mode-0700 run directory.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
@@ -54,7 +55,8 @@ from meshkit.errors import MeshError, MethodNotAllowed, UnknownEndpoint
 from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.lifecycle.admin import AdminApp, lifespan
 from meshkit.mesh import Mesh
-from meshkit.server.peers import PEER_SCOPE_KEY
+from meshkit.server.peers import PEER_SCOPE_KEY, PeerReply
+from meshkit.server.supervisor import RELAY_INDEX
 from meshkit.types import Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -199,13 +201,20 @@ class ServeApp:
         from meshkit.server.merged_metrics import merge_metrics
 
         _, ctype, local = self._metrics(scope)  # 404 when disabled: for every process
-        replies = await self.peers.ask("GET", "/metrics")
-        texts = [(self.peers.index, local)]
+        peers = self.peers
+        asks = [peers.ask("GET", "/metrics")]
+        if peers.relay:
+            asks.append(_as_list(peers.ask_one(RELAY_INDEX, "GET", "/metrics")))
+        replies = [r for group in await asyncio.gather(*asks) for r in group]
+        texts = [(peers.index, local)]
         texts += [(r.index, r.body) for r in replies if r.status == 200]
         shares = self.shares
-        if shares is None:
-            return 200, ctype, merge_metrics(texts, self.peers.count)
-        return 200, ctype, merge_metrics(texts, self.peers.count, shares.held(), shares.handed())
+        held, handed = (None, None) if shares is None else (shares.held(), shares.handed())
+        return 200, ctype, merge_metrics(texts, peers.count, held, handed, relay=peers.relay)
+
+
+async def _as_list(reply: Awaitable[PeerReply]) -> list[PeerReply]:
+    return [await reply]
 
 
 async def _whole(

@@ -370,7 +370,17 @@ def _gateway_relay(ns: argparse.Namespace, place: ChildPlace) -> int:
         return _fail(str(exc))
     _setup_logging(settings.log_level)
 
+    from meshkit.server.relay_metrics import MetricsSocket
+    from meshkit.server.supervisor import RELAY_METRICS_SOCKET
+
+    metrics: list[MetricsSocket] = []
+
     def announce(relay: KvRelay) -> None:
+        from meshkit.lifecycle.kv_relay import relay_registry
+
+        # Its counts join the gateway's /metrics (meshkit.server.merged_metrics).
+        where = os.path.join(place.run_dir, RELAY_METRICS_SOCKET)
+        metrics.append(MetricsSocket(where, relay_registry(relay)))
         log.info("KV-event relay for the processes: %d publishers", len(relay.sources))
         os.write(place.ready_fd, b"1")
         os.close(place.ready_fd)
@@ -381,6 +391,8 @@ def _gateway_relay(ns: argparse.Namespace, place: ChildPlace) -> int:
             config, relay_config, (), lambda: _settings(ns)[0], announce, place.lifeline_fd
         )
     finally:
+        for socket in metrics:
+            socket.close()
         for endpoint in place.kv_relay:  # ZeroMQ unlinks them too; a kill does not
             with contextlib.suppress(OSError):
                 os.unlink(endpoint.removeprefix("ipc://"))

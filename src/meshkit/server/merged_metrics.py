@@ -19,6 +19,9 @@ gauges (and untyped, summaries)   one sample per process, with the label
 ``mesh_gateway_processes``        the configured number of processes
 ``mesh_gateway_processes_up``     this process and the siblings whose text was
                                   merged into this scrape
+``mesh_gateway_kv_relay_up``      with a KV-event relay child: 1 when its text
+                                  (``mesh_kv_relay_*``, gauges labelled
+                                  ``process="kv-relay"``) was merged, else 0
 ``mesh_gateway_connections``      the client connections each process holds
                                   (``process`` label; absent while it is not
                                   accepting), from the counts the processes share
@@ -42,10 +45,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-__all__ = ["PROCESS_LABEL", "merge_metrics"]
+from meshkit.server.supervisor import RELAY_INDEX
+
+__all__ = ["PROCESS_LABEL", "RELAY_LABEL", "merge_metrics"]
 
 #: The label a gauge's samples carry, one per process.
 PROCESS_LABEL = "process"
+#: ...its value on the KV-event relay child's gauges
+RELAY_LABEL = "kv-relay"
 _SUMMED = frozenset({"counter", "histogram"})
 _CREATED = "_created"
 
@@ -72,11 +79,15 @@ def merge_metrics(
     count: int,
     connections: Sequence[int] | None = None,
     handed: int | None = None,
+    *,
+    relay: bool = False,
 ) -> bytes:
     """The classic Prometheus text of the processes' ``(index, /metrics body)``
     merged as the module docstring says; ``count`` is ``--processes``;
     ``connections`` what each process holds (negative: not accepting) and
-    ``handed`` the connections handed between them, when the server shares them."""
+    ``handed`` the connections handed between them, when the server shares them;
+    ``relay``: the gateway runs a KV-event relay child, whose text is the one at
+    :data:`~meshkit.server.supervisor.RELAY_INDEX` when it answered."""
     parsed: list[tuple[int, list[Metric]]] = []
     for index, body in sorted(texts, key=lambda t: t[0]):
         families = _parse(body.decode("utf-8", "replace"))
@@ -104,7 +115,7 @@ def merge_metrics(
                     continue
                 labels = dict(s.labels)
                 if not add:
-                    labels[PROCESS_LABEL] = str(index)
+                    labels[PROCESS_LABEL] = RELAY_LABEL if index == RELAY_INDEX else str(index)
                 key = (s.name, tuple(sorted(labels.items())))
                 at = positions.get(key)
                 if at is None:
@@ -123,9 +134,17 @@ def merge_metrics(
         GaugeMetricFamily(
             "mesh_gateway_processes_up",
             "Processes whose metrics this scrape merged (this one included)",
-            value=len(parsed),
+            value=sum(1 for index, _ in parsed if index != RELAY_INDEX),
         )
     )
+    if relay:
+        families_out.append(
+            GaugeMetricFamily(
+                "mesh_gateway_kv_relay_up",
+                "Whether this scrape merged the KV-event relay child's metrics",
+                value=any(index == RELAY_INDEX for index, _ in parsed),
+            )
+        )
     if connections is not None:
         held = GaugeMetricFamily(
             "mesh_gateway_connections",

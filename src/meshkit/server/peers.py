@@ -45,6 +45,7 @@ from meshkit.core.states import WorkerStates
 from meshkit.core.workers import Worker
 from meshkit.errors import ConfigError
 from meshkit.frontends.asgi import MeshMiddleware
+from meshkit.server.supervisor import MAX_UNIX_PATH, RELAY_INDEX, RELAY_METRICS_SOCKET
 from meshkit.types import ASGIApp, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -66,8 +67,6 @@ PEER_SCOPE_KEY: Final = "meshkit.peer"
 #: A sibling's reply is read up to this many bytes, then dropped as an error: a
 #: ``/metrics`` text of a large fleet is a few MiB, and a scrape holds N of them.
 MAX_REPLY_BYTES: Final = 16 * 1024 * 1024
-#: AF_UNIX paths are at most 108 bytes on Linux, 104 on macOS (NUL included).
-_MAX_SOCKET_PATH: Final = 103
 #: the URL every question names: the socket decides where it goes
 _ORIGIN: Final = "http://meshkit-peer"
 #: copied as asleep: a copy that finds it waking joins that wake (through process 0)
@@ -102,19 +101,22 @@ class Peers:
     :param run_dir: the directory of the sockets (the supervisor's, mode 0700).
     :param index: this process's index, ``0 <= index < count``.
     :param count: the number of processes (``--processes``).
+    :param relay: the gateway also runs a KV-event relay child, whose metrics
+        :meth:`ask_one` of :data:`~meshkit.server.supervisor.RELAY_INDEX` reads.
 
     One keep-alive client per sibling, over its Unix socket, created at the first
     ask: the upstream layer's (:class:`~meshkit.upstream.fast.FastUpstream` with
     ``uds``), not a second HTTP client.
     """
 
-    def __init__(self, run_dir: str, index: int, count: int) -> None:
+    def __init__(self, run_dir: str, index: int, count: int, relay: bool = False) -> None:
         if count < 1 or not 0 <= index < count:
             raise ValueError(f"process index {index} is not within 0..{count - 1}")
         self.run_dir = run_dir
         self.index = index
         self.count = count
-        if len(os.fsencode(self.path(count - 1))) > _MAX_SOCKET_PATH:
+        self.relay = relay
+        if len(os.fsencode(self.path(count - 1))) > MAX_UNIX_PATH:
             raise ValueError(f"the run directory path is too long for a Unix socket: {run_dir}")
         self._upstreams: dict[int, FastUpstream] = {}
 
@@ -122,8 +124,10 @@ class Peers:
         return f"Peers({self.run_dir!r}, {self.index}, {self.count})"
 
     def path(self, i: int) -> str:
-        """The Unix socket process ``i`` serves its gateway on."""
-        return os.path.join(self.run_dir, f"p{i}.sock")
+        """The Unix socket process ``i`` serves its gateway on (the relay child, its
+        metrics)."""
+        name = RELAY_METRICS_SOCKET if i == RELAY_INDEX else f"p{i}.sock"
+        return os.path.join(self.run_dir, name)
 
     def others(self) -> list[int]:
         """Every process index but this one's."""

@@ -310,7 +310,7 @@ def serve(
         from meshkit.server.peers import Peers
 
         sock = socket.socket(fileno=child.fd)
-        peers = Peers(child.run_dir, child.index, child.count)
+        peers = Peers(child.run_dir, child.index, child.count, relay=child.kv_relay is not None)
     url = url_of(sock)
     gateway = build_gateway(mesh, peers=peers)
     gate = None

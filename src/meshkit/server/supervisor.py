@@ -63,6 +63,9 @@ __all__ = [
     "CHILD_ENV",
     "KILL_AFTER_S",
     "MAX_BACKOFF_S",
+    "MAX_UNIX_PATH",
+    "RELAY_INDEX",
+    "RELAY_METRICS_SOCKET",
     "STABLE_S",
     "ChildPlace",
     "Supervisor",
@@ -85,8 +88,10 @@ START_TIMEOUT_S = 120.0
 _TICK_S = 0.1
 #: the relay child's index (not a router: it holds no connections)
 RELAY_INDEX = -1
-#: the longest path a Unix socket takes (sun_path, less its NUL)
-MAX_UNIX_PATH = 107
+#: AF_UNIX paths are at most 108 bytes on Linux, 104 on macOS (NUL included)
+MAX_UNIX_PATH = 103
+#: in the run directory: where the relay child answers ``GET /metrics``
+RELAY_METRICS_SOCKET = "kv-relay.sock"
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,7 @@ class Supervisor:
         self.clock = clock
         self.run_dir = tempfile.mkdtemp(prefix="meshkit-serve-")  # mode 0700
         # The siblings' sockets and the relay's live there (meshkit.server.peers).
-        longest = os.path.join(self.run_dir, f"p{count - 1}.sock kv.replay")
+        longest = os.path.join(self.run_dir, f"p{count - 1}.sock{RELAY_METRICS_SOCKET}")
         if len(os.fsencode(longest)) > MAX_UNIX_PATH:
             os.rmdir(self.run_dir)
             raise ValueError(
