@@ -55,6 +55,7 @@ def publishing_worker(mock_factory: Any) -> Any:
 
 
 def gateway(spawn: Any, tmp_path: Path, worker: Any, extra: str = "") -> Any:
+    """``serve --processes 2`` of ``worker`` (``extra``: more of the config file), ready."""
     cfg = tmp_path / "meshkit.toml"
     cfg.write_text(
         f'policy = "cache_aware"\ntokenizer = "{TOKENIZER}"\n\n'
@@ -108,8 +109,7 @@ def test_the_children_subscribe_once_per_engine_through_their_relay(
     mock_factory: Any, spawn: Any, tmp_path: Path, relay: bool, subscriptions: int
 ) -> None:
     worker = publishing_worker(mock_factory)
-    extra = "" if relay else "\n[server]\nkv_relay = false\n"
-    gw = gateway(spawn, tmp_path, worker, extra)
+    gw = gateway(spawn, tmp_path, worker, "" if relay else "\n[server]\nkv_relay = false\n")
     parent = gw.popen.pid
     assert wait_until(lambda: len(children_of(parent)) == 2 + relay)
     assert (relay_child(parent) is not None) == relay
@@ -136,8 +136,7 @@ def test_the_children_subscribe_once_per_engine_through_their_relay(
 def test_a_killed_relay_comes_back_and_the_children_follow_it(
     mock_factory: Any, spawn: Any, tmp_path: Path
 ) -> None:
-    worker = publishing_worker(mock_factory)
-    gw = gateway(spawn, tmp_path, worker)
+    gw = gateway(spawn, tmp_path, publishing_worker(mock_factory))
     parent = gw.popen.pid
     assert wait_until(lambda: relay_child(parent) is not None)
     chat(gw.url, "rivers")
@@ -192,15 +191,12 @@ def test_a_run_directory_too_long_for_its_unix_sockets_is_one_clear_error(
 def test_the_relay_does_not_outlive_a_killed_parent(
     mock_factory: Any, spawn: Any, tmp_path: Path
 ) -> None:
-    worker = publishing_worker(mock_factory)
-    gw = gateway(spawn, tmp_path, worker)
-    parent = gw.popen.pid
+    parent = gateway(spawn, tmp_path, publishing_worker(mock_factory)).popen.pid
     assert wait_until(lambda: len(children_of(parent)) == 3)
     kids = children_of(parent)
     run_dir = Path(_place_of(kids[0])["run_dir"])
     assert (run_dir / "kv.pub").exists()
-    gw.popen.kill()
-    gw.popen.wait(10)
+    os.kill(parent, signal.SIGKILL)
     assert wait_until(lambda: not any(_alive(k) for k in kids), timeout=60)
     # whichever child left last removed the directory, the relay's sockets too
     assert wait_until(lambda: not run_dir.exists(), timeout=10)
