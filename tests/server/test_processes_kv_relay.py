@@ -154,6 +154,36 @@ def test_a_killed_relay_comes_back_and_the_children_follow_it(
     assert "the KV-event relay exited with code -9" in err and "restarting" in err
 
 
+def test_sighup_brings_a_new_engine_to_the_relay_and_every_child(
+    mock_factory: Any, spawn: Any, tmp_path: Path
+) -> None:
+    first, second = publishing_worker(mock_factory), publishing_worker(mock_factory)
+    gw = gateway(spawn, tmp_path, first)
+    assert wait_until(lambda: relay_child(gw.popen.pid) is not None)
+    cfg = tmp_path / "meshkit.toml"
+    cfg.write_text(
+        cfg.read_text()
+        + f'\n[[workers]]\nurl = "{second.url}"\n'
+        + f'kv_events = "{second.kv_events_endpoint}"\n'
+        + f'kv_replay = "{second.kv_replay_endpoint}"\n'
+    )
+    gw.signal(signal.SIGHUP)
+    port = int(second.kv_events_endpoint.rsplit(":", 1)[1])
+    # the relay subscribes to the new engine, once for the gateway
+    assert wait_until(lambda: established_to(port) == 1, timeout=30)
+
+    def both_on_events() -> bool:
+        for p in (0, 1):
+            with _client_of(gw.url, p) as c:
+                rows = c.get(gw.url + "/workers").json()["workers"]
+            if [r.get("prefix_match") for r in rows] != ["events", "events"]:
+                return False
+        return True
+
+    assert wait_until(both_on_events, timeout=30)
+    assert established_to(port) == 1
+
+
 def test_a_relay_of_the_operators_own_means_none_of_the_gateways(
     mock_factory: Any, spawn: Any, tmp_path: Path
 ) -> None:
