@@ -338,9 +338,14 @@ def test_the_child_environment_round_trips() -> None:
     got = child_place({CHILD_ENV: json.dumps(place)})
     assert got is not None and (got.index, got.count, got.lifeline_fd) == (1, 2, 5)
     assert (got.inbox_fd, got.outbox_fds) == (-1, ())
+    assert (got.role, got.kv_relay) == ("router", None)
     place.update(inbox_fd=6, outbox_fds=[7, 8])
     got = child_place({CHILD_ENV: json.dumps(place)})
     assert got is not None and (got.inbox_fd, got.outbox_fds) == (6, (7, 8))
+    place.update(role="kv-relay", kv_relay=["ipc:///x/kv.pub", "ipc:///x/kv.replay"])
+    got = child_place({CHILD_ENV: json.dumps(place)})
+    assert got is not None and got.role == "kv-relay"
+    assert got.kv_relay == ("ipc:///x/kv.pub", "ipc:///x/kv.replay")
 
 
 def test_a_restarted_child_takes_the_fleet_admin_verbs_changed(two: Any, mock_factory: Any) -> None:

@@ -43,9 +43,9 @@ def established_to(port: int) -> int:
     return count
 
 
-def publishing_worker(mock_factory: Any) -> Any:
+def publishing_worker(mock_factory: Any, name: str = "a") -> Any:
     return mock_factory(
-        name="a",
+        name=name,
         cache_tokens=1_000_000,
         block_size=4,
         tokenizer=TOKENIZER,
@@ -181,6 +181,43 @@ def test_sighup_brings_a_new_engine_to_the_relay_and_every_child(
         return True
 
     assert wait_until(both_on_events, timeout=30)
+    assert established_to(port) == 1
+
+
+def test_a_worker_an_admin_adds_is_followed_by_the_relay_once(
+    mock_factory: Any, spawn: Any, tmp_path: Path
+) -> None:
+    first, second = publishing_worker(mock_factory), publishing_worker(mock_factory, "b")
+    gw = gateway(spawn, tmp_path, first)
+    assert wait_until(lambda: relay_child(gw.popen.pid) is not None)
+    spec = {
+        "url": second.url,
+        "kv_events": second.kv_events_endpoint,
+        "kv_replay": second.kv_replay_endpoint,
+    }
+    r = fresh(gw.url, "POST", "/workers", json=spec)
+    assert r.status_code == 201, r.text
+    assert r.json()["processes"]["applied"] == 2
+    port = int(second.kv_events_endpoint.rsplit(":", 1)[1])
+    # no worker of the relay's configuration names it: it follows the children
+    assert wait_until(lambda: established_to(port) == 1, timeout=30)
+    served_by_second = 0
+    for i in range(64):  # new prompts until the new worker has stored blocks
+        content = f"question {i} of the sea and its rivers"
+        body = {"model": "mock-model", "messages": [{"role": "user", "content": content}]}
+        r = fresh(gw.url, "POST", "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        served_by_second += r.headers["x-mock-worker"] == "b"
+        if served_by_second >= 2:
+            break
+    assert served_by_second >= 2
+
+    def blocks_on_second(p: int) -> int:
+        with _client_of(gw.url, p) as c:
+            rows = c.get(gw.url + "/workers").json()["workers"]
+        return sum(int(r.get("kv_blocks") or 0) for r in rows if r["url"] == second.url)
+
+    assert wait_until(lambda: all(blocks_on_second(p) > 0 for p in (0, 1)), timeout=30)
     assert established_to(port) == 1
 
 
