@@ -31,6 +31,7 @@ from meshkit.core.workers import Worker, zmq_endpoint
 from meshkit.errors import ConfigError
 
 __all__ = [
+    "ADMIN_WORKER_KEYS",
     "BoundsConfig",
     "DiscoveryConfig",
     "ExtProcConfig",
@@ -45,6 +46,7 @@ __all__ = [
     "UpstreamConfig",
     "WorkerConfig",
     "load_workers_file",
+    "worker_config",
 ]
 
 
@@ -741,6 +743,22 @@ def load_workers_file(
     return _workers(data, source)
 
 
+#: what an admin may set on a worker it adds over HTTP (``POST /workers``): not
+#: ``api_key_env`` (it would send any of the gateway's environment variables to a
+#: URL the caller picks) nor the TLS files (paths on the gateway's disk)
+ADMIN_WORKER_KEYS = frozenset({"url", "api_key", "labels", "kv_events", "kv_replay"})
+
+
+def worker_config(raw: Mapping[str, Any], *, source: str) -> WorkerConfig:
+    """A worker's table (TOML, or its JSON twin) checked as ``[[workers]]`` entries
+    are: the same keys, types and messages.
+
+    :raises ConfigError: naming the key and ``source``.
+    """
+    config: WorkerConfig = _section(WorkerConfig, "workers", raw, source)
+    return config
+
+
 def _worker(raw: Any, index: int, source: str | None) -> Worker | DnsWorkers:
     if isinstance(raw, Worker | DnsWorkers):
         return raw
@@ -812,6 +830,15 @@ def _check(key: str, hint: Any, value: Any, source: str | None) -> Any:
     if origin in (Mapping, dict) or hint is Mapping:
         if not isinstance(value, Mapping):
             raise ConfigError(key, "must be a table", source=source)
+        if args == (str, str):
+            # Names to strings (labels, tokenizers); an integer is taken as written
+            # (`mesh.dp_size = 4`), anything else would become its Python repr.
+            out = {}
+            for k, v in value.items():
+                if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, str | int):
+                    raise ConfigError(key, "must map names to strings", source=source)
+                out[k] = str(v)
+            return out
         return dict(value)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         if not isinstance(value, list | tuple):

@@ -12,7 +12,9 @@ import pytest
 from harness import UvicornThread, wait_until
 from lifecycle.conftest import FAST, SLEEPY, state_of
 from meshkit import Mesh, Worker
+from meshkit.config import MeshConfig
 from meshkit.core.lifecycle import State
+from meshkit.errors import ConfigError
 from meshkit.lifecycle.admin import AdminApp
 
 SECRET = "sk-worker-very-secret"
@@ -97,12 +99,38 @@ def test_bad_input(admin: Any) -> None:
     assert client.post("/workers", json={"url": "ftp://x"}).status_code == 400
     assert client.post("/workers", json={"url": "http://x:1", "extra": 1}).status_code == 400
     assert (
-        client.post("/workers", json={"url": "http://x:1", "labels": {"a": 1}}).status_code == 400
+        client.post("/workers", json={"url": "http://x:1", "labels": {"a": [1]}}).status_code == 400
     )
     assert client.get("/workers/99").status_code == 404
     assert client.get("/nothing").status_code == 404
     assert client.put("/workers").status_code == 405
     assert client.get("/workers/0/drain").status_code == 405
+
+
+def test_an_added_worker_is_checked_as_a_workers_table_is(admin: Any, tmp_path: Any) -> None:
+    """One set of rules for a worker from the file and from ``POST /workers``: the
+    same refusals, the same message, an integer label taken as written."""
+    client, mesh, _ = admin
+    bad = {"url": "http://x:1", "labels": {"mesh.apis": ["chat"]}}
+    r = client.post("/workers", json=bad)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "workers.labels" in message and "must map names to strings" in message
+    path = tmp_path / "m.toml"
+    path.write_text('[[workers]]\nurl = "http://x:1"\nlabels = { "mesh.apis" = ["chat"] }\n')
+    with pytest.raises(ConfigError, match="must map names to strings"):
+        MeshConfig.from_file(path)
+    # what an admin may not set: a variable of the gateway's environment as the key
+    # (it would go to the caller's URL), TLS files on the gateway's disk, dns://
+    for extra in ({"api_key_env": "HOME"}, {"tls_ca_file": "/etc/passwd"}):
+        r = client.post("/workers", json={"url": "http://x:2", **extra})
+        assert r.status_code == 400 and "unknown keys" in r.json()["error"]["message"]
+    r = client.post("/workers", json={"url": "dns://vllm-headless:8000"})
+    assert r.status_code == 400 and "dns://" in r.json()["error"]["message"]
+    r = client.post("/workers", json={"url": "http://x:3", "labels": {"mesh.dp_size": 2}})
+    assert r.status_code == 201, r.text
+    added = next(w for w in mesh.workers if w.url.startswith("http://x:3"))
+    assert added.labels["mesh.dp_size"] == "2"
 
 
 def test_a_worker_added_with_its_kv_publisher_is_matched_on_its_events(

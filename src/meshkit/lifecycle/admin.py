@@ -47,6 +47,7 @@ import math
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
+from meshkit.config import ADMIN_WORKER_KEYS, worker_config
 from meshkit.core.lifecycle import LifecycleError
 from meshkit.core.workers import Worker
 from meshkit.errors import ConfigError, RequestTooLarge
@@ -205,29 +206,20 @@ class AdminApp:
             raise _error(400, "invalid_json", "the body is not JSON") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("url"), str):
             raise _error(400, "invalid_worker", 'the body must be {"url": ..., ...}')
-        unknown = set(obj) - {"url", "api_key", "labels", "kv_events", "kv_replay"}
+        unknown = set(obj) - ADMIN_WORKER_KEYS
         if unknown:
             raise _error(400, "invalid_worker", f"unknown keys: {sorted(unknown)}")
-        key = obj.get("api_key")
-        labels = obj.get("labels") or {}
-        for name in ("api_key", "kv_events", "kv_replay"):
-            if obj.get(name) is not None and not isinstance(obj[name], str):
-                raise _error(400, "invalid_worker", f"{name} must be a string")
-        if not isinstance(labels, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
-        ):
-            raise _error(400, "invalid_worker", "labels must map strings to strings")
         try:
-            worker = Worker(
-                obj["url"],
-                api_key=key,
-                labels=labels,
-                kv_events=obj.get("kv_events"),
-                kv_replay=obj.get("kv_replay"),
-            )
+            # Checked as a [[workers]] table is: one set of rules for both.
+            table = {k: v for k, v in obj.items() if v is not None}
+            worker = worker_config(table, source="POST /workers").build()
         except ConfigError as exc:
             # ConfigError messages name the key and the URL, never the api_key.
             raise _error(400, "invalid_worker", str(exc)) from None
+        if not isinstance(worker, Worker):
+            raise _error(
+                400, "invalid_worker", "dns:// entries come from the configuration, not an admin"
+            )
         if self.mesh.router.get(worker.id) is not None:
             raise _error(409, "duplicate_worker", "a worker with this URL exists")
         try:
