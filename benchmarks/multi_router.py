@@ -1459,6 +1459,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config that runs that policy, e.g. prefix_hash.owner_share=0.5; repeatable",
     )
     ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="divide the policies' wall-clock half-lives (cache_aware.work_half_life_s, "
+        "prefix_hash.share_half_life_s, cache_aware's ring's) by F, where no "
+        "--policy-option sets them: the runs compress a conversation's minutes into "
+        "a fraction of a second, so the defaults, meant for production's pace, here "
+        "decay over the whole run (about 1000 matches a human's turns)",
+    )
+    ap.add_argument(
         "--relay",
         action="store_const",
         const=1,
@@ -1515,6 +1526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, key, value in args.policy_option:
         options.setdefault(name, {})[key] = value
     args.policy_option = options
+    if args.time_scale != 1.0:
+        _scale_half_lives(options, args.time_scale)
     if not args.quick:
         if args.out is None:
             args.out = os.path.join(ROOT, "benchmarks", "MULTI_ROUTER.md")
@@ -1560,6 +1573,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if snapshot is not None:
             shutil.rmtree(snapshot, ignore_errors=True)
+
+
+def _scale_half_lives(options: dict[str, dict[str, Any]], factor: float) -> None:
+    """The policies' default half-lives divided by ``factor``, where ``options``
+    does not set them already."""
+    import inspect
+
+    from meshkit.core.policies.cache_aware import CacheAware
+    from meshkit.core.policies.prefix_hash import PrefixHash
+
+    def default(cls: type, name: str) -> float:
+        return float(inspect.signature(cls).parameters[name].default)
+
+    ring = default(PrefixHash, "share_half_life_s") / factor
+    ca = options.setdefault("cache_aware", {})
+    ca.setdefault("work_half_life_s", default(CacheAware, "work_half_life_s") / factor)
+    ca["ring_options"] = {"share_half_life_s": ring, **(ca.get("ring_options") or {})}
+    options.setdefault("prefix_hash", {}).setdefault("share_half_life_s", ring)
 
 
 def _main(args: argparse.Namespace, configs: list[str], argv: list[str], t0: float) -> int:
