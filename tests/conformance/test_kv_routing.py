@@ -57,20 +57,24 @@ def chat(mode: Any, messages: list[dict[str, str]]) -> tuple[str, str, int]:
     return raw.headers["x-mock-worker"], answer.choices[0].message.content or "", cached
 
 
+def publishing_worker(
+    mock_factory: Callable[..., MockWorkerThread], name: str = "a"
+) -> MockWorkerThread:
+    """A mock worker that publishes KV events (with replay) in vLLM's format,
+    prompts tokenized with the tiny model's template."""
+    return mock_factory(
+        name=name,
+        cache_tokens=1_000_000,
+        block_size=4,
+        tokenizer=TOKENIZER,
+        kv_events="tcp://127.0.0.1:0",
+        kv_replay="tcp://127.0.0.1:0",
+    )
+
+
 def publishing_fleet(mock_factory: Callable[..., MockWorkerThread]) -> list[MockWorkerThread]:
-    """Two mock workers, ``a`` and ``b``, that publish KV events (with replay) in
-    vLLM's format, prompts tokenized with the tiny model's template."""
-    return [
-        mock_factory(
-            name=name,
-            cache_tokens=1_000_000,
-            block_size=4,
-            tokenizer=TOKENIZER,
-            kv_events="tcp://127.0.0.1:0",
-            kv_replay="tcp://127.0.0.1:0",
-        )
-        for name in ("a", "b")
-    ]
+    """Two such workers, ``a`` and ``b``."""
+    return [publishing_worker(mock_factory, name) for name in ("a", "b")]
 
 
 def router(mesh_factory: Callable[..., Mesh], fleet: list[MockWorkerThread], **kw: Any) -> Mesh:

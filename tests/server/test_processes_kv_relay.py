@@ -14,7 +14,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from conformance.test_kv_routing import TOKENIZER  # noqa: E402
+from conformance.test_kv_routing import TOKENIZER, publishing_worker  # noqa: E402
 from harness import wait_until  # noqa: E402
 from server.test_processes import (  # noqa: E402
     _alive,
@@ -41,17 +41,6 @@ def established_to(port: int) -> int:
             if state == TCP_ESTABLISHED and int(local.rsplit(":", 1)[1], 16) == port:
                 count += 1
     return count
-
-
-def publishing_worker(mock_factory: Any, name: str = "a") -> Any:
-    return mock_factory(
-        name=name,
-        cache_tokens=1_000_000,
-        block_size=4,
-        tokenizer=TOKENIZER,
-        kv_events="tcp://127.0.0.1:0",
-        kv_replay="tcp://127.0.0.1:0",
-    )
 
 
 def gateway(spawn: Any, tmp_path: Path, worker: Any, extra: str = "") -> Any:
