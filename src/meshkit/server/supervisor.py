@@ -210,8 +210,9 @@ class Supervisor:
         self.clock = clock
         self.run_dir = tempfile.mkdtemp(prefix="meshkit-serve-")  # mode 0700
         # The siblings' sockets and the relay's live there (meshkit.server.peers).
-        longest = os.path.join(self.run_dir, f"p{count - 1}.sock{RELAY_METRICS_SOCKET}")
-        if len(os.fsencode(longest)) > MAX_UNIX_PATH:
+        names = (f"p{count - 1}.sock", RELAY_METRICS_SOCKET, "kv.replay")
+        longest = max(len(os.fsencode(os.path.join(self.run_dir, n))) for n in names)
+        if longest > MAX_UNIX_PATH:
             os.rmdir(self.run_dir)
             raise ValueError(
                 f"the run directory {self.run_dir} is too long a path for a Unix socket "
