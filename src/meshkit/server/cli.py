@@ -28,17 +28,15 @@ unless ``--access-log`` (or ``[server] access_log = true``) turns it on.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import logging
 import os
 import sys
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from meshkit import __version__, build
-from meshkit.config import ExtProcConfig, KvRelayConfig, MeshConfig
+from meshkit.config import ExtProcConfig, MeshConfig
 from meshkit.errors import ConfigError
 from meshkit.mesh import Mesh
 from meshkit.server.settings import LOG_LEVELS, SERVERS, ServeSettings, resolve_settings
@@ -349,130 +347,22 @@ def _kv_relay(ns: argparse.Namespace) -> int:
         # SIGHUP: the workers and kv_relay.publishers; the other keys need a restart
         return resolve_settings(config=ns.config, workers=[], policy=None)[0]
 
-    return _run_relay(config, relay_config, ns.publisher, load, announce)
+    from meshkit.server.relay_process import run_relay
+
+    return run_relay(config, relay_config, ns.publisher, load, announce, _fail)
 
 
 def _gateway_relay(ns: argparse.Namespace, place: ChildPlace) -> int:
-    """``serve --processes N``'s relay child: the engines the gateway's flags, file
-    and environment name, on the endpoints the supervisor gives; it also follows
-    what the routers subscribe to (a worker an admin added)."""
-    assert place.kv_relay is not None
+    """``serve --processes N``'s relay child, on the gateway's own flags, file and
+    environment (:mod:`meshkit.server.relay_process`)."""
     try:
         config, settings = _settings(ns)
-        relay_config = dataclasses.replace(
-            config.kv_relay,
-            bind=place.kv_relay[0],
-            replay_bind=place.kv_relay[1],
-            metrics_port=0,
-            follow_routers=True,
-        )
     except ConfigError as exc:
         return _fail(str(exc))
     _setup_logging(settings.log_level)
+    from meshkit.server.relay_process import serve_relay_child
 
-    from meshkit.server.relay_metrics import MetricsSocket
-    from meshkit.server.supervisor import RELAY_METRICS_SOCKET
-
-    metrics: list[MetricsSocket] = []
-
-    def announce(relay: KvRelay) -> None:
-        from meshkit.lifecycle.kv_relay import relay_registry
-
-        # Its counts join the gateway's /metrics (meshkit.server.merged_metrics).
-        where = os.path.join(place.run_dir, RELAY_METRICS_SOCKET)
-        metrics.append(MetricsSocket(where, relay_registry(relay)))
-        log.info("KV-event relay for the processes: %d publishers", len(relay.sources))
-        os.write(place.ready_fd, b"1")
-        os.close(place.ready_fd)
-
-    parent = os.getppid()
-    try:
-        return _run_relay(
-            config, relay_config, (), lambda: _settings(ns)[0], announce, place.lifeline_fd
-        )
-    finally:
-        for socket in metrics:
-            socket.close()
-        for endpoint in place.kv_relay:  # ZeroMQ unlinks them too; a kill does not
-            with contextlib.suppress(OSError):
-                os.unlink(endpoint.removeprefix("ipc://"))
-        if os.getppid() != parent:  # killed: no parent to clean up after us
-            from meshkit.server.supervisor import leave_run_dir
-
-            leave_run_dir(place.run_dir)
-
-
-def _run_relay(
-    config: MeshConfig,
-    relay_config: KvRelayConfig,
-    publishers: Sequence[str],
-    load: Callable[[], MeshConfig],
-    announce: Callable[[KvRelay], None],
-    lifeline_fd: int | None = None,
-) -> int:
-    """Relay until SIGTERM / SIGINT (or, with ``lifeline_fd``, the parent's exit);
-    SIGHUP loads the workers again."""
-    import signal
-    import threading
-
-    try:
-        import zmq
-    except ImportError:
-        return _fail("meshkit kv-relay needs pyzmq: pip install 'meshkit[kv]'")
-    import asyncio
-
-    from meshkit.lifecycle.kv_relay import KvRelay, RelayFleet, follow_fleet, relay_registry
-
-    try:
-        fleet = RelayFleet(config, publishers)  # --publisher entries checked here
-        asyncio.run(fleet.refresh())  # dns:// names looked up before the first subscription
-        relay = KvRelay(fleet.publishers(), relay_config, config.kv)
-    except ConfigError as exc:
-        return _fail(str(exc))
-    except zmq.ZMQError as exc:
-        print(f"meshkit: error: cannot bind {relay_config.bind}: {exc}", file=sys.stderr)
-        return 1
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-
-    hup = threading.Event()
-    signal.signal(signal.SIGHUP, lambda *_: hup.set())
-    if lifeline_fd is not None:
-        threading.Thread(
-            target=_until_eof, args=(lifeline_fd, stop), name="kv-relay-lifeline", daemon=True
-        ).start()
-    threading.Thread(
-        target=follow_fleet,
-        args=(relay, fleet, stop, hup, load),
-        name="kv-relay-fleet",
-        daemon=True,
-    ).start()
-    try:
-        if relay_config.metrics_port:
-            from prometheus_client import start_http_server
-
-            start_http_server(
-                relay_config.metrics_port,
-                relay_config.metrics_host,
-                registry=relay_registry(relay),
-            )
-        announce(relay)
-        relay.serve(stop)
-    except OSError as exc:
-        print(f"meshkit: error: cannot listen: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        relay.close()
-    return 0
-
-
-def _until_eof(fd: int, stop: threading.Event) -> None:
-    # The parent holds the other end: EOF is its exit, whatever killed it.
-    with contextlib.suppress(OSError):
-        while os.read(fd, 64):
-            pass
-    stop.set()
+    return serve_relay_child(config, place, lambda: _settings(ns)[0], _fail)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
