@@ -55,7 +55,7 @@ from meshkit.errors import MeshError, MethodNotAllowed, UnknownEndpoint
 from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.lifecycle.admin import AdminApp, lifespan
 from meshkit.mesh import Mesh
-from meshkit.server.peers import PEER_SCOPE_KEY, PeerReply
+from meshkit.server.peers import PEER_SCOPE_KEY
 from meshkit.server.supervisor import RELAY_INDEX
 from meshkit.types import Receive, Scope, Send
 
@@ -202,19 +202,18 @@ class ServeApp:
 
         _, ctype, local = self._metrics(scope)  # 404 when disabled: for every process
         peers = self.peers
-        asks = [peers.ask("GET", "/metrics")]
-        if peers.relay:
-            asks.append(_as_list(peers.ask_one(RELAY_INDEX, "GET", "/metrics")))
-        replies = [r for group in await asyncio.gather(*asks) for r in group]
+        ask = peers.ask("GET", "/metrics")
+        if peers.relay:  # the KV-event relay child's counts too, at the same time
+            of_relay = peers.ask_one(RELAY_INDEX, "GET", "/metrics")
+            siblings, relay = await asyncio.gather(ask, of_relay)
+            replies = [*siblings, relay]
+        else:
+            replies = await ask
         texts = [(peers.index, local)]
         texts += [(r.index, r.body) for r in replies if r.status == 200]
         shares = self.shares
         held, handed = (None, None) if shares is None else (shares.held(), shares.handed())
         return 200, ctype, merge_metrics(texts, peers.count, held, handed, relay=peers.relay)
-
-
-async def _as_list(reply: Awaitable[PeerReply]) -> list[PeerReply]:
-    return [await reply]
 
 
 async def _whole(
