@@ -45,7 +45,7 @@ from meshkit.core.states import WorkerStates
 from meshkit.core.workers import Worker
 from meshkit.errors import ConfigError
 from meshkit.frontends.asgi import MeshMiddleware
-from meshkit.server.supervisor import RELAY_INDEX, RELAY_METRICS_SOCKET
+from meshkit.server.supervisor import MAX_UNIX_PATH, RELAY_INDEX, RELAY_METRICS_SOCKET
 from meshkit.types import ASGIApp, Receive, Scope, Send
 
 if TYPE_CHECKING:
@@ -98,8 +98,7 @@ class PeerReply:
 class Peers:
     """The sibling processes of one gateway, seen from process ``index`` of ``count``.
 
-    :param run_dir: the directory of the sockets (the supervisor's, mode 0700; it
-        checked that their paths fit a Unix socket).
+    :param run_dir: the directory of the sockets (the supervisor's, mode 0700).
     :param index: this process's index, ``0 <= index < count``.
     :param count: the number of processes (``--processes``).
     :param relay: the gateway also runs a KV-event relay child, whose metrics
@@ -117,6 +116,8 @@ class Peers:
         self.index = index
         self.count = count
         self.relay = relay
+        if len(os.fsencode(self.path(count - 1))) > MAX_UNIX_PATH:
+            raise ValueError(f"the run directory path is too long for a Unix socket: {run_dir}")
         self._upstreams: dict[int, FastUpstream] = {}
 
     def __repr__(self) -> str:
