@@ -195,8 +195,14 @@ def test_children_do_not_outlive_a_killed_parent(two: Any) -> None:
 
 
 def _place_of(pid: int) -> dict[str, Any]:
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    raw = next(v for v in env if v.startswith(CHILD_ENV.encode() + b"="))
+    """The child's place, or {} for a process that exited since it was listed."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    raw = next((v for v in env if v.startswith(CHILD_ENV.encode() + b"=")), None)
+    if raw is None:
+        return {}
     place: dict[str, Any] = json.loads(raw.split(b"=", 1)[1])
     return place
 
