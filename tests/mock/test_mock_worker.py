@@ -486,6 +486,17 @@ def test_bad_json_is_400_in_each_shape(mock: MockWorkerThread, http: httpx2.Clie
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("documents", [3.5, 2**63, {"text": "a"}, "a"])
+def test_rerank_documents_not_a_list_is_400(
+    mock: MockWorkerThread, http: httpx2.Client, documents: object
+) -> None:
+    r = http.post(mock.url + "/v1/rerank", json={"query": "q", "documents": documents})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "documents"
+    ok = http.post(mock.url + "/v1/rerank", json={"query": "q", "documents": ["a", "b"]})
+    assert ok.status_code == 200 and len(ok.json()["results"]) == 2
+
+
 # -- HTTP layer -----------------------------------------------------------------------
 
 

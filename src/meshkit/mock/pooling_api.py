@@ -64,14 +64,17 @@ class PoolingHandlers:
         r = self.app.route
         r("/v1/embeddings", "embeddings", False, POST=self._wrap(self._embeddings, "input"))
         for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-            r(path, "rerank", False, POST=self._wrap(self._rerank, "query"))
+            r(path, "rerank", False, POST=self._wrap(self._rerank, "query", "documents"))
         for path in ("/score", "/v1/score"):
             r(path, "score", False, POST=self._wrap(self._score, "text_1"))
         r("/pooling", "pooling", False, POST=self._wrap(self._pooling, "input"))
         r("/classify", "classify", False, POST=self._wrap(self._classify, "input"))
 
     def _wrap(
-        self, build: Callable[[dict[str, Any], str], dict[str, Any]], required: str
+        self,
+        build: Callable[[dict[str, Any], str], dict[str, Any]],
+        required: str,
+        listed: str | None = None,
     ) -> Callable[[Request], Reply]:
         app = self.app
 
@@ -82,6 +85,9 @@ class PoolingHandlers:
             body, rank = pre
             if body.get(required) is None:
                 return app.error(req, 400, f"'{required}' is required", param=required)
+            if listed is not None and not isinstance(body.get(listed, []), list):
+                # vLLM's request model refuses it (a 400), it does not fail on it
+                return app.error(req, 400, f"'{listed}' must be a list", param=listed)
             model = body.get("model")
             name = model if isinstance(model, str) else app.config.model
             return app.json(req, build(body, name), rank=rank)
