@@ -34,7 +34,7 @@ from cachetools import TTLCache
 
 from meshkit.core.policies.base import BasePolicy, Completion, PlacementContext, Policy
 from meshkit.core.policies.prefix_hash import RingCache
-from meshkit.core.policies.ring import bounded_load_pick, hash_bytes
+from meshkit.core.policies.ring import DEFAULT_VIRTUAL_NODES, bounded_load_pick, hash_bytes
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker
 from meshkit.errors import ConfigError
@@ -59,7 +59,7 @@ class SessionAffinity(BasePolicy):
         self,
         inner: str | Policy = "power_of_two",
         inner_options: Mapping[str, Any] | None = None,
-        virtual_nodes: int = 150,
+        virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
         load_factor: float | None = None,
     ) -> None:
         # Imported here: the registry imports this module by name, lazily.

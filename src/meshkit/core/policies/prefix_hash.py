@@ -122,7 +122,13 @@ from collections.abc import Mapping, Sequence
 from mypy_extensions import mypyc_attr
 
 from meshkit.core.policies.base import BasePolicy, Needs, PlacementContext
-from meshkit.core.policies.ring import HashRing, bounded_load_pick, hash_bytes, hash_token_ids
+from meshkit.core.policies.ring import (
+    DEFAULT_VIRTUAL_NODES,
+    HashRing,
+    bounded_load_pick,
+    hash_bytes,
+    hash_token_ids,
+)
 from meshkit.core.policies.shares import Decayed, OwnTurns, Plan, TrafficShares
 from meshkit.core.requests import RequestView
 from meshkit.core.workers import Candidate, Worker, candidates_for
@@ -232,7 +238,7 @@ class PrefixHash(BasePolicy):
     def __init__(
         self,
         prefix_token_count: int = 256,
-        virtual_nodes: int = 150,
+        virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
         load_factor: float = 1.25,
         prefix_chars: int = 1024,
         first_turn_load_factor: float = 1.0,

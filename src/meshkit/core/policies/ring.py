@@ -8,13 +8,22 @@ as ``http://10.0.0.5:8000#dp1``). Each key owns ``virtual_nodes`` points on a
 owner clockwise. Adding or removing one of ``N`` owners therefore moves only the
 keys whose first owner changed, about ``1/N`` of them.
 
-Hashes come from :func:`hashlib.blake2b`, never from :func:`hash`, so every
-process (whatever its ``PYTHONHASHSEED``) and every replica of a mesh places the
-same key on the same worker.
+Hashes come from :mod:`hashlib` (BLAKE2b for keys, SHAKE-256 for an owner's
+points), never from :func:`hash`, so every process (whatever its
+``PYTHONHASHSEED``) and every replica of a mesh places the same key on the same
+worker.
+
+Why 1000 points per owner by default: the owner with the longest arcs takes that
+much more of every hash-placed key, for as long as the fleet stays as it is, and
+nothing in a router that sees 1/K of the traffic evens it out. Over random fleets
+the longest arcs run 1.07 / 1.15 / 1.20 times the mean at the median (4 / 16 / 64
+owners) with 150 points, 1.03 / 1.05 / 1.08 with 1000. One SHAKE stream per owner
+makes the points in C: a ring of 64 owners builds in tens of milliseconds, once
+per fleet change.
 
 Usage::
 
-    ring = HashRing(["http://a:8000", "http://b:8000"], virtual_nodes=150)
+    ring = HashRing(["http://a:8000", "http://b:8000"], virtual_nodes=1000)
     for owner in ring.walk(hash_bytes(b"some prefix")):
         ...  # owners in clockwise order, each once
 
@@ -29,13 +38,27 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import sys
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from meshkit.core.workers import Candidate
 
-__all__ = ["HashRing", "bounded_load_pick", "hash_bytes", "hash_token_ids", "load_bound"]
+__all__ = [
+    "DEFAULT_VIRTUAL_NODES",
+    "HashRing",
+    "bounded_load_pick",
+    "hash_bytes",
+    "hash_token_ids",
+    "load_bound",
+    "owner_points",
+]
 
 _MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+
+#: ring points per owner unless configured (the module's docstring says why)
+DEFAULT_VIRTUAL_NODES = 1000
 
 
 def hash_bytes(data: bytes) -> int:
@@ -59,6 +82,15 @@ def hash_token_ids(ids: Sequence[int]) -> int:
     return hash_bytes(fmt % tuple(ids))
 
 
+def owner_points(key: str, count: int) -> list[int]:
+    """The ``count`` ring points of one owner: its SHAKE-256 stream read as
+    big-endian 64-bit words, so every host (whatever its byte order) agrees."""
+    words = array("Q", hashlib.shake_256(b"v:" + key.encode("utf-8")).digest(8 * count))
+    if sys.byteorder == "little":
+        words.byteswap()
+    return words.tolist()
+
+
 #: ``b"t:%d,%d,..."`` per id count (a policy hashes a fixed count: few entries)
 _ID_FORMATS: dict[int, bytes] = {}
 
@@ -73,21 +105,21 @@ class HashRing:
 
     __slots__ = ("_members", "_owners", "_points", "keys")
 
-    def __init__(self, keys: Sequence[str], virtual_nodes: int = 150) -> None:
+    def __init__(self, keys: Sequence[str], virtual_nodes: int = DEFAULT_VIRTUAL_NODES) -> None:
         if virtual_nodes < 1:
             raise ValueError("virtual_nodes must be >= 1")
         self.keys: tuple[str, ...] = tuple(dict.fromkeys(keys))
+        if len(self.keys) > _MASK32:
+            raise ValueError("a ring holds at most 2**32 - 1 owners")
         self._members = frozenset(self.keys)
-        pairs: list[tuple[int, int]] = []
+        # One int per point, (point, owner index) packed, sorted in C: the (astronomically
+        # rare) point collisions stay deterministic, and no tuple is made per point.
+        packed: list[int] = []
         for idx, key in enumerate(self.keys):
-            raw = key.encode("utf-8")
-            for v in range(virtual_nodes):
-                pairs.append((hash_bytes(b"v:%d:" % v + raw), idx))
-        # Sorting by (point, owner index) keeps the (astronomically rare) point
-        # collisions deterministic too.
-        pairs.sort()
-        self._points = [p for p, _ in pairs]
-        self._owners = [i for _, i in pairs]
+            packed += [(p << 32) | idx for p in owner_points(key, virtual_nodes)]
+        packed.sort()
+        self._points = [x >> 32 for x in packed]
+        self._owners = [x & _MASK32 for x in packed]
 
     def __len__(self) -> int:
         return len(self.keys)
