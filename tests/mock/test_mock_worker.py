@@ -493,8 +493,9 @@ def test_rerank_documents_not_a_list_is_400(
     r = http.post(mock.url + "/v1/rerank", json={"query": "q", "documents": documents})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "documents"
-    ok = http.post(mock.url + "/v1/rerank", json={"query": "q", "documents": ["a", "b"]})
-    assert ok.status_code == 200 and len(ok.json()["results"]) == 2
+    for good in (["a", "b"], {"content": ["a", "b"]}):  # vLLM's multimodal form too
+        ok = http.post(mock.url + "/v1/rerank", json={"query": "q", "documents": good})
+        assert ok.status_code == 200 and len(ok.json()["results"]) == 2
 
 
 # -- HTTP layer -----------------------------------------------------------------------

@@ -46,6 +46,13 @@ def _texts(value: Any) -> list[str]:
     return []
 
 
+def _listed(value: Any) -> list[Any] | None:
+    """A list of documents: a list, or vLLM's multimodal ``{"content": [...]}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, list) else None
+
+
 def _doc_text(doc: Any) -> str:
     if isinstance(doc, dict):
         text = doc.get("text")
@@ -85,7 +92,7 @@ class PoolingHandlers:
             body, rank = pre
             if body.get(required) is None:
                 return app.error(req, 400, f"'{required}' is required", param=required)
-            if listed is not None and not isinstance(body.get(listed, []), list):
+            if listed is not None and _listed(body.get(listed, [])) is None:
                 # vLLM's request model refuses it (a 400), it does not fail on it
                 return app.error(req, 400, f"'{listed}' must be a list", param=listed)
             model = body.get("model")
@@ -144,7 +151,7 @@ class PoolingHandlers:
 
     def _rerank(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         query = _texts(body.get("query"))
-        docs = [_doc_text(d) for d in body.get("documents") or []]
+        docs = [_doc_text(d) for d in _listed(body.get("documents", [])) or []]
         q = query[0] if query else ""
         ranked = sorted(((i, d, _unit(d, q)[0]) for i, d in enumerate(docs)), key=lambda r: -r[2])
         top = body.get("top_n")
