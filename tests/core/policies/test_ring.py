@@ -99,7 +99,8 @@ def test_keys_spread_as_the_arcs_do() -> None:
 def test_the_default_points_keep_the_longest_arcs_near_the_mean(n: int) -> None:
     # Over 25 fleets of random ports, the owner with the longest arcs takes that much
     # more of every hash-placed key for as long as the fleet stays: at 150 points per
-    # owner 1.07 / 1.15 / 1.20 times the mean at the median (4 / 16 / 64 owners).
+    # owner 1.08 / 1.15 / 1.20 times the mean at the median (4 / 16 / 64 owners;
+    # benchmarks/ring_balance.py).
     rng = random.Random(n)
     worst = []
     for _ in range(25):

@@ -16,10 +16,10 @@ worker.
 Why 1000 points per owner by default: the owner with the longest arcs takes that
 much more of every hash-placed key, for as long as the fleet stays as it is, and
 nothing in a router that sees 1/K of the traffic evens it out. Over random fleets
-the longest arcs run 1.07 / 1.15 / 1.20 times the mean at the median (4 / 16 / 64
-owners) with 150 points, 1.03 / 1.05 / 1.08 with 1000. One SHAKE stream per owner
-makes the points in C: a ring of 64 owners builds in tens of milliseconds, once
-per fleet change.
+the longest arcs run 1.08 / 1.15 / 1.20 times the mean at the median (4 / 16 / 64
+owners) with 150 points, 1.03 / 1.05 / 1.07 with 1000 (``benchmarks/ring_balance.py``).
+One SHAKE stream per owner makes the points in C: a ring of 64 owners builds in
+tens of milliseconds, once per fleet change.
 
 Usage::
 
