@@ -32,15 +32,6 @@ from meshkit.core.policies.ring import HashRing
 CHATS = ((51, 4), (202, 4), (2000, 16))
 
 
-def arcs(ring: HashRing) -> list[float]:
-    """Each worker's fraction of the circle."""
-    points, owners = ring._points, ring._owners
-    out = [0] * len(ring.keys)
-    for i, p in enumerate(points):
-        out[owners[i]] += p - (points[i - 1] if i else points[-1] - (1 << 64))
-    return [a / (1 << 64) for a in out]
-
-
 def fleet(rng: random.Random, n: int) -> list[str]:
     base = rng.randrange(20_000, 60_000)
     return [f"http://127.0.0.1:{base + i}" for i in range(n)]
@@ -59,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rng = random.Random(args.seed + n)
         ports = [fleet(rng, n) for _ in range(args.fleets)]
         for v in points:
-            worst = sorted(max(arcs(HashRing(keys, v))) * n for keys in ports)
+            worst = sorted(max(HashRing(keys, v).arcs()) * n for keys in ports)
             mid, p90 = worst[len(worst) // 2], worst[int(len(worst) * 0.9)]
             print(f"  {n:3d} workers, {v:5d} points: {mid:.3f} {p90:.3f} {worst[-1]:.3f}")
     print("chats on their ring owner, requests per worker max/mean: mean (fleets over 1.25)")

@@ -65,15 +65,6 @@ def test_leave_moves_only_the_leavers_keys() -> None:
     assert len(moved) / len(KEYS) <= 1 / n + 0.03
 
 
-def _arcs(ring: HashRing) -> list[float]:
-    """Each owner's fraction of the circle: what it takes of uniformly hashed keys."""
-    points, owners = ring._points, ring._owners
-    arcs = [0] * len(ring.keys)
-    for i, p in enumerate(points):
-        arcs[owners[i]] += p - (points[i - 1] if i else points[-1] - (1 << 64))
-    return [a / (1 << 64) for a in arcs]
-
-
 def test_an_owners_points_are_pinned_bytes() -> None:
     # SHAKE-256 of b"v:" + key, read as big-endian 64-bit words: every host, every
     # release. A change here re-shuffles every deployed mesh's placement.
@@ -87,7 +78,7 @@ def test_keys_spread_as_the_arcs_do() -> None:
     for n in (3, 4, 6, 8, 16):
         ring = HashRing(_keys(n))
         counts = Counter(_assign(ring))
-        arcs = _arcs(ring)
+        arcs = ring.arcs()
         assert len(counts) == n
         for i, key in enumerate(ring.keys):
             # 10,000 keys: within 4 standard deviations of the arc's expectation
@@ -105,7 +96,7 @@ def test_the_default_points_keep_the_longest_arcs_near_the_mean(n: int) -> None:
     worst = []
     for _ in range(25):
         base = rng.randrange(20_000, 60_000)
-        arcs = _arcs(HashRing([f"http://127.0.0.1:{base + i}" for i in range(n)]))
+        arcs = HashRing([f"http://127.0.0.1:{base + i}" for i in range(n)]).arcs()
         worst.append(max(arcs) * n)
     worst.sort()
     assert worst[12] <= {4: 1.05, 16: 1.07, 64: 1.09}[n], worst
@@ -114,7 +105,7 @@ def test_the_default_points_keep_the_longest_arcs_near_the_mean(n: int) -> None:
 
 def test_fewer_points_spread_keys_less_evenly() -> None:
     keys = _keys(16)
-    few, default = max(_arcs(HashRing(keys, 150))), max(_arcs(HashRing(keys)))
+    few, default = max(HashRing(keys, 150).arcs()), max(HashRing(keys).arcs())
     assert default * 16 <= 1.1 < few * 16
 
 

@@ -147,6 +147,15 @@ class HashRing:
             if remaining == 0:
                 return
 
+    def arcs(self) -> list[float]:
+        """Each owner's fraction of the circle, in :attr:`keys` order: the share of
+        uniformly hashed keys it takes (for measuring a ring, not for placing)."""
+        points, owners = self._points, self._owners
+        out = [0] * len(self.keys)
+        for i, p in enumerate(points):
+            out[owners[i]] += p - (points[i - 1] if i else points[-1] - (1 << 64))
+        return [a / (1 << 64) for a in out]
+
     def owner(self, point: int) -> str | None:
         """The first owner clockwise from ``point`` (``None`` on an empty ring)."""
         points = self._points
