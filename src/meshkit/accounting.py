@@ -29,7 +29,7 @@ Response read through two routers is counted by each (``docs/metrics.md``).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from meshkit.core.endpoints import Api
 from meshkit.core.forward import Lease
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Accounting", "CountedResponses"]
 
-_RESPONSES = Api.RESPONSES
+_RESPONSES: Final = Api.RESPONSES
 
 
 class CountedResponses:

@@ -60,15 +60,19 @@ class Unsendable(ValueError):
 #: Methods whose semantics anticipate no content (RFC 9110 §9.3): with an empty body
 #: they state no ``content-length``; every other method states ``content-length: 0``
 #: (§8.6: "SHOULD NOT send ... when the method semantics do not anticipate such data").
-NO_CONTENT = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
+NO_CONTENT: Final = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
 
-_METHODS = {m: m.encode() for m in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")}
+_METHODS: Final = {
+    m: m.encode() for m in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+}
 # RFC 9110 §5.6.2 token characters (a method is a token).
-_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_TCHAR: Final = frozenset(
+    b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+)
 # Kept as they are in a target; anything else printable (space, non-ASCII) is
 # percent-encoded, as httpx encodes it.
-_TARGET_SAFE = "/?#[]@!$&'()*+,;=:%-._~"
-_DEFAULT_PORTS = {"http": 80, "https": 443}
+_TARGET_SAFE: Final = "/?#[]@!$&'()*+,;=:%-._~"
+_DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 
 
 def build_head(method: str, line: bytes, headers: Headers, size: int) -> bytes:
@@ -146,7 +150,7 @@ def http_origin(url: str) -> tuple[str, str, int, bytes] | None:
 #: (a 101 is an upgrade error: nothing meshkit sends asks to switch protocols)
 PARSE_ERRORS = (httptools.HttpParserError, httptools.HttpParserUpgrade)
 
-_FRAMING = (b"content-length", b"transfer-encoding")
+_FRAMING: Final = (b"content-length", b"transfer-encoding")
 
 
 def ends_with_connection(headers: Headers) -> bool:
@@ -241,7 +245,7 @@ class ResponseParser:
 
 # -- responses, written ------------------------------------------------------------------
 
-_STATUS: dict[int, bytes] = {}
+_STATUS: Final[dict[int, bytes]] = {}
 LAST_CHUNK = b"0\r\n\r\n"
 
 
@@ -258,7 +262,7 @@ def status_line(status: int) -> bytes:
     return line
 
 
-_date = [0, b""]
+_date: Final = [0, b""]
 
 
 def date_header() -> bytes:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, Final
 
 from meshkit.accounting import Accounting
 from meshkit.config import MeshConfig
@@ -57,14 +57,14 @@ __all__ = ["Mesh"]
 log = logging.getLogger("meshkit.kv")
 
 #: what a request matched on the tree instead of the KV events misses (warned once each)
-_UNMATCHED = {
+_UNMATCHED: Final = {
     "no_tokenizer": "a request's model has no tokenizer (set tokenizer or tokenizers to "
     "the model's own)",
     "too_large": "a prompt is over prepare.max_tokenize_bytes",
     "unrendered": "a prompt could not be rendered as the engine renders it",
 }
 
-_MODELS = Api.MODELS
+_MODELS: Final = Api.MODELS
 
 
 def _worker_id(worker: Worker | str) -> str:

@@ -54,10 +54,10 @@ __all__ = [
 _LATENCY: Final[Sequence[float]] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
-_PD_LATENCY = tuple(_LATENCY[:-1])
+_PD_LATENCY: Final = tuple(_LATENCY[:-1])
 # A batch is applied within a millisecond on an idle router; tens of milliseconds
 # are as long as a short request, seconds a subscriber that fell behind.
-_KV_AGE = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_KV_AGE: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class _Hist:
@@ -334,7 +334,7 @@ class KvCollector(Collector):
 
 # -- lifecycle ------------------------------------------------------------------
 
-_CB = {Breaker.CLOSED: 0.0, Breaker.OPEN: 1.0, Breaker.HALF_OPEN: 2.0}
+_CB: Final = {Breaker.CLOSED: 0.0, Breaker.OPEN: 1.0, Breaker.HALF_OPEN: 2.0}
 
 
 class LifecycleCollector(Collector):

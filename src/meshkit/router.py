@@ -27,7 +27,7 @@ import contextlib
 import random
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from meshkit.accounting import CountedResponses
 from meshkit.core.endpoints import Api
@@ -64,9 +64,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Lease", "Router"]
 
-_SUCCESS, _FAILURE, _NEUTRAL = Verdict.SUCCESS, Verdict.FAILURE, Verdict.NEUTRAL
-_JOINED = LeaseKind.JOINED
-_PD_PROTOCOLS = ("sglang", "vllm")
+_SUCCESS: Final = Verdict.SUCCESS
+_FAILURE: Final = Verdict.FAILURE
+_NEUTRAL: Final = Verdict.NEUTRAL
+_JOINED: Final = LeaseKind.JOINED
+_PD_PROTOCOLS: Final = ("sglang", "vllm")
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 T = TypeVar("T")
 

@@ -26,6 +26,7 @@ has one (:func:`served_headers`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
 
 from meshkit.core.endpoints import Api
 from meshkit.types import Headers
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 
-HOP_BY_HOP = frozenset(
+HOP_BY_HOP: Final = frozenset(
     {
         b"connection",
         b"keep-alive",
@@ -52,12 +53,12 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-_DROP_SERVED = HOP_BY_HOP | {b"date"}
-_DROP_BODILESS = _DROP_SERVED | {b"content-length"}
+_DROP_SERVED: Final = HOP_BY_HOP | {b"date"}
+_DROP_BODILESS: Final = _DROP_SERVED | {b"content-length"}
 # The rank header is meshkit's to set (DP-rank append), never the client's.
-_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-data-parallel-rank"}
-_CREDENTIALS = frozenset({b"authorization", b"x-api-key", b"api-key"})
-_DROP_KEYED = _DROP_REQUEST | _CREDENTIALS
+_DROP_REQUEST: Final = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-data-parallel-rank"}
+_CREDENTIALS: Final = frozenset({b"authorization", b"x-api-key", b"api-key"})
+_DROP_KEYED: Final = _DROP_REQUEST | _CREDENTIALS
 
 
 def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
@@ -78,7 +79,7 @@ def _dropped(base: frozenset[bytes], items: list[tuple[bytes, bytes]]) -> frozen
 
 
 # The usual Connection values name no other header: no second pass for them.
-_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close"})
+_PLAIN_CONNECTION: Final = frozenset({b"keep-alive", b"close"})
 
 
 def _kept(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> Headers:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from typing import Final
 from urllib.parse import unquote
 
 from meshkit.errors import ErrorShape, InvalidRequest, MethodNotAllowed, UnknownEndpoint
@@ -282,7 +283,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 )
 
 #: Paths at or under these belong to meshkit; anything else passes through.
-_PREFIXES: tuple[tuple[str, ErrorShape], ...] = (
+_PREFIXES: Final[tuple[tuple[str, ErrorShape], ...]] = (
     ("/v1/chat", "openai"),
     ("/v1/completions", "openai"),
     ("/v1/messages", "anthropic"),
@@ -304,17 +305,17 @@ _PREFIXES: tuple[tuple[str, ErrorShape], ...] = (
     ("/classify", "openai"),
 )
 
-_MODELS = "/v1/models"
-_MODELS_PREFIX = _MODELS + "/"
-_MODEL_RETRIEVE = next(e for e in ENDPOINTS if e.name == "models.retrieve")
+_MODELS: Final = "/v1/models"
+_MODELS_PREFIX: Final = _MODELS + "/"
+_MODEL_RETRIEVE: Final = next(e for e in ENDPOINTS if e.name == "models.retrieve")
 #: the longest model id ``GET /v1/models/{model}`` accepts (characters, decoded)
-MAX_MODEL_ID = 512
+MAX_MODEL_ID: Final = 512
 
 _ITEM = "{item_id}"
-_STATIC: dict[str, list[Endpoint]] = {}
+_STATIC: Final[dict[str, list[Endpoint]]] = {}
 #: (head, tail, endpoint) for ".../{id}<tail>"; a tail ending in "/" is followed by
 #: an item id (the template's "{item_id}")
-_RESOURCE: list[tuple[str, str, Endpoint]] = []
+_RESOURCE: Final[list[tuple[str, str, Endpoint]]] = []
 for _e in ENDPOINTS:
     if _e is _MODEL_RETRIEVE:
         continue
@@ -324,10 +325,10 @@ for _e in ENDPOINTS:
     else:
         _STATIC.setdefault(_e.template, []).append(_e)
 
-_ID = re.compile(r"[A-Za-z0-9_-]{1,256}")
-MAX_RESOURCE_ID = 256
+_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,256}")
+MAX_RESOURCE_ID: Final = 256
 #: the parameter a bad id is reported as, by the path it is under
-_ID_PARAM = {"/v1/responses/": "response_id", "/v1/conversations/": "conversation_id"}
+_ID_PARAM: Final = {"/v1/responses/": "response_id", "/v1/conversations/": "conversation_id"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +349,7 @@ class Match:
 
 #: each endpoint's match without ids, made once: a Match is immutable, so every
 #: request to a static path shares its endpoint's (one object less per request)
-_BARE: dict[str, Match] = {e.name: Match(e) for e in ENDPOINTS}
+_BARE: Final[dict[str, Match]] = {e.name: Match(e) for e in ENDPOINTS}
 
 
 def shape_for_path(path: str) -> ErrorShape:

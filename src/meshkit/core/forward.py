@@ -54,7 +54,7 @@ import enum
 import random
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from meshkit.core.credentials import request_headers
 from meshkit.core.endpoints import Api, Op
@@ -93,9 +93,9 @@ __all__ = [
     "pool_refusal",
 ]
 
-RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504, 529})
-_NONE: frozenset[str] = frozenset()
-_CREATE_STATE = Op.CREATE_STATE
+RETRYABLE_STATUS: Final = frozenset({408, 429, 500, 502, 503, 504, 529})
+_NONE: Final[frozenset[str]] = frozenset()
+_CREATE_STATE: Final = Op.CREATE_STATE
 
 
 class Failure(enum.Enum):
@@ -147,7 +147,7 @@ def no_replay(headers: tuple[tuple[bytes, bytes], ...]) -> bool:
 
 #: the results of plain answers, one per status: an AttemptResult is immutable, so
 #: every attempt answered with a status shares it (one object less per request)
-_ANSWERED: dict[int, AttemptResult] = {}
+_ANSWERED: Final[dict[int, AttemptResult]] = {}
 
 
 def answered(status: int) -> AttemptResult:

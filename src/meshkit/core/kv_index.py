@@ -77,26 +77,27 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Final
 
 from meshkit.core.kv_events import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored
 
 __all__ = ["ROOT", "KvIndex", "chain", "lora_root"]
 
 #: the parent key of a prompt's first block
-ROOT = 0
-_MASK64 = (1 << 64) - 1
+ROOT: Final = 0
+_MASK64: Final = (1 << 64) - 1
 #: a salted block's key: ``(parent, _SALT, *tokens)`` is one longer than any
 #: unsalted block's tuple, so no request's tokens give it
-_SALT = -2
+_SALT: Final = -2
 #: the media a request is matched on (None: an engine that does not say)
-_MATCHED_MEDIA = frozenset({None, "GPU"})
+_MATCHED_MEDIA: Final = frozenset({None, "GPU"})
 #: ``kv_cache_spec_kind`` values whose groups keep a prompt's whole prefix
 #: (vLLM's ``KVCacheSpecKind``; "unknown" kept: better a match than none)
-_WHOLE_PREFIX = frozenset(
+_WHOLE_PREFIX: Final = frozenset(
     {None, "full_attention", "mla_attention", "sink_full_attention", "unknown"}
 )
 #: partial-attention group numbers remembered per worker (engines have a handful)
-_MAX_GROUPS = 64
+_MAX_GROUPS: Final = 64
 
 
 def _key(parent: int, tokens: Sequence[int]) -> int:

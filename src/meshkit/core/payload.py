@@ -14,6 +14,7 @@ meshkit sends both.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 import msgspec
 
@@ -21,7 +22,7 @@ from meshkit.errors import InvalidRequest
 
 __all__ = ["RankBase", "append_fields", "rank_base", "with_rank"]
 
-_WS = b" \t\r\n"
+_WS: Final = b" \t\r\n"
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Collection, Sequence
+from typing import Final
 
 from meshkit.core.endpoints import Api
 from meshkit.core.policies.base import PlacementContext, Policy
@@ -60,9 +61,9 @@ __all__ = [
 ]
 
 #: retry hint of an admission refusal before any request has ended (seconds)
-_FIRST_HINT_S = 1.0
+_FIRST_HINT_S: Final = 1.0
 #: the shortest retry hint of an admission refusal (seconds)
-_MIN_HINT_S = 0.05
+_MIN_HINT_S: Final = 0.05
 
 #: origin -> True when that origin may take new requests (lifecycle states)
 Admit = Callable[[Worker], bool]
@@ -75,7 +76,9 @@ def configured_for(fleet: Fleet, view: RequestView, role: str = "regular") -> li
 
 # how a worker serves a request's model: by label or any model, by its own list,
 # or maybe (unlabelled, and its list does not name it or is not known yet)
-_SERVES, _LISTS, _MAY = 0, 1, 2
+_SERVES: Final = 0
+_LISTS: Final = 1
+_MAY: Final = 2
 _Serving = tuple[tuple[Worker, tuple[Candidate, ...]], ...]
 
 

@@ -37,7 +37,7 @@ The rules, written once:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Final, Protocol
 
 import msgspec
 
@@ -47,11 +47,11 @@ from meshkit.core.requests import RequestView
 __all__ = ["MID_STREAM_CODE", "MID_STREAM_MESSAGE", "Books", "Relay", "stream_error_event"]
 
 #: what a stream cut by the worker ends with, in every mode
-MID_STREAM_CODE = "upstream_error"
-MID_STREAM_MESSAGE = "the worker failed while streaming the response"
-_NONE = StreamFormat.NONE
+MID_STREAM_CODE: Final = "upstream_error"
+MID_STREAM_MESSAGE: Final = "the worker failed while streaming the response"
+_NONE: Final = StreamFormat.NONE
 #: how a chunk that ends an SSE event ends (LF, CR, CRLF framing)
-_EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
+_EVENT_ENDS: Final = (b"\n\n", b"\r\r", b"\n\r\n")
 
 
 def _event_end(buf: bytes, start: int) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import Any, Final
 from urllib.parse import parse_qsl, quote
 
 import msgspec
@@ -61,17 +61,19 @@ __all__ = [
 ]
 
 #: default of ``bounds.max_json_depth``
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH: Final = 64
 
 
-_ANY = msgspec.json.Decoder(AnyBody)
+_ANY: Final = msgspec.json.Decoder(AnyBody)
 # Read per request: module globals are cheaper than enum members' attributes.
-_CANCEL, _COUNT_TOKENS, _CREATE_STATE = Op.CANCEL, Op.COUNT_TOKENS, Op.CREATE_STATE
-_TYPED_OPS = (Op.CREATE, Op.COUNT_TOKENS)
-_UNSET = msgspec.UNSET
+_CANCEL: Final = Op.CANCEL
+_COUNT_TOKENS: Final = Op.COUNT_TOKENS
+_CREATE_STATE: Final = Op.CREATE_STATE
+_TYPED_OPS: Final = (Op.CREATE, Op.COUNT_TOKENS)
+_UNSET: Final = msgspec.UNSET
 #: where a worker answers whether it holds a referenced response / conversation
-_RESPONSE_GET = next(e for e in ENDPOINTS if e.name == "responses.retrieve")
-_CONVERSATION_GET = next(e for e in ENDPOINTS if e.name == "conversations.retrieve")
+_RESPONSE_GET: Final = next(e for e in ENDPOINTS if e.name == "responses.retrieve")
+_CONVERSATION_GET: Final = next(e for e in ENDPOINTS if e.name == "conversations.retrieve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,9 +308,9 @@ def head_error(count: int, size: int, *, max_bytes: int, max_count: int) -> Head
 
 # Brackets of both kinds become "[" and "]" (which kind closes which is the
 # decoder's concern, not depth's); every other byte but the quote is dropped.
-_STRUCTURE = bytes.maketrans(b"{}", b"[]")
-_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
-_DEPTH_STEP = {ord("["): 1, ord("]"): -1}
+_STRUCTURE: Final = bytes.maketrans(b"{}", b"[]")
+_NOT_STRUCTURE: Final = bytes(b for b in range(256) if b not in b'"[]{}')
+_DEPTH_STEP: Final = {ord("["): 1, ord("]"): -1}
 
 
 def _more_than(body: bytes, limit: int) -> bool:
@@ -619,7 +621,9 @@ def _content_text(content: Json) -> str:
 
 
 #: the typed decoder of each API's create body, and what reads the result
-_PARSERS: dict[Api, tuple[msgspec.json.Decoder[Any], Callable[[RequestView, Any, bool], None]]] = {
+_PARSERS: Final[
+    dict[Api, tuple[msgspec.json.Decoder[Any], Callable[[RequestView, Any, bool], None]]]
+] = {
     Api.CHAT: (msgspec.json.Decoder(ChatBody), _chat),
     Api.COMPLETIONS: (msgspec.json.Decoder(CompletionBody), _completion),
     Api.MESSAGES: (msgspec.json.Decoder(MessagesBody), _messages),

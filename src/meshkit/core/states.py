@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from urllib.parse import quote
 
 from meshkit.core.lifecycle import (
@@ -58,8 +58,8 @@ if TYPE_CHECKING:
 
 __all__ = ["WakeDecision", "WorkerStates", "is_tracked"]
 
-_ROUTABLE = (Disposition.ROUTE, Disposition.FALLBACK)
-_SUCCESS = Verdict.SUCCESS  # read per request: a global is cheaper than the member
+_ROUTABLE: Final = (Disposition.ROUTE, Disposition.FALLBACK)
+_SUCCESS: Final = Verdict.SUCCESS  # read per request: a global is cheaper than the member
 
 
 def is_tracked(worker: Worker) -> bool:

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -116,25 +116,26 @@ class Usage:
 # Looked up through the module so tests can count decodes.
 _decode = msgspec.json.decode
 # msgspec raises RecursionError, not DecodeError, on very deep nesting.
-_DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
+_DECODE_ERRORS: Final = (msgspec.DecodeError, RecursionError)
 
 
-_lifecycle_decoder = msgspec.json.Decoder(Lifecycle)
-_index_decoder = msgspec.json.Decoder(Indexed)
-_answer_decoder = msgspec.json.Decoder(Answer)
-_state_answer_decoder = msgspec.json.Decoder(StateAnswer)
+_lifecycle_decoder: Final = msgspec.json.Decoder(Lifecycle)
+_index_decoder: Final = msgspec.json.Decoder(Indexed)
+_answer_decoder: Final = msgspec.json.Decoder(Answer)
+_state_answer_decoder: Final = msgspec.json.Decoder(StateAnswer)
 
 # Read per request: a module global is cheaper than an enum member's attribute.
-_NONE, _RESPONSES = StreamFormat.NONE, StreamFormat.RESPONSES
-_DONE = b"[DONE]"
-_BOM = b"\xef\xbb\xbf"
+_NONE: Final = StreamFormat.NONE
+_RESPONSES: Final = StreamFormat.RESPONSES
+_DONE: Final = b"[DONE]"
+_BOM: Final = b"\xef\xbb\xbf"
 # After a "usage" key: a non-null value never starts with "n", and whitespace
 # around ":" is legal JSON.
-_NON_NULL = re.compile(rb"\s*:\s*[^\sn]")
+_NON_NULL: Final = re.compile(rb"\s*:\s*[^\sn]")
 # Codes are identifiers; anything with spaces could be message text.
-_CODE = re.compile(r"[\w.:-]{1,64}", re.ASCII)
+_CODE: Final = re.compile(r"[\w.:-]{1,64}", re.ASCII)
 
-_DELTA_OUTPUT = (
+_DELTA_OUTPUT: Final = (
     "content",
     "refusal",
     "tool_calls",
@@ -146,7 +147,7 @@ _DELTA_OUTPUT = (
 
 # Every delta of what the model writes (text, refusal, reasoning, a tool call's
 # input, audio); not what a tool returns (shell_call_output_content, images).
-_R_FIRST = frozenset(
+_R_FIRST: Final = frozenset(
     {
         b"response.output_text.delta",
         b"response.refusal.delta",
@@ -161,12 +162,12 @@ _R_FIRST = frozenset(
         b"response.audio.transcript.delta",
     }
 )
-_R_TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.incomplete"})
-_R_START = frozenset({b"response.created", b"response.queued", b"response.in_progress"})
+_R_TERMINAL: Final = frozenset({b"response.completed", b"response.failed", b"response.incomplete"})
+_R_START: Final = frozenset({b"response.created", b"response.queued", b"response.in_progress"})
 #: the statuses of a Response that has ended (its usage is final)
-_ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
+_ENDED: Final = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
-_ANTHROPIC_USAGE = (
+_ANTHROPIC_USAGE: Final = (
     "input_tokens",
     "cache_creation_input_tokens",
     "cache_read_input_tokens",
@@ -174,7 +175,7 @@ _ANTHROPIC_USAGE = (
 )
 
 _Handler = Callable[[bytes | None, bytes, float], None]
-_HANDLERS = {
+_HANDLERS: Final = {
     StreamFormat.OPENAI: "_on_openai",
     StreamFormat.RESPONSES: "_on_responses",
     StreamFormat.ANTHROPIC: "_on_anthropic",
@@ -299,7 +300,7 @@ def _body_has_output(item: dict[str, Any]) -> bool:
 
 
 #: an output key's raw value that holds no output (absent, null, empty)
-_EMPTY_RAW = (b"", b"null", b"[]", b'""')
+_EMPTY_RAW: Final = (b"", b"null", b"[]", b'""')
 
 
 def _empty(raw: msgspec.Raw) -> bool:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 from meshkit.core.endpoints import Api
@@ -43,14 +43,18 @@ from meshkit.errors import ConfigError
 
 __all__ = ["Candidate", "Fleet", "Tls", "Worker", "candidates_for", "zmq_endpoint"]
 
-_ROLES = frozenset({"regular", "prefill", "decode"})
+_ROLES: Final = frozenset({"regular", "prefill", "decode"})
 #: weight of the newest sample in :attr:`Fleet.hold_s`
-_HOLD_ALPHA = 0.1
+_HOLD_ALPHA: Final = 0.1
 #: the weight of the newest engine report in the other routers' mean load on a worker
-OTHERS_WEIGHT = 0.5
-_API_NAMES = frozenset(a.value for a in Api)
+OTHERS_WEIGHT: Final = 0.5
+_API_NAMES: Final = frozenset(a.value for a in Api)
 # Aliases users write in labels.
-_API_ALIASES = {"chat_completions": "chat", "completion": "completions", "message": "messages"}
+_API_ALIASES: Final = {
+    "chat_completions": "chat",
+    "completion": "completions",
+    "message": "messages",
+}
 
 
 class Worker:
@@ -230,7 +234,7 @@ class Tls:
     client_key: str | None = None
 
 
-_DEFAULT_TLS = Tls()
+_DEFAULT_TLS: Final = Tls()
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,9 +262,9 @@ def candidates_for(worker: Worker) -> tuple[Candidate, ...]:
 
 
 #: ``Fleet.derived`` entries for model names no worker names (clients choose them)
-DERIVED_BASE = 256
+DERIVED_BASE: Final = 256
 #: and per model name the workers name (an entry per API and role asked for it)
-DERIVED_PER_MODEL = 4
+DERIVED_PER_MODEL: Final = 4
 
 
 def derived_limit(workers: Iterable[Worker], learned: Mapping[str, frozenset[str]]) -> int:

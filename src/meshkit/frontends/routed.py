@@ -27,7 +27,7 @@ from meshkit.errors import ErrorShape, MeshError
 from meshkit.mesh import Mesh
 from meshkit.types import Headers
 from meshkit.upstream.base import AsyncExchange, AsyncUpstream, UpstreamFailure
-from meshkit.upstream.drive import Answered, Final, Relayed, drive_async
+from meshkit.upstream.drive import Answered, FlowEnd, Relayed, drive_async
 
 __all__ = ["Downstream", "Headers", "Routed", "error_reply"]
 
@@ -76,7 +76,7 @@ class Routed:
         self.started = False  # a response head was sent
         self.responded = False  # the last body byte was handed to the front end
         self.relay: Relay | None = None
-        self.final: Final[AsyncExchange] | None = None
+        self.final: FlowEnd[AsyncExchange] | None = None
 
     async def fail(self, exc: MeshError) -> None:
         """Answer a refusal, unless a response already started."""

@@ -26,7 +26,7 @@ forwarded is always rebuilt from the endpoint registry.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import quote, urlsplit
 
 from werkzeug.exceptions import ClientDisconnected, RequestEntityTooLarge
@@ -84,7 +84,7 @@ def _client_headers(environ: WSGIEnvironment) -> list[tuple[bytes, bytes]]:
 
 
 #: bodies are read in pieces of at most this size (never one buffer of the bound)
-_READ_SIZE = 64 * 1024
+_READ_SIZE: Final = 64 * 1024
 
 
 def _read_body(environ: WSGIEnvironment, limit: int) -> bytes:

@@ -18,7 +18,7 @@ wait for the pool (:meth:`PreparePool.run` or ``await`` :meth:`PreparePool.run_a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
@@ -42,13 +42,13 @@ if TYPE_CHECKING:
 __all__ = ["Preparer"]
 
 #: Idempotency-Key values longer than this are ignored (the lease table is bounded).
-_MAX_IDEMPOTENCY_KEY = 256
-_JSON = ((b"content-type", b"application/json"),)
-_TOKENIZE = Api.TOKENIZE
+_MAX_IDEMPOTENCY_KEY: Final = 256
+_JSON: Final = ((b"content-type", b"application/json"),)
+_TOKENIZE: Final = Api.TOKENIZE
 #: the APIs whose prompts are matched against KV events (SGLang's /generate by its ids)
-_KV_APIS = frozenset({Api.CHAT, Api.COMPLETIONS, Api.GENERATE})
+_KV_APIS: Final = frozenset({Api.CHAT, Api.COMPLETIONS, Api.GENERATE})
 #: request headers prepare reads (besides routing.session_header)
-_WANTED_HEADERS = (b"content-type", b"content-encoding", b"idempotency-key", b"x-mesh-wait")
+_WANTED_HEADERS: Final = (b"content-type", b"content-encoding", b"idempotency-key", b"x-mesh-wait")
 
 Job = Callable[[], RequestView | None]
 #: the values of the session, Idempotency-Key and x-mesh-wait headers (raw)

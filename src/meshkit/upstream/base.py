@@ -42,7 +42,7 @@ from __future__ import annotations
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from types import ModuleType, TracebackType
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, TypeVar
 
 from meshkit.core.forward import Failure
 from meshkit.errors import InvalidRequest
@@ -255,7 +255,10 @@ _INVALID = "invalid"
 
 # How the fast clients' wait for a response head ended (ints: compared on their
 # hot path); each but HEAD_OK is a key of _KINDS.
-HEAD_OK, HEAD_RESET, HEAD_TIMEOUT, HEAD_PROTOCOL = range(4)
+HEAD_OK: Final = 0
+HEAD_RESET: Final = 1
+HEAD_TIMEOUT: Final = 2
+HEAD_PROTOCOL: Final = 3
 
 #: what each failure is: by exception class name (the most specific in the MRO
 #: wins: ReadTimeout is a TimeoutException, PoolTimeout one too but listed), or

@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Final
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Failure
@@ -65,11 +66,11 @@ from meshkit.upstream.timeouts import ClientTimeout, connect_bound, silent
 __all__ = ["JOIN_LIMIT", "BlockingUpstream"]
 
 #: bytes asked of the socket per read
-READ_SIZE = 64 * 1024
+READ_SIZE: Final = 64 * 1024
 #: a body this long is sent after its head, not copied into one buffer with it
-JOIN_LIMIT = 64 * 1024
+JOIN_LIMIT: Final = 64 * 1024
 #: read_head: the head arrived, then bytes that are no body
-_BROKEN = -1
+_BROKEN: Final = -1
 
 
 class _Pool:

@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Generator, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from meshkit.core.credentials import served_headers
 from meshkit.core.forward import (
@@ -51,7 +51,7 @@ from meshkit.upstream.base import AsyncExchange, SyncExchange, UpstreamFailure
 __all__ = [
     "Answered",
     "AsyncExchange",
-    "Final",
+    "FlowEnd",
     "Relayed",
     "Steps",
     "SyncExchange",
@@ -71,16 +71,16 @@ Y = TypeVar("Y")
 S = TypeVar("S")
 
 # The operations (the first item of what steps yield; the second is the argument):
-SEND = 0  # an attempt -> its exchange (raises UpstreamFailure)
-READ = 1  # (exchange, limit) -> at most limit bytes of its body (raises UpstreamFailure)
-CLOSE = 2  # an exchange -> None
-WAIT = 3  # a Hold -> whether the worker became ready
-SLEEP = 4  # seconds -> None
-LEG = 5  # an attempt -> a handle on it running beside (sent, its body read whole)
-JOIN = 6  # a handle -> the leg's AttemptResult
-CANCEL = 7  # a handle -> None
-BODY = 8  # (a request body's chunks, limit) -> the body (413 past limit)
-PREPARE = 9  # (mesh, match, body, headers, query[, within_s]) -> the RequestView
+SEND: Final = 0  # an attempt -> its exchange (raises UpstreamFailure)
+READ: Final = 1  # (exchange, limit) -> at most limit bytes of its body (raises UpstreamFailure)
+CLOSE: Final = 2  # an exchange -> None
+WAIT: Final = 3  # a Hold -> whether the worker became ready
+SLEEP: Final = 4  # seconds -> None
+LEG: Final = 5  # an attempt -> a handle on it running beside (sent, its body read whole)
+JOIN: Final = 6  # a handle -> the leg's AttemptResult
+CANCEL: Final = 7  # a handle -> None
+BODY: Final = 8  # (a request body's chunks, limit) -> the body (413 past limit)
+PREPARE: Final = 9  # (mesh, match, body, headers, query[, within_s]) -> the RequestView
 
 Op = tuple[int, Any]
 Steps = Generator[Op, Any, T]
@@ -106,7 +106,7 @@ class Answered:
     local: LocalResponse
 
 
-Final = Relayed[X] | Answered
+FlowEnd = Relayed[X] | Answered
 
 
 class Ended(Generic[X]):
@@ -177,7 +177,7 @@ def leg_steps(attempt: Attempt) -> Steps[AttemptResult]:
     return result
 
 
-def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
+def flow_steps(flow: ForwardFlow) -> Steps[FlowEnd[Any]]:
     """Run ``flow`` to its end (see the module docstring)."""
     attempt: Attempt | None = None
     exchange: Any = None
@@ -236,7 +236,7 @@ def flow_steps(flow: ForwardFlow) -> Steps[Final[Any]]:
                 done = True
                 final: Attempt | LocalResponse = step.value
                 if isinstance(final, LocalResponse):
-                    answer: Final[Any] = Answered(None, final)
+                    answer: FlowEnd[Any] = Answered(None, final)
                 elif final.answer is not None:
                     answer = Answered(final, final.answer)  # the flow rewrote it
                 elif captured is not None:
@@ -387,13 +387,13 @@ def drive_sync(
     flow: ForwardFlow,
     send: Callable[[Attempt], SyncExchange],
     legs: Callable[[], Executor] | None = None,
-) -> Final[SyncExchange]:
+) -> FlowEnd[SyncExchange]:
     """Run ``flow`` to its end with a blocking ``send``."""
     return run_sync(flow_steps(flow), send, legs)
 
 
 def drive_async(
     flow: ForwardFlow, send: Callable[[Attempt], Awaitable[AsyncExchange]]
-) -> Awaitable[Final[AsyncExchange]]:
+) -> Awaitable[FlowEnd[AsyncExchange]]:
     """Run ``flow`` to its end with an async ``send`` (await it)."""
     return run_async(flow_steps(flow), send)

@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import socket
 from collections import deque
-from typing import cast
+from typing import Final, cast
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Failure
@@ -75,9 +75,10 @@ from meshkit.upstream.timeouts import ClientTimeout, connect_bound, silent
 
 __all__ = ["FastUpstream"]
 
-_NO_HEADERS: Headers = []
+_NO_HEADERS: Final[Headers] = []
 # Exchange._stalled: why a body failed for the worker's silence
-_OPERATOR, _CLIENT = 1, 2
+_OPERATOR: Final = 1
+_CLIENT: Final = 2
 
 
 class FastUpstream(AsyncUpstream):

@@ -56,7 +56,7 @@ import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 
@@ -78,7 +78,7 @@ def _spread_key(digest: bytes, cand: Candidate) -> bytes:
 
 
 #: running-conversation turns counted before judging whether others place them
-_DECIDE_AFTER = 4.0
+_DECIDE_AFTER: Final = 4.0
 
 
 def _digest(text: str) -> bytes:

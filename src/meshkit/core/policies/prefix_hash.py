@@ -118,6 +118,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 from mypy_extensions import mypyc_attr
 
@@ -137,9 +138,9 @@ from meshkit.errors import ConfigError
 __all__ = ["PrefixHash", "RingCache", "answers_after", "conversation_head"]
 
 #: characters at the end of a conversation's head hashed into its key
-_HEAD_TAIL = 512
-_USER = "\nuser\n"
-_ASSISTANT = "\nassistant\n"
+_HEAD_TAIL: Final = 512
+_USER: Final = "\nuser\n"
+_ASSISTANT: Final = "\nassistant\n"
 
 
 def answers_after(text: str, seen: int) -> int:

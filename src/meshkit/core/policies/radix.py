@@ -38,11 +38,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Collection
+from typing import Final
 
 __all__ = ["RadixTree"]
 
 #: one text holds at most 1/_ONE_TEXT of the tree's budget
-_ONE_TEXT = 2
+_ONE_TEXT: Final = 2
 
 
 class _Node:

@@ -41,6 +41,7 @@ import math
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Final
 
 from meshkit.core.workers import Candidate
 
@@ -54,11 +55,11 @@ __all__ = [
     "owner_points",
 ]
 
-_MASK64 = (1 << 64) - 1
-_MASK32 = (1 << 32) - 1
+_MASK64: Final = (1 << 64) - 1
+_MASK32: Final = (1 << 32) - 1
 
 #: ring points per owner unless configured (the module's docstring says why)
-DEFAULT_VIRTUAL_NODES = 1000
+DEFAULT_VIRTUAL_NODES: Final = 1000
 
 
 def hash_bytes(data: bytes) -> int:
@@ -92,7 +93,7 @@ def owner_points(key: str, count: int) -> list[int]:
 
 
 #: ``b"t:%d,%d,..."`` per id count (a policy hashes a fixed count: few entries)
-_ID_FORMATS: dict[int, bytes] = {}
+_ID_FORMATS: Final[dict[int, bytes]] = {}
 
 
 class HashRing:

@@ -56,7 +56,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from meshkit.core.policies.ring import HashRing
 
@@ -73,17 +73,17 @@ __all__ = [
 K = TypeVar("K", bound=Hashable)
 
 #: observations between two plans once the first ones are made
-REPLAN_EVERY = 128
+REPLAN_EVERY: Final = 128
 #: recent observations (decayed) at which every pooled conversation lies on its
 #: prefix's segment; under it, that part grows in proportion
-PACK_AFTER = 512.0
+PACK_AFTER: Final = 512.0
 #: prefixes below this fraction of the owner's cap are background, not planned
-_BACKGROUND = 0.125
-_MASK64 = (1 << 64) - 1
+_BACKGROUND: Final = 0.125
+_MASK64: Final = (1 << 64) - 1
 #: a third draw from a conversation point: on its prefix's segment or not
-_PACK_SALT = 0x5BD1E9955BD1E995
-_MASK53 = (1 << 53) - 1
-_TO_UNIT = 1.0 / (1 << 53)
+_PACK_SALT: Final = 0x5BD1E9955BD1E995
+_MASK53: Final = (1 << 53) - 1
+_TO_UNIT: Final = 1.0 / (1 << 53)
 
 
 class Decayed(Generic[K]):
@@ -147,7 +147,7 @@ class Decayed(Generic[K]):
 
 #: running-conversation turns over which a router judges whether it sees its
 #: conversations' turns itself (older ones count half, then a quarter...)
-_TURNS_WINDOW = 64.0
+_TURNS_WINDOW: Final = 64.0
 
 
 class OwnTurns:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import httptools
 from mypy_extensions import mypyc_attr
@@ -59,7 +59,7 @@ __all__ = ["H1Conn", "Request"]
 log = logging.getLogger("meshkit.server")
 access_log = logging.getLogger("meshkit.access")
 
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class Request:
