@@ -133,3 +133,66 @@ def test_a_compiled_wheel_is_platform_specific(monkeypatch: pytest.MonkeyPatch) 
     data = _build_data()
     _Hook().initialize("standard", data)
     assert data == {"pure_python": False, "infer_tag": True, "force_include": built}
+
+
+# Module-level names a compiled module rebinds on purpose or a test swaps:
+# they stay dict lookups. streams._decode: tests/core/test_streams.py counts
+# its calls by patching it.
+_NOT_FINAL = {("src/meshkit/core/streams.py", "_decode")}
+
+
+def _non_final_constants(path: str) -> list[str]:
+    """Module-level names bound once, read inside functions, and not ``Final``.
+
+    Type aliases and type variables are not constants (mypyc does not read them
+    at run time), nor are names a ``global`` statement rebinds.
+    """
+    import ast
+
+    tree = ast.parse((ROOT / path).read_text())
+    bound: dict[str, int] = {}
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if node.value is not None and "Final" not in ast.unparse(node.annotation):
+                bound[node.target.id] = bound.get(node.target.id, 0) + 1
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                names = target.elts if isinstance(target, ast.Tuple) else [target]
+                for name in names:
+                    if not isinstance(name, ast.Name):
+                        continue
+                    value = node.value
+                    # a type alias is CamelCase (Headers, _Serving); constants are not
+                    alias = name.id.lstrip("_")[:1].isupper() and not name.id.isupper()
+                    typevar = (
+                        isinstance(value, ast.Call)
+                        and isinstance(value.func, ast.Name)
+                        and value.func.id == "TypeVar"
+                    )
+                    if not (alias or typevar):
+                        bound[name.id] = bound.get(name.id, 0) + 1
+    rebound = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+    read = {
+        n.id
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    }
+    return sorted(
+        name
+        for name, times in bound.items()
+        if times == 1
+        and name in read
+        and name not in rebound
+        and not name.startswith("__")
+        and name not in ("log", "access_log")
+        and (path, name) not in _NOT_FINAL
+    )
+
+
+def test_compiled_modules_read_their_constants_as_final() -> None:
+    """A module constant without ``Final`` is a dict lookup in compiled code at
+    every read (``docs/architecture.md``, "Compiled and interpreted")."""
+    missing = {p: names for p in hatch_build.COMPILED if (names := _non_final_constants(p))}
+    assert missing == {}
