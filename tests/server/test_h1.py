@@ -403,6 +403,32 @@ def test_keep_alive_serves_many_requests_on_one_connection(gateway: Any) -> None
     assert_settled(mesh)
 
 
+def test_the_server_relays_without_asking_for_the_running_loop(
+    gateway: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server pins its upstream to its loop (``FastUpstream.pin``): a relayed
+    request does not call ``asyncio.get_running_loop()``, a getpid system call per
+    call on Python 3.11, on the server's thread."""
+    served, _, mesh = gateway(output_tokens=3)
+    server_thread = served.call(threading.get_ident)
+    asked: list[int] = []
+    real = asyncio.get_running_loop
+
+    def counting() -> asyncio.AbstractEventLoop:
+        asked.append(threading.get_ident())
+        return real()
+
+    monkeypatch.setattr(asyncio, "get_running_loop", counting)
+    raw = Raw(served.url)
+    for i in range(5):
+        raw.send(request("POST", PATH, chat(f"q{i}", stream=i % 2 == 1)))
+        r = raw.response()
+        assert r.status == 200 and tokens_in(r) == 3
+    raw.close()
+    assert server_thread not in asked
+    assert_settled(mesh)
+
+
 def test_one_task_answers_a_connection_in_turn_and_ends_with_it(gateway: Any) -> None:
     """A connection's requests, one after another or pipelined, run in one task
     that idles between them and ends with the connection: none is left behind."""
@@ -606,8 +632,11 @@ def test_http10_closes_unless_asked_to_keep_alive(gateway: Any) -> None:
 
 
 def test_a_stream_to_an_http10_client_is_close_delimited(gateway: Any) -> None:
+    """Whichever field asked an HTTP/1.0 connection to stay open (the server reads
+    the version only when a head has one), a stream is never chunked to it."""
     served, _, _ = gateway(output_tokens=5)
-    for headers in ((), (("Connection", "keep-alive"),)):
+    asks = ((), (("Connection", "keep-alive"),), (("Proxy-Connection", "keep-alive"),))
+    for headers in asks:
         raw = Raw(served.url)
         raw.send(request("POST", PATH, chat(stream=True), headers=headers, version="1.0"))
         r = raw.response()

@@ -345,3 +345,41 @@ def test_a_unix_socket_carries_every_request_whatever_the_host(
     assert [h.split(b"\r\n", 2)[:2] for h in seen] == [
         [b"GET /metrics HTTP/1.1", b"host: meshkit-peer"]
     ] * 2
+
+
+def test_a_pinned_upstream_does_not_ask_for_the_running_loop(
+    run: Callable[[Coroutine[Any, Any, Any]], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pin(loop)`` (the built-in server's): requests are sent on that loop without
+    ``asyncio.get_running_loop()`` (a getpid system call per call on 3.11); unpinned,
+    every request asks it. ``aclose`` drops the pin with the pools."""
+    asked: list[int] = []
+    real = asyncio.get_running_loop
+
+    def counting() -> asyncio.AbstractEventLoop:
+        asked.append(1)
+        return real()
+
+    async def main() -> None:
+        with RawServer() as srv:
+            url = srv.url + "/v1/completions"
+            monkeypatch.setattr(asyncio, "get_running_loop", counting)
+            up = FastUpstream(config())
+            try:
+                assert await collect(up, attempt(url, b"{}")) == (200, b"ok")
+                assert len(asked) == 1
+                up.pin(real())
+                for _ in range(3):
+                    assert await collect(up, attempt(url, b"{}")) == (200, b"ok")
+                assert len(asked) == 1
+            finally:
+                await up.aclose()
+            assert up._pinned is None
+            up2 = FastUpstream(config())
+            try:
+                assert await collect(up2, attempt(url, b"{}")) == (200, b"ok")
+                assert len(asked) == 2
+            finally:
+                await up2.aclose()
+
+    run(main())

@@ -84,7 +84,7 @@ _CLIENT: Final = 2
 class FastUpstream(AsyncUpstream):
     """Pooled keep-alive HTTP/1.1 client on asyncio protocols (see the module doc)."""
 
-    __slots__ = ("_fallback", "_hub", "_routes", "config", "uds")
+    __slots__ = ("_fallback", "_hub", "_pinned", "_routes", "config", "uds")
 
     def __init__(
         self,
@@ -99,14 +99,24 @@ class FastUpstream(AsyncUpstream):
         #: request URL -> (its origin's pool, or None for https; the request line)
         self._routes: dict[str, tuple[Pool | None, bytes]] = {}
         self._fallback = fallback
+        self._pinned: asyncio.AbstractEventLoop | None = None
+
+    def pin(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every later request comes from ``loop``: the built-in server pins the
+        upstream it owns to its loop. :meth:`asend` then does not ask which loop
+        runs, which on Python 3.11 is a ``getpid`` system call per request
+        (``asyncio.get_running_loop`` checks the process after a fork)."""
+        self._pinned = loop
 
     # -- the hot path ----------------------------------------------------------
 
     async def asend(self, request: Request) -> AsyncExchange:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # another async library's loop
-            return await self._other(request)
+        loop = self._pinned
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # another async library's loop
+                return await self._other(request)
         hub = self._hub
         if hub is None or hub.loop is not loop:
             hub = self._bind(loop)
@@ -154,6 +164,7 @@ class FastUpstream(AsyncUpstream):
     async def aclose(self) -> None:
         """Close every connection (pooled or busy) and the fallback."""
         hub, self._hub = self._hub, None
+        self._pinned = None
         self._routes.clear()
         if hub is not None:
             hub.close()

@@ -148,6 +148,9 @@ class H1Conn(asyncio.Protocol):
         self._raw_path = b""
         self._query = b""
         self._refused = False  # stop parsing: an answer and a close are on their way
+        # The head has a Connection (or Proxy-Connection) field: only then may a
+        # request that keeps the connection be HTTP/1.0 (on_message_complete).
+        self._connection_field = False
         # The request being parsed asked for a 100 while another ran: it is sent
         # when the connection turns idle (its client waits for it to send the body).
         self._continue = False
@@ -278,6 +281,7 @@ class H1Conn(asyncio.Protocol):
         self._body = []
         self._body_size = 0
         self._match = None
+        self._connection_field = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -336,6 +340,8 @@ class H1Conn(asyncio.Protocol):
                     raise _Refused(RequestTooLarge(f"request body is over {self.max_body} bytes"))
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect = True
+            elif name == b"connection" or name == b"proxy-connection":
+                self._connection_field = True
         if expect and self.transport is not None:
             if not self.queue and self.task is None:
                 self.transport.write(_CONTINUE)
@@ -378,6 +384,12 @@ class H1Conn(asyncio.Protocol):
         parts = self._body
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         parser = self.parser
+        keep_alive = parser.should_keep_alive()
+        # llhttp keeps an HTTP/1.0 connection only when a Connection or
+        # Proxy-Connection field asks to: without one, a kept connection is
+        # HTTP/1.1 and its version need not be asked (get_http_version formats a
+        # str: ~1.5 % of a proxied request's CPU).
+        http11 = (keep_alive and not self._connection_field) or parser.get_http_version() == "1.1"
         req = Request(
             method=self._method,
             path=self._path,
@@ -385,8 +397,8 @@ class H1Conn(asyncio.Protocol):
             query=self._query,
             headers=self._headers,
             body=body,
-            http11=parser.get_http_version() == "1.1",
-            keep_alive=parser.should_keep_alive(),
+            http11=http11,
+            keep_alive=keep_alive,
             match=self._match,
         )
         self._body = []

@@ -30,6 +30,7 @@ from meshkit.frontends.asgi import MeshMiddleware
 from meshkit.server.h1.acceptor import Acceptor, Sharing
 from meshkit.server.h1.bridge import run_asgi
 from meshkit.server.h1.conn import H1Conn, Request
+from meshkit.upstream.fast import FastUpstream
 
 __all__ = ["H1Server"]
 
@@ -73,6 +74,8 @@ class H1Server:
 
     async def start(self, sock: socket.socket) -> None:
         self.loop = asyncio.get_running_loop()
+        if isinstance(self.upstream, FastUpstream):
+            self.upstream.pin(self.loop)  # this server's loop sends all it relays
         if self.sharing is not None and self._acceptor is None:
             self._acceptor = Acceptor(self.loop, sock, lambda: H1Conn(self), self.sharing)
         else:
