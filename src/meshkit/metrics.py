@@ -55,6 +55,8 @@ _LATENCY: Final[Sequence[float]] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 _PD_LATENCY: Final = tuple(_LATENCY[:-1])
+#: a C static per request, not the ``bisect`` module then its attribute
+_slot_of: Final = bisect.bisect_left
 # A batch is applied within a millisecond on an idle router; tens of milliseconds
 # are as long as a short request, seconds a subscriber that fell behind.
 _KV_AGE: Final = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -100,7 +102,7 @@ class RequestSeries:
     ) -> None:
         """One response ended (or was cut): count it, time it, add its usage."""
         key = (api, status)
-        slot = bisect.bisect_left(_LATENCY, duration)
+        slot = _slot_of(_LATENCY, duration)
         with self._lock:
             self._requests[key] = self._requests.get(key, 0) + 1
             h = self._duration.get(api)
@@ -112,7 +114,7 @@ class RequestSeries:
                 t = self._ttft.get(api)
                 if t is None:
                     t = self._ttft[api] = _Hist()
-                t.buckets[bisect.bisect_left(_LATENCY, ttft)] += 1
+                t.buckets[_slot_of(_LATENCY, ttft)] += 1
                 t.sum += ttft
             if tokens is not None:
                 self._input += tokens[0]
