@@ -142,7 +142,8 @@ _NOT_FINAL = {("src/meshkit/core/streams.py", "_decode")}
 
 
 def _non_final_constants(path: str) -> list[str]:
-    """Module-level names bound once, read inside functions, and not ``Final``.
+    """Module-level names bound once, read inside functions (or public and
+    upper-case: other compiled modules import them), and not ``Final``.
 
     Type aliases and type variables are not constants (mypyc does not read them
     at run time), nor are names a ``global`` statement rebinds.
@@ -183,7 +184,7 @@ def _non_final_constants(path: str) -> list[str]:
         name
         for name, times in bound.items()
         if times == 1
-        and name in read
+        and (name in read or (name.isupper() and not name.startswith("_")))
         and name not in rebound
         and not name.startswith("__")
         and name not in ("log", "access_log")

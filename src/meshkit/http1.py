@@ -148,7 +148,7 @@ def http_origin(url: str) -> tuple[str, str, int, bytes] | None:
 
 #: what :meth:`ResponseParser.feed` raises on bytes that are not an HTTP/1.1 response
 #: (a 101 is an upgrade error: nothing meshkit sends asks to switch protocols)
-PARSE_ERRORS = (httptools.HttpParserError, httptools.HttpParserUpgrade)
+PARSE_ERRORS: Final = (httptools.HttpParserError, httptools.HttpParserUpgrade)
 
 _FRAMING: Final = (b"content-length", b"transfer-encoding")
 
@@ -246,7 +246,7 @@ class ResponseParser:
 # -- responses, written ------------------------------------------------------------------
 
 _STATUS: Final[dict[int, bytes]] = {}
-LAST_CHUNK = b"0\r\n\r\n"
+LAST_CHUNK: Final = b"0\r\n\r\n"
 
 
 def status_line(status: int) -> bytes:

@@ -155,7 +155,7 @@ def _ep(
     )
 
 
-ENDPOINTS: tuple[Endpoint, ...] = (
+ENDPOINTS: Final[tuple[Endpoint, ...]] = (
     _ep("chat", Api.CHAT, Op.CREATE, "POST", "/v1/chat/completions", StreamFormat.OPENAI),
     _ep("completions", Api.COMPLETIONS, Op.CREATE, "POST", "/v1/completions", StreamFormat.OPENAI),
     _ep(
