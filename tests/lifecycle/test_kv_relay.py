@@ -661,10 +661,21 @@ class RelayProcess:
     def __init__(self, config: Path) -> None:
         import socket
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        started = start_kv_relay(["--config", str(config), "--metrics-port", str(self.port)])
+        for attempt in range(3):
+            # A port free when asked may be taken before the relay binds it (its
+            # own "tcp://127.0.0.1:*" socket draws from the same ephemeral range):
+            # the relay then exits, refused, and another port is tried.
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = int(s.getsockname()[1])
+            try:
+                started = start_kv_relay(
+                    ["--config", str(config), "--metrics-port", str(self.port)]
+                )
+                break
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == 2:
+                    raise
         self.proc = started.proc
         #: where routers subscribe, and where they ask replays ("" without)
         self.endpoint, self.replay_endpoint = started.endpoint, started.replay_endpoint
