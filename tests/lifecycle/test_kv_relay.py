@@ -25,7 +25,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from conformance.test_kv_routing import TOKENIZER, TOPICS, first_turn, publishing_fleet  # noqa: E402
-from harness import MODE_CLASSES  # noqa: E402
+from harness import MODE_CLASSES, reusable_port  # noqa: E402
 from lifecycle.test_kv_subscriber import URL, Publisher, until  # noqa: E402
 from meshkit import Mesh  # noqa: E402
 from meshkit.config import KvConfig, KvRelayConfig  # noqa: E402
@@ -659,23 +659,11 @@ class RelayProcess:
     """``meshkit kv-relay --config <path>`` with its metrics on a free port."""
 
     def __init__(self, config: Path) -> None:
-        import socket
-
-        for attempt in range(3):
-            # A port free when asked may be taken before the relay binds it (its
-            # own "tcp://127.0.0.1:*" socket draws from the same ephemeral range):
-            # the relay then exits, refused, and another port is tried.
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                self.port = int(s.getsockname()[1])
-            try:
-                started = start_kv_relay(
-                    ["--config", str(config), "--metrics-port", str(self.port)]
-                )
-                break
-            except RuntimeError as exc:
-                if "Address already in use" not in str(exc) or attempt == 2:
-                    raise
+        # Below the ephemeral range: a free ephemeral port may be taken before the
+        # relay binds it, by the relay's own "tcp://127.0.0.1:*" socket (CI saw
+        # "Address already in use").
+        self.port = reusable_port()
+        started = start_kv_relay(["--config", str(config), "--metrics-port", str(self.port)])
         self.proc = started.proc
         #: where routers subscribe, and where they ask replays ("" without)
         self.endpoint, self.replay_endpoint = started.endpoint, started.replay_endpoint
