@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -118,6 +119,45 @@ class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
         build_data["force_include"].update(built)
 
 
+#: compiler and linker flags that make the compiled modules call each other
+#: directly (see :func:`local_calls`)
+LOCAL_CALLS = (["-fno-semantic-interposition", "-fno-plt"], ["-Wl,-Bsymbolic-functions"])
+
+
+def local_calls() -> tuple[list[str], list[str]]:
+    """:data:`LOCAL_CALLS` where the platform's C compiler takes them, else none.
+
+    ``multi_file`` puts each module in its own C file of one shared library, and
+    every ``CPyDef_`` function is exported from it: built as is, a call from one
+    module to another (or into mypyc's runtime) jumps through the library's PLT,
+    as if another library could replace the function. ``-Bsymbolic-functions``
+    binds those calls inside the library, ``-fno-semantic-interposition`` lets
+    the compiler inline within a file, and ``-fno-plt`` calls libpython through
+    the GOT without a PLT stub. On the one-client gateway request (callgrind's
+    cache simulation, ``benchmarks/RESULTS.md``): 8 % fewer instruction-cache
+    misses, 7 % fewer data-cache read misses, 17 % fewer mispredicted indirect
+    branches. ELF linkers only (GNU ld, gold, lld); a compiler that refuses the
+    flags builds without them.
+    """
+    if not sys.platform.startswith("linux"):
+        return [], []
+    compile_args, link_args = LOCAL_CALLS
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "probe.c")
+        src.write_text("int meshkit_probe(void) { return 0; }\n")
+        out = str(Path(tmp, "probe.so"))
+        args = [*cc, "-fPIC", "-shared", *compile_args, *link_args, str(src), "-o", out]
+        try:
+            # the interpreter's configured compiler, the one build_ext runs
+            probe = subprocess.run(args, capture_output=True, timeout=60, check=False)  # noqa: S603
+        except (OSError, subprocess.SubprocessError):
+            return [], []
+    if probe.returncode != 0:
+        return [], []
+    return list(compile_args), list(link_args)
+
+
 def _compile(root: Path) -> dict[str, str]:
     """Compile :data:`COMPILED`; the extension files as ``{built path: wheel path}``."""
     from mypyc.build import mypycify
@@ -137,6 +177,10 @@ def _compile(root: Path) -> dict[str, str]:
             target_dir=str(out / "c"),
             group_name=GROUP,
         )
+        compile_args, link_args = local_calls()
+        for ext in extensions:
+            ext.extra_compile_args += compile_args
+            ext.extra_link_args += link_args
         dist = Distribution({"ext_modules": extensions, "package_dir": {"": "src"}})
         cmd = build_ext(dist)
         cmd.build_lib = str(out / "lib")

@@ -12,6 +12,8 @@ import importlib.machinery
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -133,6 +135,49 @@ def test_a_compiled_wheel_is_platform_specific(monkeypatch: pytest.MonkeyPatch) 
     data = _build_data()
     _Hook().initialize("standard", data)
     assert data == {"pure_python": False, "infer_tag": True, "force_include": built}
+
+
+def test_the_flags_for_local_calls_are_probed(monkeypatch: pytest.MonkeyPatch) -> None:
+    if sys.platform.startswith("linux") and shutil.which("cc"):
+        monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "cc")
+        assert hatch_build.local_calls() == tuple(map(list, hatch_build.LOCAL_CALLS))
+    # a compiler that refuses them (here: one that refuses everything) builds without
+    monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "false")
+    assert hatch_build.local_calls() == ([], [])
+    monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "/no/such/cc")
+    assert hatch_build.local_calls() == ([], [])
+    monkeypatch.setattr(hatch_build.sys, "platform", "darwin")
+    assert hatch_build.local_calls() == ([], [])
+
+
+def _elf_table(lib: str, option: str) -> list[list[str]]:
+    out = subprocess.run(["readelf", "-W", option, lib], capture_output=True, text=True, check=True)
+    return [line.split() for line in out.stdout.splitlines()]
+
+
+def test_the_compiled_modules_call_each_other_directly() -> None:
+    """No call from one compiled module to another goes through the PLT
+    (``hatch_build.local_calls``: what a one-client request's misses owe to it)."""
+    if not meshkit.compiled() or not sys.platform.startswith("linux"):
+        pytest.skip("a compiled build on Linux")
+    if shutil.which("readelf") is None or not hatch_build.local_calls()[0]:
+        pytest.skip("readelf, and a compiler that takes the flags")
+    spec = importlib.util.find_spec(f"{hatch_build.GROUP}__mypyc")
+    assert spec is not None and spec.origin is not None
+    # readelf --dyn-syms: Num Value Size Type Bind Vis Ndx Name
+    defined = {
+        row[7].split("@")[0]
+        for row in _elf_table(spec.origin, "--dyn-syms")
+        if len(row) >= 8 and row[3] == "FUNC" and row[6] != "UND"
+    }
+    assert any(name.startswith("CPyDef_") for name in defined)
+    # readelf --relocs: Offset Info Type Symbol-value Symbol-name + Addend
+    through_plt = {
+        row[4].split("@")[0]
+        for row in _elf_table(spec.origin, "--relocs")
+        if len(row) >= 5 and row[2].endswith("JUMP_SLOT")
+    }
+    assert not through_plt & defined, sorted(through_plt & defined)[:5]
 
 
 # Module-level names a compiled module rebinds on purpose or a test swaps:
