@@ -30,6 +30,7 @@ from werkzeug.serving import make_server
 
 from meshkit import AsyncMeshTransport, Mesh, MeshMiddleware, MeshTransport, MeshWSGIMiddleware
 from meshkit.server.runner import GatewayThread
+from upstreams import free_port
 
 
 def _extproc_available() -> bool:
@@ -61,12 +62,6 @@ class Reply:
         import json
 
         return json.loads(self.body)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def reusable_port() -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from harness import wait_until
+from harness import reusable_port, wait_until
 from meshkit import Mesh
 from meshkit import config as config_module
 
@@ -46,14 +45,8 @@ def test_client_sdk_examples(script: str, expected: list[str]) -> None:
         assert text in p.stdout
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_fastapi_example() -> None:
-    port = free_port()
+    port = reusable_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLES / "fastapi_app" / "app.py"), "--port", str(port)],

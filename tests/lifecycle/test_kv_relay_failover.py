@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ from meshkit import Mesh  # noqa: E402
 from meshkit.config import KvConfig  # noqa: E402
 from meshkit.core.workers import Worker  # noqa: E402
 from meshkit.lifecycle.kv_relay import KvRelay  # noqa: E402
+from upstreams import free_port  # noqa: E402
 
 __all__ = ["publisher", "relayed"]  # the fixtures, found by name
 
@@ -108,12 +108,6 @@ def two_relays(
         mesh = router(pub.endpoint, [a.endpoint, b.endpoint], at)
         store_until(mesh, pub, 2)
         yield a, b, mesh
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_router_moves_to_the_next_relay_when_its_relay_goes_and_keeps_its_entries(
