@@ -142,14 +142,15 @@ def local_calls() -> tuple[list[str], list[str]]:
     if not sys.platform.startswith("linux"):
         return [], []
     compile_args, link_args = LOCAL_CALLS
-    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    # build_ext runs $CC when set (distutils.sysconfig.customize_compiler), else the
+    # compiler the interpreter was configured with
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "probe.c")
         src.write_text("int meshkit_probe(void) { return 0; }\n")
         out = str(Path(tmp, "probe.so"))
         args = [*cc, "-fPIC", "-shared", *compile_args, *link_args, str(src), "-o", out]
         try:
-            # the interpreter's configured compiler, the one build_ext runs
             probe = subprocess.run(args, capture_output=True, timeout=60, check=False)  # noqa: S603
         except (OSError, subprocess.SubprocessError):
             return [], []

@@ -138,6 +138,7 @@ def test_a_compiled_wheel_is_platform_specific(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_flags_for_local_calls_are_probed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CC", raising=False)
     if sys.platform.startswith("linux") and shutil.which("cc"):
         monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "cc")
         assert hatch_build.local_calls() == tuple(map(list, hatch_build.LOCAL_CALLS))
@@ -145,6 +146,10 @@ def test_the_flags_for_local_calls_are_probed(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "false")
     assert hatch_build.local_calls() == ([], [])
     monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "/no/such/cc")
+    assert hatch_build.local_calls() == ([], [])
+    # $CC, which build_ext runs instead when it is set, is the one asked
+    monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "cc")
+    monkeypatch.setenv("CC", "false")
     assert hatch_build.local_calls() == ([], [])
     monkeypatch.setattr(hatch_build.sys, "platform", "darwin")
     assert hatch_build.local_calls() == ([], [])
