@@ -121,7 +121,7 @@ class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
 
 #: compiler and linker flags that make the compiled modules call each other
 #: directly (see :func:`local_calls`)
-LOCAL_CALLS = (["-fno-semantic-interposition", "-fno-plt"], ["-Wl,-Bsymbolic-functions"])
+LOCAL_CALLS = (("-fno-semantic-interposition", "-fno-plt"), ("-Wl,-Bsymbolic-functions",))
 
 
 def local_calls() -> tuple[list[str], list[str]]:
