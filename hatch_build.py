@@ -17,7 +17,10 @@ is what puts the gateway level with vllm-router's CPU per request there.
   failed compilation an error. Unset (the default), a compilation that fails (no C
   compiler, an interpreter mypyc does not support) warns and builds the pure wheel:
   meshkit behaves the same either way, only slower.
-* ``meshkit.compiled()`` says which build runs.
+* ``meshkit.compiled()`` says which build runs; a compiled wheel records the flags
+  its build took in :data:`BUILD_RECORD`.
+* ``MESHKIT_COMPILE_OPT`` is the C optimisation level (default 3; ``-O2`` and a
+  profile-guided build measured no better, ``benchmarks/RESULTS.md``).
 
 Only modules whose classes and functions mypyc compiles faithfully are listed: a
 module that defines msgspec ``Struct`` types, runtime-checkable protocols, or
@@ -43,6 +46,7 @@ What costs a compiled module more than it looks (found with callgrind, see
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -99,15 +103,21 @@ GROUP = "meshkit"
 class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
     PLUGIN_NAME = "custom"
 
+    #: where this build's C sources, objects and extension files are (until
+    #: :meth:`finalize`: the wheel holds copies of what it needs)
+    build_dir: Path | None = None
+
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         if self.target_name != "wheel" or version == "editable":
             return
         wanted = os.environ.get("MESHKIT_COMPILE", "")
         if wanted == "0":
             return
+        self.build_dir = Path(tempfile.mkdtemp(prefix="meshkit-mypyc-"))
         try:
-            built = _compile(Path(self.root))
+            built = _compile(Path(self.root), self.build_dir)
         except Exception as exc:
+            self._remove_build_dir()
             if wanted == "1":
                 raise
             warnings.warn(
@@ -117,6 +127,15 @@ class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
         build_data["force_include"].update(built)
+
+    def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
+        # ~40 MB of C and objects per build, which nothing reads once the wheel is written
+        self._remove_build_dir()
+
+    def _remove_build_dir(self) -> None:
+        if self.build_dir is not None:
+            shutil.rmtree(self.build_dir, ignore_errors=True)
+            self.build_dir = None
 
 
 #: compiler and linker flags that make the compiled modules call each other
@@ -159,13 +178,27 @@ def local_calls() -> tuple[list[str], list[str]]:
     return list(compile_args), list(link_args)
 
 
-def _compile(root: Path) -> dict[str, str]:
-    """Compile :data:`COMPILED`; the extension files as ``{built path: wheel path}``."""
+def add_flags(extensions: list[Any], compile_args: list[str], link_args: list[str]) -> None:
+    """Append the flags to each extension's own lists (mypycify hands every
+    extension one shared list: ``+=`` on it would repeat the flags per extension)."""
+    for ext in extensions:
+        ext.extra_compile_args = [*ext.extra_compile_args, *compile_args]
+        ext.extra_link_args = [*ext.extra_link_args, *link_args]
+
+
+#: where a compiled wheel records how it was built (for a bug report, and for
+#: tests that must know which flags the installed build took)
+BUILD_RECORD = "meshkit/_build.json"
+
+
+def _compile(root: Path, out: Path) -> dict[str, str]:
+    """Compile :data:`COMPILED` in ``out``; the files for the wheel as ``{built
+    path: wheel path}``: the extension files and :data:`BUILD_RECORD`."""
     from mypyc.build import mypycify
     from setuptools import Distribution
     from setuptools.command.build_ext import build_ext
 
-    out = Path(tempfile.mkdtemp(prefix="meshkit-mypyc-"))
+    opt_level = os.environ.get("MESHKIT_COMPILE_OPT", "3")
     cwd = os.getcwd()
     os.chdir(root)  # mypy reads [tool.mypy] from pyproject.toml here
     try:
@@ -173,15 +206,13 @@ def _compile(root: Path) -> dict[str, str]:
             # the optional extras (uvloop, pyzmq, grpc...) may be absent where the
             # wheel is built: what mypy cannot find it reads as Any
             ["--ignore-missing-imports", *COMPILED],
-            opt_level=os.environ.get("MESHKIT_COMPILE_OPT", "3"),
+            opt_level=opt_level,
             multi_file=True,  # several C files: built in parallel
             target_dir=str(out / "c"),
             group_name=GROUP,
         )
         compile_args, link_args = local_calls()
-        for ext in extensions:
-            ext.extra_compile_args += compile_args
-            ext.extra_link_args += link_args
+        add_flags(extensions, compile_args, link_args)
         dist = Distribution({"ext_modules": extensions, "package_dir": {"": "src"}})
         cmd = build_ext(dist)
         cmd.build_lib = str(out / "lib")
@@ -196,7 +227,10 @@ def _compile(root: Path) -> dict[str, str]:
     built = {str(p): str(p.relative_to(lib)) for p in lib.rglob(f"*{suffix}")}
     expected = len(COMPILED) + 1  # and the shared runtime
     if len(built) != expected:
-        shutil.rmtree(out, ignore_errors=True)
         raise RuntimeError(f"mypyc built {len(built)} extension files, expected {expected}")
+    record = out / "build.json"
+    flags = {"opt_level": opt_level, "compile_args": compile_args, "link_args": link_args}
+    record.write_text(json.dumps(flags, indent=1) + "\n")
+    built[str(record)] = BUILD_RECORD
     print(f"meshkit: compiled {len(COMPILED)} modules with mypyc", file=sys.stderr)
     return built

@@ -9,7 +9,9 @@ fails here instead of passing unnoticed.
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.resources
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -95,7 +97,7 @@ def _build_data() -> dict[str, Any]:
 
 def test_an_editable_install_is_never_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     called: list[Path] = []
-    monkeypatch.setattr(hatch_build, "_compile", lambda root: called.append(root) or {})
+    monkeypatch.setattr(hatch_build, "_compile", lambda root, out: called.append(root) or {})
     monkeypatch.setenv("MESHKIT_COMPILE", "1")
     data = _build_data()
     _Hook().initialize("editable", data)
@@ -105,20 +107,22 @@ def test_an_editable_install_is_never_compiled(monkeypatch: pytest.MonkeyPatch) 
 
 def test_compile_0_builds_the_pure_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
     called: list[Path] = []
-    monkeypatch.setattr(hatch_build, "_compile", lambda root: called.append(root) or {})
+    monkeypatch.setattr(hatch_build, "_compile", lambda root, out: called.append(root) or {})
     monkeypatch.setenv("MESHKIT_COMPILE", "0")
     data = _build_data()
     _Hook().initialize("standard", data)
     assert called == [] and data == _build_data()
 
 
-def _failing(root: Path) -> dict[str, str]:
+def _failing(root: Path, out: Path) -> dict[str, str]:
+    (out / "half-built.c").write_text("")
     raise RuntimeError("no C compiler")
 
 
 def test_a_failed_compilation_falls_back_unless_required(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hatch_build, "_compile", _failing)
     monkeypatch.delenv("MESHKIT_COMPILE", raising=False)
+    made = _build_dirs(monkeypatch)
     data = _build_data()
     with pytest.warns(UserWarning, match="pure-Python wheel"):
         _Hook().initialize("standard", data)
@@ -126,15 +130,65 @@ def test_a_failed_compilation_falls_back_unless_required(monkeypatch: pytest.Mon
     monkeypatch.setenv("MESHKIT_COMPILE", "1")
     with pytest.raises(RuntimeError, match="no C compiler"):
         _Hook().initialize("standard", _build_data())
+    # what the failed builds left is gone, either way
+    assert len(made) == 2 and not any(p.exists() for p in made)
+
+
+def _build_dirs(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Record the build directories the hook makes."""
+    made: list[Path] = []
+    mkdtemp = hatch_build.tempfile.mkdtemp
+
+    def recorded(prefix: str) -> str:
+        made.append(Path(mkdtemp(prefix=prefix)))
+        return str(made[-1])
+
+    monkeypatch.setattr(hatch_build.tempfile, "mkdtemp", recorded)
+    return made
+
+
+def test_the_build_directory_goes_once_the_wheel_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def compiled(root: Path, out: Path) -> dict[str, str]:
+        (out / "lib").mkdir()
+        so = out / "lib" / "router.so"
+        so.write_bytes(b"\x7fELF")
+        return {str(so): "meshkit/router.so"}
+
+    monkeypatch.setattr(hatch_build, "_compile", compiled)
+    monkeypatch.delenv("MESHKIT_COMPILE", raising=False)
+    made = _build_dirs(monkeypatch)
+    hook, data = _Hook(), _build_data()
+    hook.initialize("standard", data)
+    # the wheel is written from these paths: they must last until finalize
+    assert all(Path(p).is_file() for p in data["force_include"])
+    hook.finalize("standard", data, "dist/meshkit.whl")
+    assert len(made) == 1 and not made[0].exists()
+    hook.finalize("standard", data, "dist/meshkit.whl")  # twice is harmless
+
+
+def test_each_extension_gets_the_flags_once() -> None:
+    from setuptools import Extension
+
+    shared = ["-O3"]  # mypycify hands every extension this same list
+    exts = [Extension(name, ["a.c"], extra_compile_args=shared) for name in ("a", "b", "c")]
+    for ext in exts:
+        ext.extra_link_args = shared
+    hatch_build.add_flags(exts, ["-fno-plt"], ["-Wl,-Bsymbolic-functions"])
+    assert [e.extra_compile_args for e in exts] == [["-O3", "-fno-plt"]] * 3
+    assert [e.extra_link_args for e in exts] == [["-O3", "-Wl,-Bsymbolic-functions"]] * 3
+    assert shared == ["-O3"]
 
 
 def test_a_compiled_wheel_is_platform_specific(monkeypatch: pytest.MonkeyPatch) -> None:
     built = {"/tmp/x/meshkit/router.so": "meshkit/router.so"}
-    monkeypatch.setattr(hatch_build, "_compile", lambda root: built)
+    monkeypatch.setattr(hatch_build, "_compile", lambda root, out: built)
     monkeypatch.delenv("MESHKIT_COMPILE", raising=False)
-    data = _build_data()
-    _Hook().initialize("standard", data)
+    hook, data = _Hook(), _build_data()
+    hook.initialize("standard", data)
     assert data == {"pure_python": False, "infer_tag": True, "force_include": built}
+    hook.finalize("standard", data, "dist/meshkit.whl")
 
 
 def test_the_flags_for_local_calls_are_probed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,13 +214,38 @@ def _elf_table(lib: str, option: str) -> list[list[str]]:
     return [line.split() for line in out.stdout.splitlines()]
 
 
+def _recorded_build() -> dict[str, Any]:
+    """How the installed compiled build was built (``hatch_build.BUILD_RECORD``)."""
+    package, name = hatch_build.BUILD_RECORD.split("/")
+    record: dict[str, Any] = json.loads(
+        importlib.resources.files(package).joinpath(name).read_text()
+    )
+    return record
+
+
+def test_a_compiled_build_records_its_flags() -> None:
+    if not meshkit.compiled():
+        assert not importlib.resources.files("meshkit").joinpath("_build.json").is_file()
+        return
+    record = _recorded_build()
+    assert set(record) == {"opt_level", "compile_args", "link_args"}
+    # the flags for local calls, all or none (local_calls probes them as one set)
+    compile_args, link_args = hatch_build.LOCAL_CALLS
+    assert (record["compile_args"], record["link_args"]) in [
+        (list(compile_args), list(link_args)),
+        ([], []),
+    ]
+
+
 def test_the_compiled_modules_call_each_other_directly() -> None:
     """No call from one compiled module to another goes through the PLT
     (``hatch_build.local_calls``: what a one-client request's misses owe to it)."""
     if not meshkit.compiled() or not sys.platform.startswith("linux"):
         pytest.skip("a compiled build on Linux")
-    if shutil.which("readelf") is None or not hatch_build.local_calls()[0]:
-        pytest.skip("readelf, and a compiler that takes the flags")
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf")
+    if not _recorded_build()["link_args"]:
+        pytest.skip("this build's compiler refused the flags (its record says so)")
     spec = importlib.util.find_spec(f"{hatch_build.GROUP}__mypyc")
     assert spec is not None and spec.origin is not None
     # readelf --dyn-syms: Num Value Size Type Bind Vis Ndx Name
