@@ -30,7 +30,7 @@ from werkzeug.serving import make_server
 
 from meshkit import AsyncMeshTransport, Mesh, MeshMiddleware, MeshTransport, MeshWSGIMiddleware
 from meshkit.server.runner import GatewayThread
-from upstreams import free_port
+from meshkit.testing.ports import free_port
 
 
 def _extproc_available() -> bool:

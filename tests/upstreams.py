@@ -86,12 +86,6 @@ CHUNKED_SSE = (
 CHUNKED_SSE_BODY = b'data: a\n\ndata: {"k": "\xc3\xa9\xe2\x82\xac"}\n\ndata: [DONE]\n\n'
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def normal(body: bytes) -> bytes:
     """Without what the mock worker makes anew per request (ids, creation times)."""
     body = re.sub(rb"(chatcmpl|cmpl|resp|msg)[-_][\w-]+", rb"ID", body)

