@@ -60,6 +60,9 @@ class _Exchange:
     def read(self, limit: int) -> bytes:
         return self.answer
 
+    def whole(self) -> bytes | None:
+        return None  # SyncExchange's "cannot know" (drive_sync and account never ask)
+
     def close(self) -> None:
         pass
 

@@ -301,8 +301,13 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = plain_bootstrap(listen, admin, workers)
             else:
                 req, resp = _BODY_MODES[mode]
-                ports = {"listen_port": listen, "extproc_port": xport, "admin_port": admin}
-                cfg = bootstrap(**ports, request_body_mode=req, response_body_mode=resp)
+                cfg = bootstrap(
+                    listen_port=listen,
+                    extproc_port=xport,
+                    admin_port=admin,
+                    request_body_mode=req,
+                    response_body_mode=resp,
+                )
             envoys[mode] = start_envoy(mode, cfg, pin0, logdir)
             procs.append(envoys[mode])
             urls[mode] = f"http://127.0.0.1:{listen}"

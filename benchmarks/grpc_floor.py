@@ -26,6 +26,7 @@ import queue
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 SERVER = """
@@ -58,7 +59,7 @@ def stream(stub: object, pb: object, n: int) -> None:
     """One stream of ``n`` exchanges, each message sent after the last answer."""
     answered: queue.SimpleQueue[None] = queue.SimpleQueue()
 
-    def messages():  # type: ignore[no-untyped-def]
+    def messages() -> Iterator[object]:
         for i in range(n):
             if i:
                 answered.get(timeout=30)  # never hang on a lost answer

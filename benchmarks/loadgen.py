@@ -224,7 +224,7 @@ async def _client(gen: _Gen, target: _Target, index: int, stop: asyncio.Event) -
                 gen.errors += 1
             await asyncio.sleep(0.05)
             continue
-        waiter = asyncio.ensure_future(stop.wait())
+        waiter: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
         await asyncio.wait([conn.lost, waiter], return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         if stop.is_set():

@@ -89,7 +89,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +184,7 @@ def zipf(n: int, s: float = 1.1) -> list[float]:
 
 def chats(
     rng: random.Random, text: Text, models: Callable[[], str], *, short: bool = False
-) -> Iterator[tuple[bytes, int]]:
+) -> Generator[tuple[bytes, int], None, None]:
     """Chat bodies and the new characters each offers (see the module documentation).
 
     64 conversations run at once; each turn carries the history (system prompt, the
@@ -793,7 +793,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     try:
         for name in names:
-            params = {k: v for k, v in vars(args).items() if isinstance(v, int | float | str)}
+            params: dict[str, int | float | str | None] = {
+                k: v for k, v in vars(args).items() if isinstance(v, int | float | str)
+            }
             params.update(name=name, snapshot=snapshot)
             r: dict[str, Any] = {}
             for trace in (False,) if args.no_trace else (False, True):

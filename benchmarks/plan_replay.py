@@ -42,7 +42,7 @@ def replay(rows: Sequence[dict[str, Any]]) -> tuple[Counter[int], Counter[int], 
     t0 = rows[0]["t_send"] if rows else 0.0
     follow, moved_run, moved_plan = Counter[int](), Counter[int](), Counter[int]()
     last_run: dict[int, str] = {}
-    last_plan: dict[int, str] = {}
+    last_plan: dict[int, str | None] = {}
     for r in rows:
         tenant, conv, now = r["tenant"], r["conv"], r["t_send"] - t0
         point = hash_bytes(b"tenant:%d" % tenant)

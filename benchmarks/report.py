@@ -277,7 +277,10 @@ def targets(data: dict[str, Any]) -> list[str]:
     tok_pts = ratio(res, MESHKIT, BASELINE, "rps")
     variants = sorted({k[0] for k in tok_pts if k[0].startswith("tokenize")}, key=_skey)
     for name in variants or ["tokenize"]:
-        tok = lambda k, name=name: k[0] == name and k[1] >= 16 * KiB  # noqa: E731
+
+        def tok(k: tuple[str, int, int], name: str = name) -> bool:
+            return k[0] == name and k[1] >= 16 * KiB
+
         prompts = name.partition("-")[2] or "any"
         label = f"tokenize workload, {prompts} prompts: ≥ 10× FastAPI req/s at ≥ 16 KiB"
         rr = _median_of(tok_pts, tok)
@@ -634,11 +637,11 @@ def write(data: dict[str, Any], out_dir: Path, notes: str = "") -> Path:
         L += _table(
             ["client", "CPU µs/req", "ratio"],
             [
-                ["httpx2.Client (plain)", _rng(tuple(client["plain_us"].values())), "1×"],  # type: ignore[arg-type]
+                ["httpx2.Client (plain)", _rng(tuple(client["plain_us"].values())), "1×"],
                 [
                     "httpx2.Client(transport=MeshTransport(mesh))",
-                    _rng(tuple(client["mesh_us"].values())),  # type: ignore[arg-type]
-                    _x(tuple(client["ratio"].values())),  # type: ignore[arg-type]
+                    _rng(tuple(client["mesh_us"].values())),
+                    _x(tuple(client["ratio"].values())),
                 ],
             ],
         )

@@ -442,9 +442,9 @@ def run_workload(
                 launch.argv
             )
             name = f"{fe.key}-{workload}"
-            p = Proc(name, launch.argv, launch.env, logdir / f"{name}.log")
-            procs.append(p)
-            started[fe.key] = (p, f"http://127.0.0.1:{port}")
+            proc = Proc(name, launch.argv, launch.env, logdir / f"{name}.log")
+            procs.append(proc)
+            started[fe.key] = (proc, f"http://127.0.0.1:{port}")
         live: list[Frontend] = []
         for fe in fes:
             p, url = started[fe.key]
@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     profile: dict[str, Any] = {}
     backends = start_backends(ns.backends, load_cpus, logdir)
     lg = LoadGen(load_cpus, logdir)
-    ctx = {
+    ctx: dict[str, Any] = {
         "backend_urls": [u for _, u in backends],
         "backend_pids": [p.pid for p, _ in backends],
         "frontend_cpus": frontend_cpus,

@@ -211,6 +211,7 @@ def loadgen_main(conn: Connection, cpus: list[int] | None) -> None:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cpus)
     loadgen._Gen = _Gen  # type: ignore[misc]
+    loop: asyncio.AbstractEventLoop
     try:
         import uvloop
 
@@ -341,6 +342,7 @@ def sink_main(conn: Connection, cpus: list[int] | None) -> None:
     if cpus:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cpus)
+    loop: asyncio.AbstractEventLoop
     try:
         import uvloop
 
@@ -351,8 +353,13 @@ def sink_main(conn: Connection, cpus: list[int] | None) -> None:
     server = loop.run_until_complete(loop.create_server(_Sink, "127.0.0.1", 0))
     port = server.sockets[0].getsockname()[1]
     conn.send(f"http://127.0.0.1:{port}")
-    done = loop.create_future()
-    loop.add_reader(conn.fileno(), lambda: done.done() or done.set_result(None))
+    done: asyncio.Future[None] = loop.create_future()
+
+    def told() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(conn.fileno(), told)
     loop.run_until_complete(done)
     server.close()
     loop.close()
@@ -944,25 +951,25 @@ def render(
             "",
         ]
     if analysis:
-        a = analysis
+        an = analysis
         lines += [
             "## Where a heavy request's preparation goes (in-process, frontend CPU)",
             "",
-            f"Same tokenizer, tiktoken fast path for prefix ids: {a['fast_bpe']}; bodies over "
-            f"{a['inline_threshold']} B go to the prepare pool; Python's GIL switch interval "
-            f"{a['switch_interval_ms']:.1f} ms. Medians:",
+            f"Same tokenizer, tiktoken fast path for prefix ids: {an['fast_bpe']}; bodies over "
+            f"{an['inline_threshold']} B go to the prepare pool; Python's GIL switch interval "
+            f"{an['switch_interval_ms']:.1f} ms. Medians:",
             "",
             "| step | time |",
             "|---|---|",
-            f"| small body (1 KiB): whole prepare, inline | {a['small_prepare_us']:.0f} µs |",
-            f"| heavy body: `msgspec.json.decode` alone | {a['heavy_decode_ms']:.2f} ms |",
+            f"| small body (1 KiB): whole prepare, inline | {an['small_prepare_us']:.0f} µs |",
+            f"| heavy body: `msgspec.json.decode` alone | {an['heavy_decode_ms']:.2f} ms |",
             f"| heavy body: parse + routing text (`Preparer._parse`) | "
-            f"{a['heavy_parse_ms']:.2f} ms |",
-            f"| heavy body: 256 prefix ids of the routing text | {a['heavy_prefix_ms']:.3f} ms |",
-            f"| heavy body: the pool job (`Preparer._whole`) | {a['heavy_whole_ms']:.2f} ms |",
+            f"{an['heavy_parse_ms']:.2f} ms |",
+            f"| heavy body: 256 prefix ids of the routing text | {an['heavy_prefix_ms']:.3f} ms |",
+            f"| heavy body: the pool job (`Preparer._whole`) | {an['heavy_whole_ms']:.2f} ms |",
             "",
         ]
-        pl = a["place_us"]
+        pl = an["place_us"]
         lines += [
             f"`Router.place` of {pl['n']:,} distinct 1 KiB chats, `prefix_hash` over "
             f"{args.backends} workers (no tokenizer: the policy's own cost; in the gateway it "
@@ -975,10 +982,10 @@ def render(
             "",
             "| while the first thread | p50 | p99 | max |",
             "|---|---|---|---|",
-            f"| sleeps | {a['gap_idle_p50_ms']:.2f} | {a['gap_idle_p99_ms']:.2f} | "
-            f"{a['gap_idle_max_ms']:.2f} |",
-            f"| prepares 1 MiB bodies back to back | {a['gap_busy_p50_ms']:.2f} | "
-            f"{a['gap_busy_p99_ms']:.2f} | {a['gap_busy_max_ms']:.2f} |",
+            f"| sleeps | {an['gap_idle_p50_ms']:.2f} | {an['gap_idle_p99_ms']:.2f} | "
+            f"{an['gap_idle_max_ms']:.2f} |",
+            f"| prepares 1 MiB bodies back to back | {an['gap_busy_p50_ms']:.2f} | "
+            f"{an['gap_busy_p99_ms']:.2f} | {an['gap_busy_max_ms']:.2f} |",
             "",
         ]
     return "\n".join(lines)
@@ -1067,8 +1074,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         for lp in (small, heavy):
             if lp is not None:
                 lp.close()
-        for p in procs:
-            p.stop()
+        for proc in procs:
+            proc.stop()
     analysis = None
     if args.analyse:
         log("in-process analysis of the heavy request's preparation")

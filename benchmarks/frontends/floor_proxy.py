@@ -117,7 +117,7 @@ class Client(asyncio.Protocol):
 class Proxy:
     def __init__(self, loop: asyncio.AbstractEventLoop, workers: list[str]) -> None:
         self.loop = loop
-        self.workers = []
+        self.workers: list[tuple[str, int, bytes, deque[Upstream]]] = []
         for url in workers:
             parts = urlsplit(url)
             host = parts.hostname or "127.0.0.1"
