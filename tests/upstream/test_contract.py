@@ -36,6 +36,7 @@ from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Failure
 from meshkit.errors import InvalidRequest
 from meshkit.mock import MockWorkerThread
+from meshkit.testing.ports import free_port
 from meshkit.upstream.base import UpstreamFailure
 from meshkit.upstream.blocking import BlockingUpstream
 from meshkit.upstream.fast import FastUpstream
@@ -54,7 +55,6 @@ from upstreams import (
     RawServer,
     attempt,
     ch,
-    free_port,
     held,
     normal,
     ok_script,
