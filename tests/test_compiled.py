@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.resources
+import importlib.resources.abc
 import importlib.util
 import json
 import os
@@ -214,18 +215,21 @@ def _elf_table(lib: str, option: str) -> list[list[str]]:
     return [line.split() for line in out.stdout.splitlines()]
 
 
-def _recorded_build() -> dict[str, Any]:
-    """How the installed compiled build was built (``hatch_build.BUILD_RECORD``)."""
+def _build_record() -> importlib.resources.abc.Traversable:
+    """Where the installed build keeps ``hatch_build.BUILD_RECORD``."""
     package, name = hatch_build.BUILD_RECORD.split("/")
-    record: dict[str, Any] = json.loads(
-        importlib.resources.files(package).joinpath(name).read_text()
-    )
+    return importlib.resources.files(package).joinpath(name)
+
+
+def _recorded_build() -> dict[str, Any]:
+    """How the installed compiled build was built."""
+    record: dict[str, Any] = json.loads(_build_record().read_text())
     return record
 
 
 def test_a_compiled_build_records_its_flags() -> None:
     if not meshkit.compiled():
-        assert not importlib.resources.files("meshkit").joinpath("_build.json").is_file()
+        assert not _build_record().is_file()
         return
     record = _recorded_build()
     assert set(record) == {"opt_level", "compile_args", "link_args"}
