@@ -65,6 +65,7 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamTlsError",
     "WorkerWaking",
+    "body_over",
 ]
 
 ErrorShape = Literal["openai", "anthropic"]
@@ -203,6 +204,12 @@ class RequestTooLarge(MeshError):
     code = "request_too_large"
     openai_type = "invalid_request_error"
     anthropic_type = "request_too_large"
+
+
+def body_over(limit: int) -> RequestTooLarge:
+    """The 413 for a request body over ``limit`` bytes (``bounds.max_body_bytes``),
+    declared or arrived: one message in every mode."""
+    return RequestTooLarge(f"request body is over {limit} bytes")
 
 
 class UnsupportedMediaType(MeshError):

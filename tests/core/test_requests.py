@@ -11,8 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshkit.core.endpoints import Match, resolve
-from meshkit.core.requests import RequestView, _too_deep, check_media, parse_request
-from meshkit.errors import InvalidRequest, UnsupportedMediaType
+from meshkit.core.requests import (
+    RequestView,
+    _too_deep,
+    check_declared,
+    check_media,
+    declared_over,
+    parse_request,
+)
+from meshkit.errors import InvalidRequest, RequestTooLarge, UnsupportedMediaType
 
 P = pytest.param
 
@@ -794,3 +801,39 @@ def test_too_deep_on_long_chains_and_wide_bodies(depth: int) -> None:
     ]
     for body in bodies:
         assert _too_deep(body.encode(), 64) == (depth > 64), body[:40]
+
+
+# -- a declared Content-Length (every mode's 413 before the body) ----------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "over"),
+    [
+        (b"8192", False),  # at the bound
+        (b"8193", True),
+        (b" 8193\t", True),  # optional whitespace around the digits
+        (b"08193", True),
+        (b"0" * 30 + b"8192", False),  # leading zeros are digits too, not a huge number
+        (b"0" * 30, False),
+        (b"0", False),
+        (b"9" * 19, True),  # past 10**18: over without converting it
+        (b"1" * 5000, True),  # int() would refuse it (> 4,300 digits) with a ValueError
+        # Not a length: nothing is declared (the server's parser refuses the head)
+        (b"+8193", False),
+        (b"8_193", False),
+        (b"-1", False),
+        (b"", False),
+        (b"  ", False),
+        (b"12 34", False),
+        ("８１９３".encode(), False),  # digits outside ASCII
+    ],
+)
+def test_declared_over(value: bytes, over: bool) -> None:
+    assert declared_over(value, 8192) is over
+
+
+def test_check_declared_reads_the_first_length_only() -> None:
+    check_declared([(b"content-type", b"application/json")], 10)
+    check_declared([(b"content-length", b"10"), (b"content-length", b"11")], 10)
+    with pytest.raises(RequestTooLarge, match="request body is over 10 bytes"):
+        check_declared([(b"host", b"x"), (b"content-length", b"1" * 5000)], 10)

@@ -338,6 +338,59 @@ def test_transport_refuses_a_large_streamed_body_without_reading_the_rest() -> N
         mesh.close()
 
 
+@pytest.mark.parametrize("value", [b"8193", b" 08193 ", b"1" * 5000], ids=["plain", "ows", "huge"])
+def test_a_declared_length_is_read_alike_by_every_adapter(value: bytes) -> None:
+    """The ASGI middleware, the client transport and the ext-proc picker read a
+    declared ``Content-Length`` with one function (``core.requests.declared_over``):
+    over the bound it is a 413 before any body byte is read, however many digits it
+    has (5,000 made ``int()`` raise a ValueError in the transport and the picker).
+    The built-in server reads it the same way, after llhttp (which refuses the
+    huge one itself)."""
+    mesh = Mesh(workers=["http://127.0.0.1:9"], bounds={"max_body_bytes": BODY_BYTES})
+    piece = b" " * 1024
+    pulled = [0]
+
+    def endless() -> Iterator[bytes]:
+        while True:
+            pulled[0] += 1
+            yield piece
+
+    try:
+        app = MeshMiddleware(_no_app, mesh=mesh)
+        declared = [(b"content-length", value)]
+        status, body, consumed = asyncio.run(_asgi_call(app, declared, _chunks(piece, None)))
+        assert (status, consumed) == (413, 0)
+        assert json.loads(body)["error"]["code"] == "request_too_large"
+
+        with httpx2.Client(transport=MeshTransport(mesh), base_url="http://mesh") as client:
+            r = client.post(
+                PATH,
+                content=endless(),
+                headers={"content-type": "application/json", "content-length": value.decode()},
+            )
+        assert (r.status_code, pulled[0]) == (413, 0)
+        assert r.json()["error"]["code"] == "request_too_large"
+
+        picker = pytest.importorskip("meshkit.frontends.extproc.picker")
+
+        async def never(*_: Any) -> Any:  # pragma: no cover - refused before placement
+            raise AssertionError("a refused request is not placed")
+
+        head = [
+            (b":method", b"POST"),
+            (b":path", PATH.encode()),
+            (b":authority", b"mesh"),
+            (b"content-type", b"application/json"),
+            (b"content-length", value),
+        ]
+        answer = picker.Picker(mesh, never, never).request_headers(head)
+        assert answer is not None and answer.status == 413
+        assert json.loads(answer.body)["error"]["code"] == "request_too_large"
+        assert _rejected(mesh, "request_too_large") == 3
+    finally:
+        mesh.close()
+
+
 # -- JSON nesting ---------------------------------------------------------------------------
 
 

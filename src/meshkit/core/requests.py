@@ -45,7 +45,7 @@ from meshkit.core.shapes import (
     MessagesBody,
     ResponsesBody,
 )
-from meshkit.errors import HeadersTooLarge, InvalidRequest, UnsupportedMediaType
+from meshkit.errors import HeadersTooLarge, InvalidRequest, UnsupportedMediaType, body_over
 
 __all__ = [
     "MAX_JSON_DEPTH",
@@ -53,8 +53,10 @@ __all__ = [
     "LocalResponse",
     "RequestView",
     "Timeouts",
+    "check_declared",
     "check_head",
     "check_media",
+    "declared_over",
     "head_error",
     "parse_request",
     "query_streams",
@@ -304,6 +306,40 @@ def head_error(count: int, size: int, *, max_bytes: int, max_count: int) -> Head
             f"bounds.max_header_bytes allows {max_bytes}"
         )
     return None
+
+
+def check_declared(headers: Iterable[tuple[bytes, bytes]], limit: int) -> None:
+    """413 when the (lower-cased) ``headers`` declare a body over ``limit`` bytes.
+
+    :raises RequestTooLarge: (413 ``request_too_large``)
+    """
+    for k, v in headers:
+        if k == b"content-length":
+            if declared_over(v, limit):
+                raise body_over(limit)
+            return
+
+
+def declared_over(value: bytes, limit: int) -> bool:
+    """Whether a ``Content-Length`` value declares a body over ``limit`` bytes.
+
+    Every mode refuses such a request (413) before reading its body, and reads the
+    value alike: digits, with optional whitespace around them (RFC 9112 §6.3). A
+    value that is not one declares nothing here: the server's parser (or Envoy)
+    refuses that head, and the body is held to ``limit`` as it arrives anyway.
+    However many digits it has, it is not converted whole (``int`` refuses over
+    4,300 digits with a ValueError): past 18 significant digits, over 10¹⁸ bytes,
+    it is over any limit (a limit is far below that).
+    """
+    if not value.isdigit():  # the usual value is bare digits: one check
+        value = value.strip(b" \t")
+        if not value.isdigit():
+            return False
+    if len(value) > 18:
+        value = value.lstrip(b"0")
+        if len(value) > 18:
+            return True
+    return int(value or b"0") > limit
 
 
 # Brackets of both kinds become "[" and "]" (which kind closes which is the

@@ -32,8 +32,8 @@ import logging
 from typing import Any
 
 from meshkit.core.endpoints import Match, shape_for_path
-from meshkit.core.requests import check_head
-from meshkit.errors import MeshError, RequestTooLarge
+from meshkit.core.requests import check_declared, check_head
+from meshkit.errors import MeshError
 from meshkit.frontends.asgi_body import receive_body
 from meshkit.frontends.routed import Routed, error_reply
 from meshkit.mesh import Mesh
@@ -170,13 +170,5 @@ class _Exchange:
         if not self.match.endpoint.has_body:
             # Drain nothing: GET/DELETE bodies are not forwarded.
             return b""
-        for k, v in headers:
-            if k == b"content-length":
-                try:
-                    declared = int(v)
-                except ValueError:
-                    declared = 0
-                if declared > limit:
-                    raise RequestTooLarge(f"request body is over {limit} bytes")
-                break
+        check_declared(headers, limit)
         return await receive_body(self.receive, limit)

@@ -6,7 +6,7 @@ One loop for the inference middleware and the admin apps (``/workers`` and its
 
 from __future__ import annotations
 
-from meshkit.errors import RequestTooLarge
+from meshkit.errors import body_over
 from meshkit.types import Receive
 
 __all__ = ["receive_body"]
@@ -28,7 +28,7 @@ async def receive_body(receive: Receive, limit: int) -> bytes | None:
         if chunk:
             total += len(chunk)
             if total > limit:
-                raise RequestTooLarge(f"request body is over {limit} bytes")
+                raise body_over(limit)
             chunks.append(chunk)
         if not message.get("more_body", False):
             break

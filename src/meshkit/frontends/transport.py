@@ -69,8 +69,8 @@ from meshkit.core.credentials import response_headers
 from meshkit.core.endpoints import shape_for_path
 from meshkit.core.forward import Failure
 from meshkit.core.relay import Relay
-from meshkit.core.requests import RequestView, Timeouts, head_error
-from meshkit.errors import MeshError, RequestTooLarge, UpstreamError, UpstreamTimeout
+from meshkit.core.requests import RequestView, Timeouts, declared_over, head_error
+from meshkit.errors import MeshError, UpstreamError, UpstreamTimeout, body_over
 from meshkit.frontends.relay import NO_BOOKS, AsyncRelayStream, SyncRelayStream
 from meshkit.mesh import Mesh
 from meshkit.types import Headers
@@ -143,11 +143,11 @@ def _head(request: Any, inference: bool, bounds: BoundsConfig) -> Headers:
     """
     out: Headers = []
     size = 0
-    declared = b""
+    declared: bytes | None = None
     for k, v in request.headers.raw:
         size += len(k) + len(v) + 4
-        if len(k) == 14 and not declared and k.lower() == b"content-length":
-            declared = v.strip() or b"-"
+        if declared is None and len(k) == 14 and k.lower() == b"content-length":
+            declared = v
         out.append((k, v.strip(b" \t")))
     if inference:
         error = head_error(
@@ -155,8 +155,8 @@ def _head(request: Any, inference: bool, bounds: BoundsConfig) -> Headers:
         )
         if error is not None:
             raise error
-    if declared.isdigit() and int(declared) > bounds.max_body_bytes:
-        raise RequestTooLarge(f"request body is over {bounds.max_body_bytes} bytes")
+    if declared is not None and declared_over(declared, bounds.max_body_bytes):
+        raise body_over(bounds.max_body_bytes)
     return out
 
 
@@ -169,7 +169,7 @@ def _held(lib: ModuleType, request: Any, limit: int) -> bytes | None:
     if not isinstance(body, bytes):
         return None
     if len(body) > limit:
-        raise RequestTooLarge(f"request body is over {limit} bytes")
+        raise body_over(limit)
     return body
 
 

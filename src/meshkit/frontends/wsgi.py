@@ -36,7 +36,7 @@ from meshkit.core.credentials import served_headers
 from meshkit.core.endpoints import shape_for_path
 from meshkit.core.relay import Relay
 from meshkit.core.requests import check_head
-from meshkit.errors import InvalidRequest, MeshError, RequestTooLarge, UpstreamError
+from meshkit.errors import InvalidRequest, MeshError, UpstreamError, body_over
 from meshkit.frontends.relay import SyncRelayStream
 from meshkit.http1 import status_line
 from meshkit.mesh import Mesh
@@ -95,7 +95,7 @@ def _read_body(environ: WSGIEnvironment, limit: int) -> bytes:
         stream = get_input_stream(environ, max_content_length=limit + 1)
         return read_body(iter(lambda: stream.read(_READ_SIZE), b""), limit)
     except RequestEntityTooLarge:
-        raise RequestTooLarge(f"request body is over {limit} bytes") from None
+        raise body_over(limit) from None
     except ClientDisconnected:
         raise InvalidRequest("the request body ended before its Content-Length") from None
 

@@ -45,7 +45,7 @@ from meshkit.core.forward import (
     PairResult,
     answered,
 )
-from meshkit.errors import RequestTooLarge, UpstreamError
+from meshkit.errors import UpstreamError, body_over
 from meshkit.upstream.base import AsyncExchange, SyncExchange, UpstreamFailure
 
 __all__ = [
@@ -287,7 +287,7 @@ def read_body(chunks: Iterable[bytes], limit: int) -> bytes:
     for chunk in chunks:
         total += len(chunk)
         if total > limit:
-            raise RequestTooLarge(f"request body is over {limit} bytes")
+            raise body_over(limit)
         parts.append(chunk)
     return b"".join(parts)
 
@@ -299,7 +299,7 @@ async def aread_body(chunks: AsyncIterable[bytes], limit: int) -> bytes:
     async for chunk in chunks:
         total += len(chunk)
         if total > limit:
-            raise RequestTooLarge(f"request body is over {limit} bytes")
+            raise body_over(limit)
         parts.append(chunk)
     return b"".join(parts)
 

@@ -40,16 +40,16 @@ from meshkit.core.credentials import header_changes
 from meshkit.core.endpoints import Api, Match, shape_for_path
 from meshkit.core.forward import Attempt, AttemptResult, Failure, ForwardFlow, Hold
 from meshkit.core.relay import Relay
-from meshkit.core.requests import RequestView, head_error
+from meshkit.core.requests import RequestView, check_declared, head_error
 from meshkit.errors import (
     ErrorShape,
     MeshError,
     NoAvailableWorkers,
     Overloaded,
     PrepareQueueFull,
-    RequestTooLarge,
     UnsupportedInExtProc,
     UpstreamError,
+    body_over,
 )
 from meshkit.frontends.routed import error_reply
 from meshkit.mesh import Mesh
@@ -154,9 +154,7 @@ class Picker:
                 )
                 if error is not None:
                     raise error
-                declared = _declared_length(kept)
-                if declared is not None and declared > self.max_body:
-                    raise RequestTooLarge(f"request body is over {self.max_body} bytes")
+                check_declared(kept, self.max_body)
         except MeshError as exc:
             return self._refuse(exc)
         return None
@@ -164,7 +162,7 @@ class Picker:
     def request_body(self, chunk: bytes) -> Answer | None:
         """A chunk of the request body (bounded by ``bounds.max_body_bytes``)."""
         if len(self._body) + len(chunk) > self.max_body:
-            return self._refuse(RequestTooLarge(f"request body is over {self.max_body} bytes"))
+            return self._refuse(body_over(self.max_body))
         self._body += chunk
         return None
 
@@ -352,13 +350,6 @@ class Picker:
         if isinstance(exc, Overloaded | PrepareQueueFull):
             status = 429
         return Answer(status, headers, body)
-
-
-def _declared_length(headers: Headers) -> int | None:
-    for k, v in headers:
-        if k == b"content-length" and v.strip().isdigit():
-            return int(v)
-    return None
 
 
 def _rank_of(attempt: Attempt) -> int | None:

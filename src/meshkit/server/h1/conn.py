@@ -39,13 +39,13 @@ import httptools
 from mypy_extensions import mypyc_attr
 
 from meshkit.core.endpoints import Match, shape_for_path
-from meshkit.core.requests import head_error
+from meshkit.core.requests import declared_over, head_error
 from meshkit.errors import (
     HeadersTooLarge,
     InvalidRequest,
     MeshError,
-    RequestTooLarge,
     Unavailable,
+    body_over,
 )
 from meshkit.frontends.routed import Headers, Routed, error_reply
 from meshkit.http1 import LAST_CHUNK, Framing, chunk, date_header, response_head
@@ -332,12 +332,8 @@ class H1Conn(asyncio.Protocol):
         expect = False
         for name, value in self._headers:
             if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > self.max_body:
-                    raise _Refused(RequestTooLarge(f"request body is over {self.max_body} bytes"))
+                if declared_over(value, self.max_body):
+                    raise _Refused(body_over(self.max_body))
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect = True
             elif name == b"connection" or name == b"proxy-connection":
@@ -369,7 +365,7 @@ class H1Conn(asyncio.Protocol):
         self._framing_bytes -= len(body)
         if self._body_size > self.max_body:
             # Checked while the body streams in, before it is all buffered.
-            raise _Refused(RequestTooLarge(f"request body is over {self.max_body} bytes"))
+            raise _Refused(body_over(self.max_body))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
