@@ -356,8 +356,11 @@ def test_a_write_the_local_process_refuses_is_sent_nowhere(
     assert (
         p0.client.post(f"/workers/{wid(a.url)}/drain", params={"timeout_s": "x"}).status_code == 400
     )
-    r = httpx.post(p0.public.url + f"/workers/{wid(a.url)}/drain")  # no admin key
-    assert r.status_code == 401
+    for verb in ("drain", "sleep", "wake"):  # no admin key: 401, before anything else
+        r = httpx.post(p0.public.url + f"/workers/{wid(a.url)}/{verb}")
+        assert r.status_code == 401, (verb, r.text)
+        assert "processes" not in r.json()
+    assert httpx.post(p0.public.url + "/workers/7/sleep").status_code == 401  # not its 404
     assert all(row["state"] == "ready" for p in (p0, p1) for row in p.local_rows())
 
 

@@ -102,7 +102,7 @@ class AdminApp:
         # what the admin lists and does needs the probes (a no-op once started).
         self.mesh.start_lifecycle()
         try:
-            if not self._authorized(scope):
+            if not self.authorized(scope):
                 reply = _error(401, "unauthorized", "admin key required")
                 reply.headers.append((b"www-authenticate", b"Bearer"))
                 raise reply
@@ -110,7 +110,8 @@ class AdminApp:
         except _Reply as r:
             await _send(send, r.status, r.body, r.headers)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def authorized(self, scope: Scope) -> bool:
+        """Whether ``scope`` carries the admin key (always, when none is set)."""
         if self._expected is None:
             return True
         for k, v in scope.get("headers", ()):

@@ -151,6 +151,11 @@ class PeerAdmin:
         self.peers = peers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.admin.authorized(scope):
+            # Its 401, before any body is read or any sibling asked: in one place
+            # for every verb, as the admin app of one process answers it.
+            await self.admin(scope, receive, send)
+            return
         method = scope.get("method", "GET")
         path = scope.get("path", "/")
         root = scope.get("root_path", "")
@@ -268,9 +273,6 @@ class PeerAdmin:
         try:
             body = await receive_body(receive, limit)
         except RequestTooLarge:
-            if not self.admin._authorized(scope):
-                await self._relay(send, await self._local(scope))  # its 401 comes first
-                return
             reply = too_large(limit)
             await _send(send, reply.status, reply.body, reply.headers)
             return
@@ -292,7 +294,7 @@ class PeerAdmin:
     async def _drain(self, scope: Scope, send: Send, ident: str, action: str | None) -> None:
         worker = _resolve(self.mesh, ident)
         wait = _wait_s(scope, self.mesh.config.lifecycle.drain_timeout_s)
-        if worker is None or wait is None or not self.admin._authorized(scope):
+        if worker is None or wait is None:
             await self._relay(send, await self._local(scope))  # its error
             return
         # Both at once: the local answer is 2xx once the key and the worker are
@@ -319,8 +321,8 @@ class PeerAdmin:
 
     async def _sleep(self, scope: Scope, send: Send, ident: str) -> None:
         worker = _resolve(self.mesh, ident)
-        if worker is None or not self.admin._authorized(scope):
-            await self._relay(send, await self._local(scope))
+        if worker is None:
+            await self._relay(send, await self._local(scope))  # its 404
             return
         try:
             self.mesh.router.do(WorkerStates.check_sleep, worker.id)
