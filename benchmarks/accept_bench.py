@@ -35,23 +35,28 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import free_port  # noqa: E402
+from _common import free_port, tree_cpu_seconds  # noqa: E402
 
 _CHURN_CLIENTS = 8
 
 
 class Gateway:
-    """``meshkit serve --processes n`` in front of ``worker`` (``src``: a tree's
-    sources to run instead of the installed meshkit)."""
+    """``meshkit serve --processes n`` in front of ``workers`` (``src``: a tree's
+    sources to run instead of the installed meshkit). benchmarks/scaling.py uses it
+    too."""
 
-    def __init__(self, n: int, worker: str, src: str | None) -> None:
+    def __init__(
+        self, n: int, workers: list[str], src: str | None = None, policy: str | None = None
+    ) -> None:
         self.port = free_port()
         env = dict(os.environ)
         if src is not None:
             env["PYTHONPATH"] = src
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "meshkit", "serve", "--port", str(self.port),
-             "--processes", str(n), "--log-level", "warning", "--worker", worker],
+             "--processes", str(n), "--log-level", "warning",
+             *(arg for url in workers for arg in ("--worker", url)),
+             *(("--policy", policy) if policy else ())],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             env=env,
@@ -68,6 +73,11 @@ class Gateway:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])
         return total / os.sysconf("SC_CLK_TCK")
+
+    def cpu(self) -> float:
+        """CPU seconds of the whole gateway: the supervisor (when there is one) and
+        its children."""
+        return tree_cpu_seconds([self.popen.pid])
 
     def close(self) -> None:
         self.popen.send_signal(signal.SIGTERM)
@@ -123,7 +133,7 @@ async def churn(gw: Gateway, seconds: float) -> tuple[float, float]:
 
 
 def measure(ns: argparse.Namespace, worker: str, src: str | None, label: str) -> None:
-    gw = Gateway(ns.processes, worker, src)
+    gw = Gateway(ns.processes, [worker], src)
     try:
         for n in ns.bursts:
             for burst in range(3):
