@@ -53,7 +53,9 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +193,49 @@ def add_flags(extensions: list[Any], compile_args: list[str], link_args: list[st
 BUILD_RECORD = "meshkit/_build.json"
 
 
+def _jobs() -> int:
+    """C compilers to run at once: the CPUs this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _side_by_side(build_ext: type[Any]) -> type[Any]:
+    """``build_ext`` compiling the C files of one extension side by side.
+
+    mypyc's group library is one extension of ~35 C files, and ``build_ext``'s
+    ``parallel`` only builds different extensions at once: the group's files went
+    through one compiler after another (~100 s of a ~125 s build on 2 CPUs). Here
+    every file is its own compile call, at most :func:`_jobs` at a time across all
+    extensions; the link waits for them all.
+    """
+
+    class SideBySide(build_ext):  # type: ignore[misc]
+        def build_extensions(self) -> None:
+            serial = self.compiler.compile
+            gate = threading.BoundedSemaphore(_jobs())
+
+            def one(source: str, args: Any, kwargs: Any) -> list[str]:
+                with gate:
+                    return list(serial([source], *args, **kwargs))
+
+            def compile_all(sources: list[str], *args: Any, **kwargs: Any) -> list[str]:
+                if len(sources) < 2:
+                    return [obj for src in sources for obj in one(src, args, kwargs)]
+                with ThreadPoolExecutor(len(sources)) as pool:
+                    parts = list(pool.map(lambda src: one(src, args, kwargs), sources))
+                return [obj for part in parts for obj in part]
+
+            self.compiler.compile = compile_all
+            try:
+                super().build_extensions()
+            finally:
+                self.compiler.compile = serial
+
+    return SideBySide
+
+
 def _compile(root: Path, out: Path) -> dict[str, str]:
     """Compile :data:`COMPILED` in ``out``; the files for the wheel as ``{built
     path: wheel path}``: the extension files and :data:`BUILD_RECORD`."""
@@ -214,10 +259,10 @@ def _compile(root: Path, out: Path) -> dict[str, str]:
         compile_args, link_args = local_calls()
         add_flags(extensions, compile_args, link_args)
         dist = Distribution({"ext_modules": extensions, "package_dir": {"": "src"}})
-        cmd = build_ext(dist)
+        cmd = _side_by_side(build_ext)(dist)
         cmd.build_lib = str(out / "lib")
         cmd.build_temp = str(out / "tmp")
-        cmd.parallel = os.cpu_count() or 1
+        cmd.parallel = _jobs()
         cmd.ensure_finalized()
         cmd.run()
     finally:

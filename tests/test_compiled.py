@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,43 @@ def test_each_extension_gets_the_flags_once() -> None:
     assert [e.extra_compile_args for e in exts] == [["-O3", "-fno-plt"]] * 3
     assert [e.extra_link_args for e in exts] == [["-O3", "-Wl,-Bsymbolic-functions"]] * 3
     assert shared == ["-O3"]
+
+
+def test_an_extensions_c_files_compile_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mypyc's group library is one extension of many C files: they compile two at a
+    time here (a barrier of two times out if they go one by one), never more than
+    ``_jobs()``, and the objects come back in the sources' order."""
+    monkeypatch.setattr(hatch_build, "_jobs", lambda: 2)
+    lock = threading.Lock()
+    barrier = threading.Barrier(2, timeout=30)
+    running = [0, 0]  # now, most at once
+
+    class Compiler:
+        def compile(self, sources: list[str], output_dir: str = "", **_: Any) -> list[str]:
+            with lock:
+                running[0] += 1
+                running[1] = max(running)
+            try:
+                barrier.wait()
+            finally:
+                with lock:
+                    running[0] -= 1
+            return [f"{output_dir}/{src}.o" for src in sources]
+
+    class BuildExt:
+        def __init__(self) -> None:
+            self.compiler = Compiler()
+            self.objects: list[str] = []
+
+        def build_extensions(self) -> None:
+            sources = ["a.c", "b.c", "c.c", "d.c"]
+            self.objects = self.compiler.compile(sources, output_dir="tmp")
+
+    cmd = hatch_build._side_by_side(BuildExt)()
+    cmd.build_extensions()
+    assert cmd.objects == ["tmp/a.c.o", "tmp/b.c.o", "tmp/c.c.o", "tmp/d.c.o"]
+    assert running == [0, 2]
+    assert cmd.compiler.compile.__func__ is Compiler.compile  # put back after the build
 
 
 def test_a_compiled_wheel_is_platform_specific(monkeypatch: pytest.MonkeyPatch) -> None:
