@@ -30,7 +30,7 @@ from werkzeug.serving import make_server
 
 from meshkit import AsyncMeshTransport, Mesh, MeshMiddleware, MeshTransport, MeshWSGIMiddleware
 from meshkit.server.runner import GatewayThread
-from meshkit.testing.ports import free_port
+from meshkit.testing.ports import free_port as free_port  # the tests import it from here
 
 
 def _extproc_available() -> bool:
@@ -187,12 +187,22 @@ class _ServerMode(Mode):
         super().__init__(mesh)
         self.client = httpx2.Client(base_url=self.base_url, timeout=30)
 
-    def request(self, method, path, *, json=None, content=None, headers=None):  # type: ignore[no-untyped-def]
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
         r = self.client.request(method, path, json=json, content=content, headers=headers)
         return Reply(r.status_code, r.headers, r.content)
 
     @contextmanager
-    def stream(self, method, path, *, json=None, headers=None):  # type: ignore[no-untyped-def]
+    def stream(
+        self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None
+    ) -> Iterator[Iterator[bytes]]:
         with self.client.stream(method, path, json=json, headers=headers) as r:
             yield r.iter_raw()
 
@@ -258,12 +268,22 @@ class TransportMode(Mode):
         self.transport = MeshTransport(mesh)
         self.client = httpx2.Client(transport=self.transport, base_url=self.base_url, timeout=30)
 
-    def request(self, method, path, *, json=None, content=None, headers=None):  # type: ignore[no-untyped-def]
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
         r = self.client.request(method, path, json=json, content=content, headers=headers)
         return Reply(r.status_code, r.headers, r.content)
 
     @contextmanager
-    def stream(self, method, path, *, json=None, headers=None):  # type: ignore[no-untyped-def]
+    def stream(
+        self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None
+    ) -> Iterator[Iterator[bytes]]:
         with self.client.stream(method, path, json=json, headers=headers) as r:
             yield r.iter_raw()
 
@@ -301,7 +321,15 @@ class AsyncTransportMode(Mode):
             transport=self.transport, base_url=self.base_url, timeout=30
         )
 
-    def request(self, method, path, *, json=None, content=None, headers=None):  # type: ignore[no-untyped-def]
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
         async def go() -> Reply:
             r = await self.client.request(method, path, json=json, content=content, headers=headers)
             return Reply(r.status_code, r.headers, r.content)
@@ -309,7 +337,9 @@ class AsyncTransportMode(Mode):
         return self.portal.call(go)
 
     @contextmanager
-    def stream(self, method, path, *, json=None, headers=None):  # type: ignore[no-untyped-def]
+    def stream(
+        self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None
+    ) -> Iterator[Iterator[bytes]]:
         req = self.client.build_request(method, path, json=json, headers=headers)
         resp = self.portal.call(lambda: self.client.send(req, stream=True))
         it = resp.aiter_raw()
