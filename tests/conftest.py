@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -66,7 +66,7 @@ def mesh_factory() -> Iterator[Callable[..., Mesh]]:
     yield make
     try:
         for m in made:
-            assert wait_until(lambda m=m: settled(m), timeout=3.0), (
+            assert wait_until(cast(Callable[[], bool], lambda m=m: settled(m)), timeout=3.0), (
                 f"not settled after the test (a lease or a prepare job held): {state_of(m)}"
             )
     finally:

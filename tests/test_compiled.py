@@ -18,8 +18,11 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +88,11 @@ class _Hook(hatch_build.CustomBuildHook):
         self._root = str(ROOT)
 
     @property
-    def target_name(self) -> str:  # type: ignore[override]
+    def target_name(self) -> str:
         return self._target
 
     @property
-    def root(self) -> str:  # type: ignore[override]
+    def root(self) -> str:
         return self._root
 
 
@@ -97,9 +100,19 @@ def _build_data() -> dict[str, Any]:
     return {"pure_python": True, "infer_tag": False, "force_include": {}}
 
 
+def _recorded(called: list[Path]) -> Callable[[Path, Path], dict[str, str]]:
+    """A ``_compile`` that records the root it was asked to build and builds nothing."""
+
+    def compile_(root: Path, out: Path) -> dict[str, str]:
+        called.append(root)
+        return {}
+
+    return compile_
+
+
 def test_an_editable_install_is_never_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     called: list[Path] = []
-    monkeypatch.setattr(hatch_build, "_compile", lambda root, out: called.append(root) or {})
+    monkeypatch.setattr(hatch_build, "_compile", _recorded(called))
     monkeypatch.setenv("MESHKIT_COMPILE", "1")
     data = _build_data()
     _Hook().initialize("editable", data)
@@ -109,7 +122,7 @@ def test_an_editable_install_is_never_compiled(monkeypatch: pytest.MonkeyPatch) 
 
 def test_compile_0_builds_the_pure_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
     called: list[Path] = []
-    monkeypatch.setattr(hatch_build, "_compile", lambda root, out: called.append(root) or {})
+    monkeypatch.setattr(hatch_build, "_compile", _recorded(called))
     monkeypatch.setenv("MESHKIT_COMPILE", "0")
     data = _build_data()
     _Hook().initialize("standard", data)
@@ -139,13 +152,13 @@ def test_a_failed_compilation_falls_back_unless_required(monkeypatch: pytest.Mon
 def _build_dirs(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Record the build directories the hook makes."""
     made: list[Path] = []
-    mkdtemp = hatch_build.tempfile.mkdtemp
+    mkdtemp = tempfile.mkdtemp
 
     def recorded(prefix: str) -> str:
         made.append(Path(mkdtemp(prefix=prefix)))
         return str(made[-1])
 
-    monkeypatch.setattr(hatch_build.tempfile, "mkdtemp", recorded)
+    monkeypatch.setattr(tempfile, "mkdtemp", recorded)  # the module hatch_build calls
     return made
 
 
@@ -232,19 +245,20 @@ def test_a_compiled_wheel_is_platform_specific(monkeypatch: pytest.MonkeyPatch) 
 
 def test_the_flags_for_local_calls_are_probed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CC", raising=False)
+    # (sysconfig and sys: the very modules hatch_build reads them from)
     if sys.platform.startswith("linux") and shutil.which("cc"):
-        monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "cc")
+        monkeypatch.setattr(sysconfig, "get_config_var", lambda name: "cc")
         assert hatch_build.local_calls() == tuple(map(list, hatch_build.LOCAL_CALLS))
     # a compiler that refuses them (here: one that refuses everything) builds without
-    monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "false")
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: "false")
     assert hatch_build.local_calls() == ([], [])
-    monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "/no/such/cc")
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: "/no/such/cc")
     assert hatch_build.local_calls() == ([], [])
     # $CC, which build_ext runs instead when it is set, is the one asked
-    monkeypatch.setattr(hatch_build.sysconfig, "get_config_var", lambda name: "cc")
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: "cc")
     monkeypatch.setenv("CC", "false")
     assert hatch_build.local_calls() == ([], [])
-    monkeypatch.setattr(hatch_build.sys, "platform", "darwin")
+    monkeypatch.setattr(sys, "platform", "darwin")
     assert hatch_build.local_calls() == ([], [])
 
 

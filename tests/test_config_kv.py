@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -165,5 +166,5 @@ def test_bad_relay_lists_and_bounds_are_refused(values: dict[str, object], messa
 )
 def test_bad_relay_keys_name_themselves(section: str, values: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError) as info:
-        MeshConfig.build(**{section: values})
+        MeshConfig.build(**cast("dict[str, Any]", {section: values}))
     assert info.value.key == key

@@ -101,7 +101,8 @@ OPENAI_TYPES = {"invalid_request_error", "server_error"}
 
 
 def _all_subclasses(cls: type) -> set[type]:
-    out = set()
+    out: set[type] = set()
+    sub: type
     for sub in cls.__subclasses__():
         out |= {sub} | _all_subclasses(sub)
     return out

@@ -9,7 +9,15 @@ import sys
 
 import pytest
 
-HEAVY = ("httpx", "httpx2", "httpcore", "httpcore2", "aiohttp", "tokenizers", "tiktoken")
+HEAVY: tuple[str, ...] = (
+    "httpx",
+    "httpx2",
+    "httpcore",
+    "httpcore2",
+    "aiohttp",
+    "tokenizers",
+    "tiktoken",
+)
 HEAVY += ("jinja2", "werkzeug", "uvicorn", "granian")
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from meshkit import Mesh
 from meshkit.core.credentials import request_headers, response_headers
 from meshkit.core.endpoints import Api, resolve
+from meshkit.core.forward import Attempt
 from meshkit.core.placement import configured_for, eligible
 from meshkit.core.policies.base import Completion, PlacementContext
 from meshkit.core.policies.simple import RoundRobin
@@ -75,7 +76,7 @@ def _one(mesh: Mesh, rid_body: bytes | None = None) -> None:
     body = b'{"model":"m","input":"hi"}' if rid_body else BODY
     view = mesh.prepare(match, body, [])
     flow = mesh.forward(view, [])
-    attempt = next(flow)
+    attempt = cast(Attempt, next(flow))  # no worker sleeps, none is a pair: an Attempt
     flow.close()
     acct = mesh.account(view, attempt.lease, 200)
     acct.feed(rid_body or b'{"choices":[{"text":"x"}],"usage":{"prompt_tokens":1}}')

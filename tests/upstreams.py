@@ -45,6 +45,9 @@ class FakeLease:
     def release(self, *, ok: bool, status: int | None = None) -> None:
         return None
 
+    def abandon(self) -> None:
+        return None
+
 
 #: the worker an attempt names (the URL alone decides where it goes)
 _CANDIDATE = Candidate(Worker("http://127.0.0.1:9"))

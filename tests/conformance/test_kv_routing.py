@@ -239,7 +239,7 @@ def test_a_worker_whose_model_list_changes_keeps_what_its_engine_holds(
     kv, a = mesh.fleet.kv, fleet[0]
 
     def listed(adapters: frozenset[str]) -> bool:
-        return all(mesh.fleet.models_of(w) == {"mock-model"} | adapters for w in mesh.workers[:1])
+        return all(mesh.fleet.models_of(w) == adapters | {"mock-model"} for w in mesh.workers[:1])
 
     deadline = time.monotonic() + 20
     while not listed(frozenset()):

@@ -13,7 +13,7 @@ from harness import AsyncTransportMode, TransportMode, wait_until
 from meshkit import Worker
 from meshkit.core.policies import RoundRobin
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "disaggregate me"}]}
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "disaggregate me"}]}
 
 pytestmark = pytest.mark.not_in_extproc(
     "prefill/decode needs two legs; ext-proc answers 501 unsupported_in_ext_proc (tests/extproc)"

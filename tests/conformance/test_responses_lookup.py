@@ -231,7 +231,10 @@ def test_the_miss_is_remembered_for_its_ttl_only(mock_factory: Any, kind: str) -
     mode = TransportMode(mesh)
     gone = "gone_1"
     try:
-        ask = lambda: mode.request("POST", "/v1/responses", json=_follow(gone, kind)).status  # noqa: E731
+
+        def ask() -> int:
+            return mode.request("POST", "/v1/responses", json=_follow(gone, kind)).status
+
         assert ask() == 501 and _lookups(mocks, gone, kind) == len(mocks)
         now[0] += 29.0
         assert ask() == 501 and _lookups(mocks, gone, kind) == len(mocks)  # remembered

@@ -175,7 +175,7 @@ class Sdk:
             out = await getattr(self.aclient.responses, op)(*args, **kw)
             return [e async for e in out] if streamed else out
 
-        return self.mode.run(go)  # type: ignore[attr-defined]
+        return self.mode.run(go)
 
 
 def _metrics(mesh: Mesh) -> Callable[..., float]:

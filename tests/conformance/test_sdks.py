@@ -12,7 +12,8 @@ import pytest
 from harness import AsyncTransportMode, wait_until
 from meshkit import Mesh, MeshTransport, Worker
 
-MSG = [{"role": "user", "content": "say hello"}]
+#: a message list both SDKs take (Any: each SDK types it with TypedDicts of its own)
+MSG: Any = [{"role": "user", "content": "say hello"}]
 
 
 @pytest.fixture
@@ -58,9 +59,9 @@ def test_openai_sdk(fleet: Mesh, run_mode: Any) -> None:
 
 def test_anthropic_sdk(fleet: Mesh, run_mode: Any) -> None:
     client = run_mode(fleet).anthropic(max_retries=0)
-    msg = client.messages.create(model="m", max_tokens=16, messages=MSG)  # type: ignore[arg-type]
+    msg = client.messages.create(model="m", max_tokens=16, messages=MSG)
     assert msg.content[0].type == "text"
-    with client.messages.stream(model="m", max_tokens=16, messages=MSG) as s:  # type: ignore[arg-type]
+    with client.messages.stream(model="m", max_tokens=16, messages=MSG) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
     assert text.split() == [f"tok{i}" for i in range(6)]
@@ -72,12 +73,13 @@ def test_openai_sdk_with_a_legacy_httpx_client(fleet: Mesh) -> None:
     client = openai.OpenAI(
         base_url="http://mesh.invalid/v1",
         api_key="client",
-        http_client=httpx.Client(transport=MeshTransport(fleet)),
+        # (ignore: the legacy httpx client, on purpose; the SDK is typed for httpx2's)
+        http_client=httpx.Client(transport=MeshTransport(fleet)),  # type: ignore[arg-type]
         max_retries=0,
     )
-    chat = client.chat.completions.create(model="m", messages=MSG)  # type: ignore[arg-type]
+    chat = client.chat.completions.create(model="m", messages=MSG)
     assert chat.choices[0].message.content
-    stream = client.chat.completions.create(model="m", messages=MSG, stream=True)  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model="m", messages=MSG, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert fleet.total_load() == 0
 
@@ -89,11 +91,11 @@ def test_async_sdks_through_the_async_transport(fleet: Mesh) -> None:
         an = mode.async_anthropic(max_retries=0)
 
         async def scenario() -> tuple[str, str, str, int]:
-            chat = await oa.chat.completions.create(model="m", messages=MSG)  # type: ignore[arg-type]
+            chat = await oa.chat.completions.create(model="m", messages=MSG)
             resp = await oa.responses.create(model="m", input="hi")
             got = await oa.responses.retrieve(resp.id)
             parts = []
-            async with an.messages.stream(model="m", max_tokens=16, messages=MSG) as s:  # type: ignore[arg-type]
+            async with an.messages.stream(model="m", max_tokens=16, messages=MSG) as s:
                 async for t in s.text_stream:
                     parts.append(t)
                 final = await s.get_final_message()
@@ -122,7 +124,7 @@ def test_worker_key_is_required_and_client_key_never_forwarded(
     client = run_mode(mesh).openai(
         api_key="client-secret", default_headers={"api-key": "azure-secret"}, max_retries=0
     )
-    client.chat.completions.create(model="m", messages=MSG)  # type: ignore[arg-type]
+    client.chat.completions.create(model="m", messages=MSG)
     assert mock.worker.stats.last_header("authorization") == "Bearer wk"
     assert mock.worker.stats.last_header("api-key") is None
     assert "client-secret" not in repr(mock.worker.stats.last_headers)
@@ -131,5 +133,5 @@ def test_worker_key_is_required_and_client_key_never_forwarded(
     unkeyed = mesh_factory(workers=[Worker(mock.url)])
     client2 = run_mode(unkeyed).openai(api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        client2.chat.completions.create(model="m", messages=MSG)  # type: ignore[arg-type]
+        client2.chat.completions.create(model="m", messages=MSG)
     assert anthropic is not None

@@ -69,7 +69,7 @@ def test_prefix_hash_on_tokens_agrees_across_modes_and_meshes(
     )
     mode = run_mode(mesh)
     system = "you are a careful assistant " * 40
-    placed = {}
+    placed: dict[int, set[str]] = {}
     for tenant in range(6):
         for turn in range(3):
             body = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import pytest
 from hypothesis import given, settings
@@ -197,12 +198,12 @@ def test_registered_endpoint_resolves(
 def test_table_covers_the_whole_registry() -> None:
     covered = set()
     for p in RESOLVES:
-        method, path = p.values[0], p.values[1]
+        method, path = cast(str, p.values[0]), cast(str, p.values[1])
         m = resolve(method, path)
         assert m is not None
         covered.add(m.endpoint.name)
     for p in MODEL_RETRIEVES:
-        m = resolve(p.values[0], p.values[1])
+        m = resolve(cast(str, p.values[0]), cast(str, p.values[1]))
         assert m is not None
         covered.add(m.endpoint.name)
     assert covered == {e.name for e in ENDPOINTS}

@@ -13,7 +13,7 @@ import json
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import given, settings
@@ -69,6 +69,7 @@ class FakeLease:
     weight: int
     #: (ok, status) per release; (None, None) for a release without a verdict
     releases: list[tuple[bool | None, int | None]] = field(default_factory=list)
+    started = 0.0  # Lease.started (not a field: a fake lease has no clock)
 
     def release(self, *, ok: bool, status: int | None = None) -> None:
         self._end((ok, status))
@@ -158,7 +159,7 @@ def drive(flow: ForwardFlow, outcomes: Sequence[AttemptResult], placer: FakePlac
     try:
         step = next(flow)
         while True:
-            run.attempts.append(step)
+            run.attempts.append(cast(Attempt, step))  # these flows never hold or pair
             run.at_yield.append(placer.release_counts())
             step = flow.send(next(it))
     except StopIteration as stop:
@@ -810,7 +811,7 @@ def test_resource_with_real_mesh_targets_asks_each_origin_once() -> None:
                 attempts.append(flow.send(_err(404, "x")))
         except StopIteration as stop:
             final = stop.value
-        origins = [a.candidate.origin for a in attempts]
+        origins = [cast(Attempt, a).candidate.origin for a in attempts]
         # one candidate per origin (DP ranks share one), healthy origins first
         assert origins == ["http://a:8000", "http://c:8000", "http://b:8000"]
         assert isinstance(final, LocalResponse)

@@ -37,7 +37,7 @@ def vllm(*events: VllmStored | VllmRemoved) -> Batch:
 
 
 def stored(
-    hashes: list[int],
+    hashes: list[int | bytes],
     tokens: list[int],
     *,
     parent: int | None = None,

@@ -18,6 +18,9 @@ class FakeBooks:
         self.closed: list[str] = []
         self.terminal = terminal
         self.stopped = False
+        # Books.max_event_bytes (bounds.max_sse_line_bytes' default); no event here
+        # is held back long enough for it to matter
+        self.max_event_bytes = 1024 * 1024
 
     @property
     def done(self) -> bool:

@@ -13,8 +13,9 @@ polls a condition.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import httpx
 import pytest
@@ -28,6 +29,9 @@ from meshkit.demo import TOKENIZER as TINY_TOKENIZER
 from meshkit.lifecycle.kv_relay import KvRelay
 from meshkit.mock.thread import MockWorkerThread
 from meshkit.testing.vllm import VllmServer, VllmUnavailable
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 pytest.importorskip("zmq")
 pytestmark = pytest.mark.engine
@@ -48,7 +52,7 @@ def first_turn(topic: str) -> list[dict[str, str]]:
 
 def run_vllm(
     tmp: pytest.TempPathFactory, pub_host: str, loras: tuple[str, ...] = ()
-) -> Iterator[VllmServer]:
+) -> Generator[VllmServer, None, None]:
     """vLLM on the tiny model (and random LoRA adapters of it named ``loras``), its
     events on ``tcp://{pub_host}:port``."""
     if not VLLM_PYTHON:
@@ -76,7 +80,10 @@ def chat(mesh: Mesh, messages: list[dict[str, str]], model: str = "tiny") -> tup
     mode = MODE_CLASSES["transport"](mesh)
     try:
         raw = mode.openai(max_retries=0).chat.completions.with_raw_response.create(
-            model=model, messages=messages, max_tokens=4, temperature=0
+            model=model,
+            messages=cast("list[ChatCompletionMessageParam]", messages),
+            max_tokens=4,
+            temperature=0,
         )
     finally:
         mode.close()
@@ -111,6 +118,7 @@ def test_a_second_router_follows_vllms_own_events(
     sample = r1.metrics.registry.get_sample_value
     count = sample("mesh_kv_event_age_seconds_count", {"worker": vllm.url})
     age = sample("mesh_kv_event_age_seconds_sum", {"worker": vllm.url})
+    assert age is not None, (count, age)
     assert count and 0 < age / count < 5, (count, age)
     held = r1.fleet.kv.blocks_of(vllm.url)
     assert wait_until(lambda: r2.fleet.kv.blocks_of(vllm.url) >= held, 30), (

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -31,7 +31,10 @@ grpc = pytest.importorskip("grpc", reason="grpcio is not installed")
 pb = pytest.importorskip(
     "envoy.service.ext_proc.v3.external_processor_pb2", reason="xds-protos is not installed"
 )
-pb_grpc = pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2_grpc")
+if TYPE_CHECKING:  # (a module, as a base class takes it; untyped: envoy.* has no types)
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+else:
+    pb_grpc = pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2_grpc")
 base_pb2 = pytest.importorskip("envoy.config.core.v3.base_pb2")
 http_status_pb2 = pytest.importorskip("envoy.type.v3.http_status_pb2")
 struct_pb2 = pytest.importorskip("google.protobuf.struct_pb2")

@@ -15,7 +15,7 @@ import json
 import re
 import socket
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import httpx2
 import pytest
@@ -185,7 +185,11 @@ def test_unknown_model_and_no_healthy_worker_alike(mock_factory: Any, mesh_facto
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/messages", MESSAGES)):
         status, headers, raw = agreed(
             in_both(
-                mesh, lambda m, p=path, j=body: answer(m, "POST", p, json={**j, "model": "alpha"})
+                mesh,
+                cast(
+                    Callable[[Mode], Any],
+                    lambda m, p=path, j=body: answer(m, "POST", p, json={**j, "model": "alpha"}),
+                ),
             )
         )
         assert status == 503 and {"retry-after", "retry-after-ms"} <= set(headers)
@@ -216,7 +220,12 @@ def test_a_workers_error_passes_through_alike(
         ("/v1/chat/completions", {**CHAT, "stream": True}),
         ("/v1/messages", MESSAGES),
     ):
-        got = agreed(in_both(mesh, lambda m, p=path, j=body: answer(m, "POST", p, json=j)))
+        got = agreed(
+            in_both(
+                mesh,
+                cast(Callable[[Mode], Any], lambda m, p=path, j=body: answer(m, "POST", p, json=j)),
+            )
+        )
         assert got == (
             status,
             {
@@ -436,7 +445,11 @@ def test_expect_100_continue_is_answered_alike(mock_factory: Any, mesh_factory: 
     assert ok["gateway"][:2] == (b"200", True)
     for path, length, status in ((PATH_B, 5000, b"413"), (b"/v1/chat/completionz", 10, b"404")):
         refused = in_both(
-            mesh, lambda m, p=path, n=length: _final(_exchange(m.base_url, [head(p, n)]))
+            mesh,
+            cast(
+                Callable[[Mode], Any],
+                lambda m, p=path, n=length: _final(_exchange(m.base_url, [head(p, n)])),
+            ),
         )
         assert refused["gateway"] == (status, False, refused["extproc"][2])
         assert refused["extproc"][0] == status  # Envoy sent its 100 first (interim True)

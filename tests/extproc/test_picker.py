@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import anthropic
 import httpx2
@@ -304,7 +304,7 @@ def test_health_service_says_live_and_ready_once_a_worker_is_verified(
         assert status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
         mesh.add_worker(w.url)  # probed at once
         for name in ("readiness", "", "envoy.service.ext_proc.v3.ExternalProcessor"):
-            assert wait_until(lambda n=name: status(n) == serving), name
+            assert wait_until(cast(Callable[[], bool], lambda n=name: status(n) == serving)), name
 
 
 def test_streams_are_bounded(

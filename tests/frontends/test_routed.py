@@ -69,7 +69,9 @@ def route_through(reply: Reply) -> tuple[list[tuple[Any, ...]], int]:
             upstream = FastUpstream(mesh.config.upstream)
             try:
                 down = Recorder(mesh)
-                routed = Routed(mesh, upstream, mesh.resolve("POST", "/v1/chat/completions"), down)
+                match = mesh.resolve("POST", "/v1/chat/completions")
+                assert match is not None
+                routed = Routed(mesh, upstream, match, down)
                 await routed.run("POST", json.dumps(CHAT).encode(), [], "")
                 await asyncio.sleep(0)  # the callbacks end() scheduled
                 return [tuple(c) for c in down.calls], mesh.total_load()

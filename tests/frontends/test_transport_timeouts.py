@@ -97,7 +97,7 @@ def test_the_sdks_timeout_is_an_api_timeout_error(
 ) -> None:
     mesh = _mesh(mesh_factory, silent.url, read_s=30.0)
     client = _sync_openai(mesh, **({"timeout": 0.5} if where == "client" else {}))
-    call = {"timeout": 0.5} if where == "call" else {}
+    call: dict[str, Any] = {"timeout": 0.5} if where == "call" else {}
     with client, pytest.raises(openai.APITimeoutError):
         client.chat.completions.create(model="m", messages=MESSAGES, **call)
     assert wait_until(lambda: settled(mesh))

@@ -14,8 +14,9 @@ import json
 import os
 import re
 import string
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 import httpx2
@@ -427,7 +428,7 @@ def plausible_requests(draw: st.DrawFn) -> Req:
     elif path == "/v1/responses/{id}":
         method = draw(st.sampled_from(["GET", "DELETE"]))
         path = path.replace("{id}", draw(st.from_regex(r"resp_[A-Za-z0-9]{1,12}", fullmatch=True)))
-    headers = [("content-type", draw(st.sampled_from(_CTYPES[1:5])))]
+    headers = [("content-type", cast(str, draw(st.sampled_from(_CTYPES[1:5]))))]  # (no None)
     if draw(st.booleans()):
         headers.append(("x-session-id", draw(st.text(alphabet=_TOKEN, max_size=12))))
     body = _encode(draw(valid_bodies)) if method == "POST" else b""
@@ -484,9 +485,9 @@ class AsgiDriver:
             await asyncio.Event().wait()  # no disconnect: wait to be cancelled
             raise AssertionError("unreachable")
 
-        sent: list[dict[str, Any]] = []
+        sent: list[MutableMapping[str, Any]] = []
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: MutableMapping[str, Any]) -> None:
             sent.append(message)
 
         headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in req.headers]

@@ -38,7 +38,11 @@ from hypothesis import given
 from meshkit import Mesh
 from meshkit.mock import MockConfig, MockWorkerThread
 
-DRIVERS = {"asgi": AsgiDriver, "wsgi": WsgiDriver, "transport": TransportDriver}
+DRIVERS: dict[str, type[AsgiDriver | WsgiDriver | TransportDriver]] = {
+    "asgi": AsgiDriver,
+    "wsgi": WsgiDriver,
+    "transport": TransportDriver,
+}
 FIGURES: dict[str, dict[str, int]] = {}
 
 

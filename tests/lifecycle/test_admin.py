@@ -81,7 +81,7 @@ def test_add_drain_and_remove(admin: Any, mock_factory: Any) -> None:
     assert r.status_code == 201, r.text
     assert SECRET not in r.text
     wid = Worker(extra.url).id
-    assert mesh.fleet.get(wid).api_key == SECRET  # type: ignore[union-attr]
+    assert mesh.fleet.get(wid).api_key == SECRET
     assert wait_until(lambda: state_of(mesh, wid) is State.READY)  # probed at once
     assert client.post("/workers", json={"url": extra.url}).status_code == 409
     r = client.post(f"/workers/{_id(extra.url)}/drain")

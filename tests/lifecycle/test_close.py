@@ -4,6 +4,7 @@ fleet change, a kick) arrives in the same loop turn as the stop."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 from harness import wait_until
 from lifecycle.conftest import FAST
@@ -23,7 +24,9 @@ def test_close_ends_the_thread_when_a_kick_races_the_stop(
         life = mesh.lifecycle
         life.start()
         thread = life._thread
-        assert thread is not None and wait_until(lambda life=life: life.running)
+        assert thread is not None and wait_until(
+            cast(Callable[[], bool], lambda life=life: life.running)
+        )
         life.kick()  # the probe loop's and the KV sync's events
         mesh.close()
         assert not thread.is_alive()

@@ -150,7 +150,9 @@ def test_a_label_change_keeps_the_lease_of_a_request_in_flight(
     mesh = mesh_factory(workers=["http://10.0.0.1:80"], lifecycle={"probe": False})
     worker = mesh.workers[0]
     cand = mesh.fleet.candidates_of(worker)[0]
-    view: Any = mesh.prepare(mesh.resolve("POST", PATH), b'{"model":"m","messages":[]}', [])
+    match = mesh.resolve("POST", PATH)
+    assert match is not None
+    view: Any = mesh.prepare(match, b'{"model":"m","messages":[]}', [])
     lease = mesh.router.lease(cand, view)
     report = mesh.reconfigure(
         MeshConfig.build(
@@ -175,7 +177,9 @@ def test_a_lease_on_a_worker_with_kv_events_weighs_only_the_uncached_prompt(
         workers=["http://10.0.0.1:80", "http://10.0.0.2:80"], lifecycle={"probe": False}
     )
     held, cold = (mesh.fleet.candidates_of(w)[0] for w in mesh.workers)
-    view: Any = mesh.prepare(mesh.resolve("POST", PATH), b'{"model":"m","messages":[]}', [])
+    match = mesh.resolve("POST", PATH)
+    assert match is not None
+    view: Any = mesh.prepare(match, b'{"model":"m","messages":[]}', [])
     view.prompt_ids, view.prompt_weight = list(range(32)), 1000
     mesh.fleet.kv.apply(
         held.worker.id, Batch(0.0, (BlockStored((5,), None, tuple(range(16)), 16),))

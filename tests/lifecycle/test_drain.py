@@ -8,13 +8,13 @@ from typing import Any
 
 from harness import TransportMode, wait_until
 from lifecycle.conftest import CHAT, PATH, state_of
-from meshkit import Worker
+from meshkit import Mesh, Worker
 from meshkit.core.lifecycle import State
 
 SLOW = {"output_tokens": 10, "per_token_ms": 20}
 
 
-def _two(mock_factory: Any, mesh_factory: Any) -> tuple[Any, Any, str]:
+def _two(mock_factory: Any, mesh_factory: Any) -> tuple[Mesh, TransportMode, str]:
     a = mock_factory(name="a", **SLOW)
     b = mock_factory(name="b")
     mesh = mesh_factory(workers=[Worker(a.url), Worker(b.url)], lifecycle={"probe": False})

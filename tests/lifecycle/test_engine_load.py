@@ -87,7 +87,7 @@ def test_metrics_over_their_bound_are_not_read_cut(
     }
     for mesh in meshes.values():
         mesh.lifecycle.start()
-    probes = lambda: worker.worker.stats.requests_total.get("/metrics", 0)  # noqa: E731
+    probes: Callable[[], int] = lambda: worker.worker.stats.requests_total.get("/metrics", 0)  # noqa: E731
     deadline = time.monotonic() + 20
     while "engine_load" not in meshes[big].router.describe(worker.url)[0] or probes() < 10:
         assert time.monotonic() < deadline, "the metrics were never read"

@@ -73,6 +73,15 @@ class Placer:
     def targets(self, view: RequestView) -> list[Candidate]:  # pragma: no cover
         return [self.cand]
 
+    def lookup_targets(self, view: RequestView) -> list[Candidate]:  # pragma: no cover
+        return []
+
+    def remember_response(self, response_id: str, origin: str) -> None:  # pragma: no cover
+        pass
+
+    def remember_missing(self, response_id: str) -> None:  # pragma: no cover
+        pass
+
 
 def _flow(placer: Placer) -> Any:
     m = resolve("POST", PATH)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -209,7 +210,7 @@ def test_hung_workers_do_not_starve_the_probes_of_healthy_ones(
     try:
         mesh.start_lifecycle()
         good_id = mesh.workers[-1].id
-        probes = lambda: good.worker.stats.requests_total.get("/health", 0)  # noqa: E731
+        probes: Callable[[], int] = lambda: good.worker.stats.requests_total.get("/health", 0)  # noqa: E731
         # three rounds, each as long as the hung workers' timeout
         assert wait_until(lambda: probes() >= 3, 20)
         assert state_of(mesh, good_id) is State.READY

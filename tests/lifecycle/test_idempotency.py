@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,7 +21,7 @@ def test_join_and_replay_are_counted_once(
     lc = mesh.router.states
     mode = run_mode(mesh)
     key = {"idempotency-key": "order-42"}
-    in_flight = lambda: a.worker.stats.in_flight + b.worker.stats.in_flight  # noqa: E731
+    in_flight: Callable[[], int] = lambda: a.worker.stats.in_flight + b.worker.stats.in_flight  # noqa: E731
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(mode.request, "POST", PATH, json=CHAT, headers=key)
         assert wait_until(lambda: in_flight() == 1)

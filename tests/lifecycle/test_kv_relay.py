@@ -19,8 +19,12 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import pytest
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 zmq = pytest.importorskip("zmq")
 
@@ -134,7 +138,7 @@ def replay(relay: KvRelay, start: int, topic: bytes) -> list[int]:
     try:
         dealer.connect(relay.replay_endpoint)
         dealer.send_multipart([b"", start.to_bytes(8, "big"), topic])
-        got = []
+        got: list[int] = []
         while True:
             frames = dealer.recv_multipart()
             assert frames[0] == b""
@@ -178,7 +182,8 @@ def test_routers_behind_a_relay_follow_the_engines_cache(
             "tcp://127.0.0.1:*",
             "--metrics-port",
             "0",
-            *[arg for w in fleet for arg in ("--publisher", w.kv_events_endpoint)],
+            # (cast: every worker of a publishing fleet has an endpoint)
+            *[arg for w in fleet for arg in ("--publisher", cast(str, w.kv_events_endpoint))],
         ]
     )
     proc, endpoint, replays = relay.proc, relay.endpoint, relay.replay_endpoint
@@ -204,7 +209,9 @@ def test_routers_behind_a_relay_follow_the_engines_cache(
             client = mode.openai(max_retries=0)
             for topic in TOPICS:
                 raw = client.chat.completions.with_raw_response.create(
-                    model="tiny", messages=first_turn(topic), max_tokens=4
+                    model="tiny",
+                    messages=cast("list[ChatCompletionMessageParam]", first_turn(topic)),
+                    max_tokens=4,
                 )
                 reply = raw.parse().choices[0].message.content or ""
                 firsts[topic] = (raw.headers["x-mock-worker"], reply)
@@ -228,7 +235,9 @@ def test_routers_behind_a_relay_follow_the_engines_cache(
                     {"role": "user", "content": "and tomorrow?"},
                 ]
                 raw = client.chat.completions.with_raw_response.create(
-                    model="tiny", messages=follow, max_tokens=4
+                    model="tiny",
+                    messages=cast("list[ChatCompletionMessageParam]", follow),
+                    max_tokens=4,
                 )
                 assert raw.headers["x-mock-worker"] == worker, topic
                 details = raw.parse().usage.prompt_tokens_details  # type: ignore[union-attr]
@@ -524,7 +533,12 @@ def test_a_router_behind_by_send_hwm_sees_a_gap_and_the_relay_does_not_wait(
             for i in range(1, 1001):
                 pub.send(payload)  # the subscriber reads none of these yet
                 if i % 100 == 0:  # the relay keeps up (the publisher's own bound aside)
-                    until(lambda i=i: relay.sources[0].forwarded == before + i, "the relay")
+                    until(
+                        cast(
+                            Callable[[], bool], lambda i=i: relay.sources[0].forwarded == before + i
+                        ),
+                        "the relay",
+                    )
             seqs = []
             while sub.poll(200):
                 seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -144,7 +145,10 @@ def test_a_relay_lost_is_one_warning_whatever_the_number_of_workers_behind_it(
     with running(b):
         with running(a):
             for relay in (a, b):
-                until(lambda r=relay: all(s.connected for s in r.sources), "the relays")
+                until(
+                    cast(Callable[[], bool], lambda r=relay: all(s.connected for s in r.sources)),
+                    "the relays",
+                )
             mesh = Mesh(
                 workers=[Worker(u, kv_events=e) for u, e in zip(urls, ends, strict=True)],
                 policy="cache_aware",

@@ -10,25 +10,28 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pytest
 
-zmq = pytest.importorskip("zmq")
+if TYPE_CHECKING:
+    import zmq
+else:
+    zmq = pytest.importorskip("zmq")
 
-from meshkit import Mesh  # noqa: E402
-from meshkit.core.workers import Worker  # noqa: E402
-from meshkit.demo import TOKENIZER  # noqa: E402
-from meshkit.mock.kv_publisher import BlockStored, KVEventBatch  # noqa: E402
+from meshkit import Mesh
+from meshkit.core.workers import Worker
+from meshkit.demo import TOKENIZER
+from meshkit.mock.kv_publisher import BlockStored, KVEventBatch
 
 URL = "http://127.0.0.1:9"  # never called: probes are off
 BLOCK = 4
 
 
 def free_endpoint(
-    ctx: zmq.Context, kind: int, where: str = "tcp://127.0.0.1:*"
-) -> tuple[zmq.Socket, str]:
+    ctx: zmq.SyncContext, kind: int, where: str = "tcp://127.0.0.1:*"
+) -> tuple[zmq.SyncSocket, str]:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(where)
@@ -262,7 +265,7 @@ def test_a_bad_payload_drops_the_workers_entries(pub: Publisher) -> None:
         pub.store([1], None, [1, 2, 3, 4])
         until(lambda: holds(mesh, [1, 2, 3, 4]) == 4, "the block")
         pub.send(b"\xc1 not msgpack")
-        errors = lambda: mesh.metrics.registry.get_sample_value(  # noqa: E731
+        errors: Callable[[], float | None] = lambda: mesh.metrics.registry.get_sample_value(  # noqa: E731
             "mesh_kv_errors_total", {"worker": URL}
         )
         until(lambda: errors() == 1, "the error")
@@ -536,7 +539,7 @@ def test_deeply_nested_msgpack_is_a_bad_payload_not_a_dead_subscriber(pub: Publi
     with mesh_for(pub) as mesh:
         connected(mesh, pub)
         pub.send(b"\x91" * 5000 + b"\xc0")  # fixarray(1) nested 5000 deep
-        errors = lambda: mesh.metrics.registry.get_sample_value(  # noqa: E731
+        errors: Callable[[], float | None] = lambda: mesh.metrics.registry.get_sample_value(  # noqa: E731
             "mesh_kv_errors_total", {"worker": URL}
         )
         until(lambda: errors() == 1, "the error")

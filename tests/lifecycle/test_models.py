@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -83,7 +84,7 @@ def test_the_list_is_read_once_per_interval_and_never_at_zero(
     off = mesh_factory(workers=[never.url], lifecycle={**FAST, "models_interval_s": 0})
     for mesh in (slow, off):
         mesh.start_lifecycle()
-    probes = lambda mock: mock.worker.stats.requests_total.get("/health", 0)  # noqa: E731
+    probes: Callable[[Any], int] = lambda mock: mock.worker.stats.requests_total.get("/health", 0)  # noqa: E731
     # many probe rounds later ...
     assert wait_until(lambda: probes(every) >= 5 and probes(never) >= 5)
     assert every.worker.stats.requests_total.get("/v1/models", 0) == 1

@@ -12,7 +12,7 @@ import pytest
 
 from harness import wait_until
 from lifecycle.conftest import FAST, SLEEPY, state_of
-from meshkit import Worker
+from meshkit import Mesh, Worker
 from meshkit.core.lifecycle import State
 
 
@@ -22,7 +22,7 @@ def test_a_sleep_whose_wait_runs_out_raises_timeout_error_and_goes_on(
     # The engine takes its time to sleep and wake, or a loaded machine could see a
     # call end before the zero wait is checked.
     mock = mock_factory(name="sleepy", sleep_mode=True, wake_ms=300, sleep_ms=300)
-    mesh = mesh_factory(workers=[Worker(mock.url, labels=SLEEPY)], lifecycle=FAST)
+    mesh: Mesh = mesh_factory(workers=[Worker(mock.url, labels=SLEEPY)], lifecycle=FAST)
     wid = mesh.workers[0].id
     mesh.start_lifecycle()
     assert wait_until(lambda: state_of(mesh, wid) is State.READY)

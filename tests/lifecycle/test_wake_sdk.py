@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from harness import AsyncTransportMode
 from lifecycle.conftest import asleep_worker
 
-MSG = [{"role": "user", "content": "say hello"}]
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "say hello"}]
 NO_WAIT = {"x-mesh-wait": "false"}
 
 

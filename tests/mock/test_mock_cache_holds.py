@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import httpx2
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from meshkit.demo import TOKENIZER
 from meshkit.mock import MockConfig, MockWorkerThread
 from meshkit.mock.cache import PrefixCache
+from meshkit.mock.kv_publisher import BlockStored, KVCacheEvent
 from meshkit.mock.tokens import prompt_tokens
 from meshkit.testing.fleet import samples
 
@@ -139,7 +141,7 @@ def test_worker_keeps_a_running_prompt_cached(holds: bool, http: httpx2.Client) 
 
 def test_output_blocks_are_stored_when_the_request_ends() -> None:
     clock = Clock()
-    batches: list[list[object]] = []
+    batches: list[list[KVCacheEvent]] = []
     cache = PrefixCache(capacity_tokens=1024, block_size=16, events=batches.append, clock=clock)
     prompt = words("p", 40)
     full = prompt + words("tok", 16)
@@ -147,13 +149,15 @@ def test_output_blocks_are_stored_when_the_request_ends() -> None:
     cache.admit(keys, prompt, 56, 2.0, then=(cache.block_hashes(full), full))
     assert cache.lookup(cache.block_hashes(full), 57) == 32  # the answer is not cached yet
     stored_prompt = batches[-1][-1]
+    assert isinstance(stored_prompt, BlockStored)
     clock.now = 2.0
     assert cache.held_blocks == 0  # ends the request: its output is stored
     assert cache.lookup(cache.block_hashes(full), 57) == 48
     (event,) = batches[-1]
+    assert isinstance(event, BlockStored)
     # one new block, chained on the prompt's last full block, as vLLM reports it
-    assert event.parent_block_hash == stored_prompt.block_hashes[-1]  # type: ignore[attr-defined]
-    assert len(event.token_ids) == 16  # type: ignore[attr-defined]
+    assert event.parent_block_hash == stored_prompt.block_hashes[-1]
+    assert len(event.token_ids) == 16
 
 
 @pytest.mark.parametrize(("outputs", "holds"), [(True, False), (True, True), (False, False)])
@@ -208,14 +212,16 @@ def test_published_events_describe_the_cache_exactly(holds: bool) -> None:
 
     from meshkit.core.kv_events import decode_batch
     from meshkit.core.kv_index import KvIndex, _h64
-    from meshkit.mock.kv_publisher import KVEventBatch
+    from meshkit.mock.kv_publisher import AllBlocksCleared, BlockRemoved, KVEventBatch
 
     clock = Clock()
     index = KvIndex(10**6)
     encode = msgspec.msgpack.Encoder().encode
 
-    def sink(events: list[object]) -> None:
-        batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=None)  # type: ignore[arg-type]
+    def sink(events: list[KVCacheEvent]) -> None:
+        # (the cache's events are the concrete kinds the decoding struct lists)
+        kinds = cast("list[BlockStored | BlockRemoved | AllBlocksCleared]", events)
+        batch = KVEventBatch(ts=time.time(), events=kinds, data_parallel_rank=None)
         index.apply("w", decode_batch(encode(batch)))
 
     cache = PrefixCache(4000, 32, events=sink, clock=clock)
@@ -247,7 +253,7 @@ def test_published_events_describe_the_cache_exactly(holds: bool) -> None:
 
 def test_a_request_that_does_not_fit_waits_for_the_running_one() -> None:
     clock = Clock()
-    batches: list[list[object]] = []
+    batches: list[list[KVCacheEvent]] = []
     cache = PrefixCache(capacity_tokens=64, block_size=16, events=batches.append, clock=clock)
     a, b = words("a", 32), words("b", 32)
     ka, kb = cache.block_hashes(a), cache.block_hashes(b)

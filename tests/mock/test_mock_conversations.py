@@ -5,7 +5,7 @@ a real socket (raw HTTP and the openai SDK), and ``POST /v1/responses`` with
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import httpx2
 import openai
@@ -70,7 +70,7 @@ def test_the_store_keeps_the_last_items_of_a_conversation() -> None:
 @pytest.mark.parametrize("field", ["max_conversations", "max_conversation_items", "max_responses"])
 def test_the_bounds_are_validated(field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        MockConfig(**{field: 0})
+        MockConfig(**cast("dict[str, Any]", {field: 0}))
 
 
 def test_the_bounds_have_flags() -> None:
@@ -159,7 +159,7 @@ def test_every_conversation_endpoint(
         ("GET", f"{cid}/items/x"),
         ("DELETE", f"{cid}/items/x"),
     ]:
-        body = {"metadata": {}, "items": []} if method == "POST" else None
+        body: dict[str, Any] | None = {"metadata": {}, "items": []} if method == "POST" else None
         _assert_openai_404(http.request(method, f"{url}/{path}", json=body), "conversation_id")
 
 
@@ -197,6 +197,7 @@ def test_the_openai_sdk(spawn: Callable[..., MockWorkerThread]) -> None:
     added = client.conversations.items.create(
         conv.id, items=[{"type": "message", "role": "user", "content": "four"}]
     )
+    assert added.data[0].id is not None
     got = client.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id)
     assert got.id == added.data[0].id
     assert len(list(client.conversations.items.list(conv.id, limit=1))) == 2  # paged by the SDK

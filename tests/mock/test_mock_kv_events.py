@@ -124,7 +124,7 @@ def post(http: httpx.Client, m: MockWorkerThread, body: dict[str, Any], path: st
 
 
 def only(batch: dict[str, Any], kind: str) -> dict[str, Any]:
-    events = [e for e in batch["events"] if e["type"] == kind]
+    events: list[dict[str, Any]] = [e for e in batch["events"] if e["type"] == kind]
     assert len(events) == 1, batch
     return events[0]
 

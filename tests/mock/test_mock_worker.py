@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anthropic
 import httpx2
@@ -22,6 +22,14 @@ import pytest
 from meshkit.mock import MockConfig, MockWorker, MockWorkerThread, run_mock_worker
 from meshkit.mock.cache import PrefixCache
 from meshkit.mock.tokens import prompt_tokens
+
+if TYPE_CHECKING:
+    from openai.types.responses import (
+        ResponseCompletedEvent,
+        ResponseCreatedEvent,
+        ResponseInProgressEvent,
+        ResponseQueuedEvent,
+    )
 
 PROMPT = " ".join(f"word{i}" for i in range(40))  # 40 tokens
 
@@ -307,7 +315,8 @@ def test_responses_create_stream_events(mock: MockWorkerThread) -> None:
         "response.completed",
     ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    final = events[-1].response  # type: ignore[union-attr]
+    final = cast("ResponseCompletedEvent", events[-1]).response  # the types, as asserted
+    assert final.usage is not None
     assert final.usage.input_tokens_details.cached_tokens == 0
     assert client.responses.retrieve(final.id).status == "completed"
 
@@ -393,7 +402,10 @@ def test_a_streamed_background_response_is_queued_first_and_streams_while_genera
     events = list(client.responses.create(model="m", input="a b", background=True, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
-    assert [e.response.status for e in events[:3]] == ["queued", "queued", "in_progress"]
+    firsts = cast(
+        "list[ResponseCreatedEvent | ResponseQueuedEvent | ResponseInProgressEvent]", events[:3]
+    )
+    assert [e.response.status for e in firsts] == ["queued", "queued", "in_progress"]
     assert kinds[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     # Not streamed: a retrieve with stream=true while it generates streams it from

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,7 +78,7 @@ def make_pool() -> Iterator[Callable[..., PreparePool]]:
     """Build pools that are shut down (without waiting) when the test ends."""
     pools: list[PreparePool] = []
 
-    def make(clock: Callable[[], float] = time.monotonic, **config: int) -> PreparePool:
+    def make(clock: Callable[[], float] = time.monotonic, **config: Any) -> PreparePool:
         pool = PreparePool(PoolConfig(**config), clock=clock)
         pools.append(pool)
         return pool

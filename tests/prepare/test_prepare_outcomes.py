@@ -6,7 +6,8 @@ import asyncio
 import threading
 import time
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -101,7 +102,7 @@ def test_each_job_is_counted_exactly_once(
             if kind in ("async", "async_cancel"):
                 futures.append(asyncio.run_coroutine_threadsafe(awaited(i, kind), loop))
                 continue
-            job = pool.submit(lambda i=i, kind=kind: body(i, kind))
+            job = pool.submit(cast(Callable[[], Any], lambda i=i, kind=kind: body(i, kind)))
             with lock:
                 jobs[i] = job
             if kind == "cancel":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -77,7 +77,7 @@ def test_default_workers_is_half_the_cpus_at_least_one() -> None:
     "kwargs",
     [{"workers": 0}, {"timeout_ms": 0}, {"queue_capacity": -1}, {"workers_per_tokenizer": 0}],
 )
-def test_invalid_config_is_refused(kwargs: dict[str, int]) -> None:
+def test_invalid_config_is_refused(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         PoolConfig(**kwargs)
 
@@ -179,7 +179,7 @@ def test_queue_full_is_refused_at_once_with_a_retry_hint(
 ) -> None:
     pool = make_pool(workers=2, queue_capacity=3)
     blockers = occupy(pool, wait_until)
-    queued = [pool.submit(lambda i=i: i) for i in range(3)]
+    queued = [pool.submit(cast(Callable[[], int], lambda i=i: i)) for i in range(3)]
     assert pool.queued == 3
     assert sample(pool, "mesh_prepare_queued_jobs") == 3
     assert sample(pool, "mesh_prepare_dispatched_jobs") == 5
@@ -460,7 +460,7 @@ def test_shutdown_with_a_stuck_job_returns_after_the_grace(
 
 def test_shutdown_waits_for_running_jobs_within_the_grace(make_pool: MakePool) -> None:
     pool = make_pool(workers=2, shutdown_grace_ms=10_000)
-    jobs = [pool.submit(lambda i=i: i) for i in range(2)]
+    jobs = [pool.submit(cast(Callable[[], int], lambda i=i: i)) for i in range(2)]
     for job in jobs:
         job.result()
     pool.shutdown(wait=True)

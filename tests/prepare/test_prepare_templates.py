@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ WEATHER_TOOL = {
 
 
 def test_qwen_template_renders_a_tool_conversation(qwen: LoadedTokenizer) -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is the weather?"},
         {

@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx2
 import pytest
@@ -102,7 +103,10 @@ def test_prepare_overload_is_refused_at_once_and_recovers(
             # One at a time, each seen by the pool before the next: on a busy
             # machine requests sent together can reach it in any order and time.
             admitted.append(pool.submit(mode.request, "POST", PATH, json=CHAT))
-            seen = wait_until(lambda n=i + 1: mesh.pool.running + mesh.pool.queued == n, 60)
+            seen = wait_until(
+                cast(Callable[[], bool], lambda n=i + 1: mesh.pool.running + mesh.pool.queued == n),
+                60,
+            )
             assert seen, (i, mesh.pool.running, mesh.pool.queued, _done(admitted))
         assert (mesh.pool.running, mesh.pool.queued) == (1, QUEUE)
         excess = [

@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -300,6 +300,7 @@ def test_the_gateway_logs_no_secret(mock_factory: Any, tmp_path: Path) -> None:
         assert gw.url is not None
         with httpx2.Client(base_url=gw.url, timeout=30) as c:
             h = _client_headers()
+            call: Callable[[], httpx2.Response]
             for call in (
                 lambda: c.post("/v1/chat/completions", json=_chat(), headers=h),
                 lambda: c.post("/v1/chat/completions", json=_chat(True), headers=h),

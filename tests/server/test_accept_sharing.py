@@ -112,7 +112,7 @@ class _Child:
         """The connections waiting in child ``index``'s inbox."""
         inbox = self.pairs[index][0]
         inbox.setblocking(False)
-        out = []
+        out: list[socket.socket] = []
         while True:
             try:
                 _, fds, _, _ = socket.recv_fds(inbox, 1, 1)

@@ -21,7 +21,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpx2
@@ -556,13 +556,13 @@ def test_pipelined_bodies_are_bounded_in_bytes(gateway: Any) -> None:
     assert conn is not None
 
     def state() -> tuple[int, bool]:
-        return served.call(lambda: (len(conn.queue), conn.read_paused))
+        return cast("tuple[int, bool]", served.call(lambda: (len(conn.queue), conn.read_paused)))
 
     # One at a time, each read before the next is sent: what one read of the socket
     # holds is parsed whole, so sending them together would test the read's size.
     for queued, one in enumerate(big[1:], 1):
         raw.send(one)
-        assert wait_until(lambda q=queued: state()[0] == q or state()[1])
+        assert wait_until(cast(Callable[[], bool], lambda q=queued: state()[0] == q or state()[1]))
         if state()[1]:
             break
     # Three queued bodies are 1.2 x max_body_bytes: reading paused there, at 3 of 16.
@@ -1141,7 +1141,7 @@ def test_a_client_that_never_reads_stops_its_pipelined_requests(gateway: Any) ->
         threading.Event().wait(0.02)
     assert api_requests(worker) == asked < sent  # nothing more was asked meanwhile
     raw.sock.settimeout(60)
-    statuses = []
+    statuses: list[int] = []
     with contextlib.suppress(EOFError):  # reading now: every answer arrives, in order
         while len(statuses) < sent:
             statuses.append(raw.response().status)

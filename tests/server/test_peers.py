@@ -14,7 +14,7 @@ import socket
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import httpx
@@ -25,7 +25,7 @@ from harness import wait_until
 from lifecycle.conftest import CHAT, FAST, PATH, SLEEPY
 from meshkit import Mesh, MeshMiddleware, Worker
 from meshkit.core.lifecycle import State
-from meshkit.server import build_gateway
+from meshkit.server import ServeApp, build_gateway
 from meshkit.server.merged_metrics import merge_metrics
 from meshkit.server.merged_workers import merge_rows
 from meshkit.server.peer_admin import gate_lifecycle
@@ -112,7 +112,9 @@ def processes(run_dir: str, mesh_factory: Any) -> Iterator[Callable[..., list[Pr
             public = GatewayThread(gateway=gateway)
             public.start()
             if gate is not None:
-                public.call(lambda g=gate: g.bind(asyncio.get_running_loop()))
+                public.call(
+                    cast(Callable[[], None], lambda g=gate: g.bind(asyncio.get_running_loop()))
+                )
             private = GatewayThread(gateway=peer_app(gateway), sock=unix_listener(peers.path(i)))
             private.start()
             procs.append(Proc(mesh, peers, public, private))
@@ -373,7 +375,10 @@ def _sleepy(processes: Any, mock_factory: Any, n: int, **mock_kw: Any) -> tuple[
     for p in procs:
         p.mesh.start_lifecycle()
     wid_ = procs[0].mesh.workers[0].id
-    states = lambda: [p.mesh.router.states.machines[wid_].state for p in procs]  # noqa: E731
+
+    def states() -> list[State]:
+        return [p.mesh.router.states.machines[wid_].state for p in procs]
+
     assert wait_until(lambda: states() == [State.READY] * n)
     return procs, mock
 
@@ -594,7 +599,7 @@ def test_peers_knows_where_its_siblings_listen(run_dir: str) -> None:
 
 def test_without_peers_nothing_changes(mesh_factory: Any) -> None:
     gateway = build_gateway(mesh_factory(workers=["http://127.0.0.1:9"]))
-    assert gateway.app.peers is None
+    assert cast(ServeApp, gateway.app).peers is None  # (build_gateway: gateway.app is one)
     with GatewayThread(gateway=gateway) as url:
         assert "mesh_gateway_processes" not in httpx.get(url + "/metrics").text
         assert "processes" not in httpx.get(url + "/health").json()

@@ -103,6 +103,7 @@ def test_the_children_subscribe_once_per_engine_through_their_relay(
     assert wait_until(lambda: len(children_of(parent)) == 2 + relay)
     assert (relay_child(parent) is not None) == relay
     assert wait_until(lambda: processes_seen(gw.url, 20) == {0, 1}, timeout=60)
+    assert worker.kv_events_endpoint is not None  # a publishing mock
     port = int(worker.kv_events_endpoint.rsplit(":", 1)[1])
     assert wait_until(lambda: established_to(port) == subscriptions, timeout=30)
     for topic in ("rivers", "mountains", "deserts", "forests"):
@@ -157,6 +158,7 @@ def test_sighup_brings_a_new_engine_to_the_relay_and_every_child(
         + f'kv_replay = "{second.kv_replay_endpoint}"\n'
     )
     gw.signal(signal.SIGHUP)
+    assert second.kv_events_endpoint is not None  # a publishing mock
     port = int(second.kv_events_endpoint.rsplit(":", 1)[1])
     # the relay subscribes to the new engine, once for the gateway
     assert wait_until(lambda: established_to(port) == 1, timeout=30)
@@ -187,6 +189,7 @@ def test_a_worker_an_admin_adds_is_followed_by_the_relay_once(
     r = fresh(gw.url, "POST", "/workers", json=spec)
     assert r.status_code == 201, r.text
     assert r.json()["processes"]["applied"] == 2
+    assert second.kv_events_endpoint is not None  # a publishing mock
     port = int(second.kv_events_endpoint.rsplit(":", 1)[1])
     # no worker of the relay's configuration names it: it follows the children
     assert wait_until(lambda: established_to(port) == 1, timeout=30)
@@ -219,6 +222,7 @@ def test_a_relay_of_the_operators_own_means_none_of_the_gateways(
     assert wait_until(lambda: len(children_of(parent)) == 2)
     assert relay_child(parent) is None
     # the engine itself is never subscribed to: the children wait on that relay
+    assert worker.kv_events_endpoint is not None  # a publishing mock
     port = int(worker.kv_events_endpoint.rsplit(":", 1)[1])
     assert established_to(port) == 0
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2
 import openai
@@ -13,7 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness import wait_until
 
-MSG = [{"role": "user", "content": "say hello"}]
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "say hello"}]
 
 
 def requests_total(base: str) -> dict[tuple[str, str], float]:
@@ -60,12 +64,12 @@ def test_serve_with_worker_flags(mock_factory: Any, spawn: Any) -> None:
     assert httpx2.get(base + "/health", trust_env=False).json()["workers"] == 2
 
     with sdk(base) as client:
-        raw = client.chat.completions.with_raw_response.create(model="mock-model", messages=MSG)  # type: ignore[arg-type]
+        raw = client.chat.completions.with_raw_response.create(model="mock-model", messages=MSG)
         assert raw.parse().choices[0].message.content
         first = raw.headers["x-mock-worker"]
         stream = client.chat.completions.create(
             model="mock-model",
-            messages=MSG,  # type: ignore[arg-type]
+            messages=MSG,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -106,7 +110,7 @@ labels = {{ "mesh.apis" = "chat" }}
     )
     gw = spawn("serve", "--config", str(conf), env={"TEST_WORKER_KEY": "sk-worker"})
     with sdk(gw.url) as client:
-        chat = client.chat.completions.create(model="m", messages=MSG)  # type: ignore[arg-type]
+        chat = client.chat.completions.create(model="m", messages=MSG)
     assert chat.choices[0].message.content
     # the gateway replaced the client's key with the worker's own
     assert w.worker.stats.last_header("authorization") == "Bearer sk-worker"
@@ -117,13 +121,13 @@ def test_env_workers_and_a_flag_port(mock_factory: Any, spawn: Any) -> None:
     w = mock_factory(name="from-env")
     gw = spawn("serve", "--port", "0", env={"MESHKIT_WORKERS": w.url})
     with sdk(gw.url) as client:
-        raw = client.chat.completions.with_raw_response.create(model="m", messages=MSG)  # type: ignore[arg-type]
+        raw = client.chat.completions.with_raw_response.create(model="m", messages=MSG)
     assert raw.headers["x-mock-worker"] == "from-env"
 
 
 def test_probes_without_workers(spawn: Any) -> None:
     gw = spawn("serve", "--port", "0", "--log-level", "warning")
-    get = lambda path: httpx2.get(gw.url + path, trust_env=False)  # noqa: E731
+    get: Callable[[str], httpx2.Response] = lambda path: httpx2.get(gw.url + path, trust_env=False)  # noqa: E731
     assert get("/health").status_code == 503
     assert get("/health").json()["status"] == "unavailable"
     assert get("/readiness").status_code == 503
@@ -140,7 +144,7 @@ def test_workers_are_probed_before_the_gateway_says_ready(mock_factory: Any, spa
     dead.kill()
     live = mock_factory(name="live")
     gw = spawn("serve", "--port", "0", "--worker", dead_url, "--policy", "round_robin")
-    get = lambda path: httpx2.get(gw.url + path, trust_env=False)  # noqa: E731
+    get: Callable[[str], httpx2.Response] = lambda path: httpx2.get(gw.url + path, trust_env=False)  # noqa: E731
 
     def probed() -> bool:
         workers = get("/workers").json()["workers"]
@@ -159,7 +163,7 @@ def test_workers_are_probed_before_the_gateway_says_ready(mock_factory: Any, spa
     )
     with sdk(both.url) as client:
         for _ in range(3):
-            raw = client.chat.completions.with_raw_response.create(model="m", messages=MSG)  # type: ignore[arg-type]
+            raw = client.chat.completions.with_raw_response.create(model="m", messages=MSG)
             assert raw.headers["x-mock-worker"] == "live"
 
 

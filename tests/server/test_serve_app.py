@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import pytest
@@ -143,7 +143,7 @@ def test_the_gateway_mounts_the_admin_routes() -> None:
 
     mesh = Mesh(workers=[], lifecycle={"probe": False}, admin_key="adm")
     app = ServeApp(mesh)
-    sent: list[dict[str, object]] = []
+    sent: list[MutableMapping[str, Any]] = []
 
     async def call(method: str, path: str, body: bytes, auth: bool) -> int:
         headers = [(b"authorization", b"Bearer adm")] if auth else []
@@ -160,7 +160,7 @@ def test_the_gateway_mounts_the_admin_routes() -> None:
         async def receive() -> dict[str, object]:
             return messages.pop(0) if messages else {"type": "http.disconnect"}
 
-        async def send(msg: dict[str, object]) -> None:
+        async def send(msg: MutableMapping[str, Any]) -> None:
             sent.append(msg)
 
         await app(scope, receive, send)

@@ -222,7 +222,7 @@ def fields(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     """A request head's line and its header fields (names lower-cased, sorted)."""
     line, *rest = head.split(b"\r\n")[:-2]
     pairs = [tuple(f.split(b": ", 1)) for f in rest]
-    return line, sorted((k.lower(), v) for k, v in pairs)  # type: ignore[misc]
+    return line, sorted((k.lower(), v) for k, v in pairs)
 
 
 # -- the request on the wire ------------------------------------------------------------------

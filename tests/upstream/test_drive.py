@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -13,7 +13,7 @@ from meshkit.core.forward import Attempt, AttemptResult, Failure
 from meshkit.core.requests import LocalResponse
 from meshkit.core.workers import Candidate, Worker
 from meshkit.errors import UpstreamError
-from meshkit.upstream.base import UpstreamFailure
+from meshkit.upstream.base import SyncExchange, UpstreamFailure
 from meshkit.upstream.drive import (
     CLOSE,
     SEND,
@@ -168,7 +168,8 @@ def test_an_op_that_fails_closes_the_flow_and_abandons_the_attempt_in_flight() -
 
 
 class _Body:
-    """An exchange whose body is ``body``, read up to the limit asked."""
+    """An exchange whose body is ``body``, read up to the limit asked (the part of
+    ``SyncExchange`` the driver uses here: the tests cast it to one)."""
 
     def __init__(self, status: int, body: bytes) -> None:
         self.status = status
@@ -198,7 +199,7 @@ def test_a_captured_body_is_bounded_and_says_when_it_was_cut(size: int, truncate
         return LocalResponse(200, (), b"done")  # the flow answers; it read the body
 
     exchange = _Body(200, b"x" * size)
-    got = run_sync(flow_steps(flow()), lambda a: exchange)
+    got = run_sync(flow_steps(flow()), lambda a: cast(SyncExchange, exchange))
     assert isinstance(got, Answered) and got.local.body == b"done"
     (result,) = seen
     assert exchange.asked == [101]  # one byte past the bound tells a cut body apart
@@ -216,7 +217,7 @@ def test_a_cut_capture_is_never_relayed_as_the_answer() -> None:
         return attempt  # its captured body would be the answer
 
     with pytest.raises(UpstreamError, match=r"bounds\.max_captured_body_bytes \(100 bytes\)"):
-        run_sync(flow_steps(flow()), lambda a: _Body(400, b"e" * 101))
+        run_sync(flow_steps(flow()), lambda a: cast(SyncExchange, _Body(400, b"e" * 101)))
     assert attempt.lease.abandoned == 1
     whole = _attempt()
     whole.read_body, whole.read_limit = "always", 100
@@ -225,12 +226,13 @@ def test_a_cut_capture_is_never_relayed_as_the_answer() -> None:
         yield whole
         return whole
 
-    got = run_sync(flow_steps(flow2()), lambda a: _Body(400, b"e" * 100))
+    got = run_sync(flow_steps(flow2()), lambda a: cast(SyncExchange, _Body(400, b"e" * 100)))
     assert isinstance(got, Answered) and got.attempt is whole and got.local.body == b"e" * 100
 
 
 def test_a_flow_can_answer_with_its_attempt_and_a_body_it_rewrote() -> None:
     attempt = _attempt()
+    lease = attempt.lease
     attempt.read_body, attempt.read_limit = "always", 100
 
     def flow() -> Generator[Any, AttemptResult, Any]:
@@ -238,11 +240,11 @@ def test_a_flow_can_answer_with_its_attempt_and_a_body_it_rewrote() -> None:
         attempt.answer = LocalResponse(200, (), (result.body or b"") + b"!")
         return attempt
 
-    got = run_sync(flow_steps(flow()), lambda a: _Body(200, b"{}"))
+    got = run_sync(flow_steps(flow()), lambda a: cast(SyncExchange, _Body(200, b"{}")))
     assert isinstance(got, Answered)
     assert got.attempt is attempt  # its lease is the caller's: accounted and released
     assert got.local.body == b"{}!"
-    assert attempt.lease.abandoned == 0
+    assert lease.abandoned == 0
 
 
 def test_a_pair_result_says_when_the_decode_body_was_cut() -> None:
@@ -261,7 +263,11 @@ def test_a_pair_result_says_when_the_decode_body_was_cut() -> None:
         return LocalResponse(200, (), b"done")
 
     with ThreadPoolExecutor(1) as pool:
-        run_sync(flow_steps(flow()), lambda a: _Body(200, bodies[id(a)]), lambda: pool)
+        run_sync(
+            flow_steps(flow()),
+            lambda a: cast(SyncExchange, _Body(200, bodies[id(a)])),
+            lambda: pool,
+        )
     (result,) = seen
     assert isinstance(result, PairResult)
     assert result.truncated and result.body == b"d" * 100

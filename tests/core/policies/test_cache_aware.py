@@ -288,7 +288,9 @@ def _turns(conv: int, n: int) -> str:
     return "\n".join(parts)
 
 
-def _run(p: CacheAware, cs: list[Candidate], kit: SimpleNamespace, texts: list[str]) -> Counter:
+def _run(
+    p: CacheAware, cs: list[Candidate], kit: SimpleNamespace, texts: list[str]
+) -> Counter[str]:
     """Place each text with nothing in flight (1-4 requests at once look like this)."""
     placed: Counter[str] = Counter()
     for i, text in enumerate(texts):

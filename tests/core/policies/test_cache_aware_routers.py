@@ -91,7 +91,7 @@ def test_what_counts_as_the_turn_before() -> None:
 
 
 def test_the_ring_takes_its_options(kit: SimpleNamespace) -> None:
-    opts = {"prefix_chars": 64, "owner_share": 0.5}
+    opts: dict[str, Any] = {"prefix_chars": 64, "owner_share": 0.5}
     routers = [CacheAware(ring_options=opts) for _ in range(2)]
     _deal(kit, routers)
     assert all(r.ring_placement for r in routers)
