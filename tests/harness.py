@@ -182,10 +182,10 @@ class Mode:
         pass
 
 
-class _ServerMode(Mode):
-    def __init__(self, mesh: Mesh) -> None:
-        super().__init__(mesh)
-        self.client = httpx2.Client(base_url=self.base_url, timeout=30)
+class _ClientMode(Mode):
+    """A mode whose plain HTTP goes through a sync httpx2 client (``self.client``)."""
+
+    client: httpx2.Client
 
     def request(
         self,
@@ -205,6 +205,12 @@ class _ServerMode(Mode):
     ) -> Iterator[Iterator[bytes]]:
         with self.client.stream(method, path, json=json, headers=headers) as r:
             yield r.iter_raw()
+
+
+class _ServerMode(_ClientMode):
+    def __init__(self, mesh: Mesh) -> None:
+        super().__init__(mesh)
+        self.client = httpx2.Client(base_url=self.base_url, timeout=30)
 
     def openai(self, **kw: Any) -> openai.OpenAI:
         kw.setdefault("api_key", "client-key")
@@ -260,32 +266,13 @@ class WsgiMode(_ServerMode):
         self.middleware.close()
 
 
-class TransportMode(Mode):
+class TransportMode(_ClientMode):
     name = "transport"
 
     def __init__(self, mesh: Mesh) -> None:
         super().__init__(mesh)
         self.transport = MeshTransport(mesh)
         self.client = httpx2.Client(transport=self.transport, base_url=self.base_url, timeout=30)
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        content: bytes | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> Reply:
-        r = self.client.request(method, path, json=json, content=content, headers=headers)
-        return Reply(r.status_code, r.headers, r.content)
-
-    @contextmanager
-    def stream(
-        self, method: str, path: str, *, json: Any = None, headers: dict[str, str] | None = None
-    ) -> Iterator[Iterator[bytes]]:
-        with self.client.stream(method, path, json=json, headers=headers) as r:
-            yield r.iter_raw()
 
     def openai(self, **kw: Any) -> openai.OpenAI:
         kw.setdefault("api_key", "client-key")
