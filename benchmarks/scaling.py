@@ -90,18 +90,28 @@ def _load(
     return result
 
 
+def _cpu(workers: dict[int, int]) -> float:
+    return sum(map(cpu_seconds, workers.values()))
+
+
 def measure(
-    ns: argparse.Namespace, n: int, rnd: int, loadgen: Path, workers: list[int], body: Path
+    ns: argparse.Namespace,
+    n: int,
+    rnd: int,
+    loadgen: Path,
+    workers: dict[int, int],
+    body: Path,
 ) -> Point:
-    """One point: N processes under load, each component's CPU over the window."""
+    """One point: N processes in front of ``workers`` (port: pid) under load, each
+    component's CPU over the window."""
     path = API_PATHS[ns.api]
-    urls = [f"http://127.0.0.1:{p}" for p in ns.worker_ports]
+    urls = [f"http://127.0.0.1:{port}" for port in workers]
     gw = Gateway(n, urls, policy="round_robin")
     try:
         _load(loadgen, gw.port, ns.clients, ns.warmup, path, body)
-        cpu_gw, cpu_workers = gw.cpu(), sum(cpu_seconds(p) for p in workers)
+        cpu_gw, cpu_workers = gw.cpu(), _cpu(workers)
         got = _load(loadgen, gw.port, ns.clients, ns.duration, path, body)
-        cpu_gw, cpu_workers = gw.cpu() - cpu_gw, sum(cpu_seconds(p) for p in workers) - cpu_workers
+        cpu_gw, cpu_workers = gw.cpu() - cpu_gw, _cpu(workers) - cpu_workers
     finally:
         gw.close()
     done = max(1, int(got["ok"]))
@@ -173,15 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         tools = build(Path(tmp))
         body = Path(tmp) / "body.json"
         body.write_bytes(bodies(ns.size, 1, ns.api)[0])
-        ns.worker_ports = [free_port() for _ in range(ns.workers)]
-        procs = [subprocess.Popen([str(tools[1]), str(p)]) for p in ns.worker_ports]
+        ports = [free_port() for _ in range(ns.workers)]
+        procs = {port: subprocess.Popen([str(tools[1]), str(port)]) for port in ports}
+        workers = {port: p.pid for port, p in procs.items()}
         try:
             time.sleep(0.3)
             points: list[Point] = []
             for rnd in range(ns.rounds):
                 order = counts if rnd % 2 == 0 else counts[::-1]
                 for n in order:
-                    point = measure(ns, n, rnd, tools[0], [p.pid for p in procs], body)
+                    point = measure(ns, n, rnd, tools[0], workers, body)
                     print(
                         f"round {rnd + 1}, {n} process(es): {point.rps:.0f} req/s, gateway "
                         f"{point.gateway_us:.0f} µs/req, errors {point.errors}",
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     points.append(point)
         finally:
-            for p in procs:
+            for p in procs.values():
                 p.kill()
                 p.wait()
     print()

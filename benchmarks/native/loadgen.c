@@ -34,6 +34,7 @@ struct conn {
     size_t len, cap;
     size_t sent; /* bytes of the request written */
     int busy;    /* a request is out */
+    int polling_out; /* EPOLLOUT is registered: the request did not fit the socket */
 };
 
 static char *request;
@@ -57,16 +58,23 @@ static void fail(const char *what) {
     exit(1);
 }
 
-/* Write the rest of the request; -1: the connection failed. */
-static int push(struct conn *c) {
+/* Write what the socket takes of the rest of the request, and wait for it to
+ * take more (EPOLLOUT) while some is left; -1: the connection failed. */
+static int push(int ep, struct conn *c) {
     while (c->sent < request_len) {
         ssize_t w = write(c->fd, request + c->sent, request_len - c->sent);
         if (w < 0) {
-            if (errno == EAGAIN) return 0;
+            if (errno == EAGAIN) break;
             if (errno == EINTR) continue;
             return -1;
         }
         c->sent += (size_t)w;
+    }
+    int left = c->sent < request_len;
+    if (left != c->polling_out) {
+        struct epoll_event ev = {.events = EPOLLIN | (left ? EPOLLOUT : 0), .data.ptr = c};
+        if (epoll_ctl(ep, EPOLL_CTL_MOD, c->fd, &ev) < 0) return -1;
+        c->polling_out = left;
     }
     return 0;
 }
@@ -147,7 +155,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < conns; i++) {
         all[i].busy = 1;
         all[i].sent = 0;
-        if (push(&all[i]) < 0) fail("write");
+        if (push(ep, &all[i]) < 0) fail("write");
         out++;
     }
     struct epoll_event events[256];
@@ -167,7 +175,7 @@ int main(int argc, char **argv) {
         }
         for (int i = 0; i < n; i++) {
             struct conn *c = events[i].data.ptr;
-            if (c->sent < request_len && push(c) < 0) {
+            if (c->sent < request_len && push(ep, c) < 0) {
                 broken++;
                 out--;
                 c->busy = 0;
@@ -208,7 +216,7 @@ int main(int argc, char **argv) {
                 } else if (more) {
                     c->busy = 1;
                     c->sent = 0;
-                    if (push(c) < 0) {
+                    if (push(ep, c) < 0) {
                         broken++;
                         c->busy = 0;
                         epoll_ctl(ep, EPOLL_CTL_DEL, c->fd, NULL);
