@@ -82,6 +82,7 @@ COMPILED = (
     "src/meshkit/core/requests.py",
     "src/meshkit/core/states.py",
     "src/meshkit/core/streams.py",
+    "src/meshkit/core/unbound.py",
     "src/meshkit/core/workers.py",
     "src/meshkit/frontends/asgi.py",
     "src/meshkit/frontends/asgi_body.py",

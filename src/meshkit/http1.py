@@ -30,6 +30,8 @@ from urllib.parse import quote, urlsplit
 
 import httptools
 
+from meshkit.core.unbound import isdigit, lower
+
 __all__ = [
     "LAST_CHUNK",
     "NO_CONTENT",
@@ -215,7 +217,7 @@ class ResponseParser:
     # httptools callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
+        self._headers.append((lower(name), value))
 
     def on_headers_complete(self) -> None:
         headers, self._headers = self._headers, []
@@ -313,7 +315,7 @@ def response_head(
         name = item[0]
         if name == b"content-length":
             value = item[1]
-            if declared >= 0 or not value.isdigit():
+            if declared >= 0 or not isdigit(value):
                 continue  # ours, a repeat or not a length: one framing, stated once
             declared = int(value)
         elif name == b"transfer-encoding" or name == b"connection":
@@ -358,7 +360,7 @@ def response_head(
 
 
 def _splits(field: bytes) -> bool:
-    return b"\r" in field or b"\n" in field
+    return 13 in field or 10 in field  # CR, LF (see meshkit.core.unbound)
 
 
 def chunk(data: bytes) -> bytes:

@@ -26,9 +26,10 @@ has one (:func:`served_headers`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
+from typing import Final, cast
 
 from meshkit.core.endpoints import Api
+from meshkit.core.unbound import islower, lower
 from meshkit.types import Headers
 
 __all__ = [
@@ -85,21 +86,22 @@ _PLAIN_CONNECTION: Final = frozenset({b"keep-alive", b"close"})
 def _kept(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> Headers:
     """``headers`` with lower-cased names, minus ``drop`` and the names a
     ``Connection`` header lists (rare: a second pass then)."""
-    # A list typed as such: a compiled build walks it and its pairs natively.
-    given: list[tuple[bytes, bytes]] = headers if isinstance(headers, list) else list(headers)
-    out: Headers = []
-    for item in given:
-        k = item[0]
-        if not k.islower():  # servers and ASGI give them lower-cased: no copy then
-            item = (k.lower(), item[1])
-            k = item[0]
+    # Pairs walked as objects: a compiled build unboxes a ``tuple[bytes, bytes]``,
+    # and appending it boxes a new tuple (an allocation per header).
+    given = cast("list[object]", headers if isinstance(headers, list) else list(headers))
+    out: list[object] = []
+    for pair in given:
+        k, v = cast("tuple[bytes, bytes]", pair)
+        if not islower(k):  # servers and ASGI give them lower-cased: no copy then
+            k = lower(k)
+            pair = (k, v)
         if k not in drop:
-            out.append(item)  # the same pair, not a copy
-        elif k == b"connection" and item[1].lower() not in _PLAIN_CONNECTION:
-            items = [(k.lower(), v) for k, v in given]
+            out.append(pair)  # the same pair, not a copy
+        elif k == b"connection" and lower(v) not in _PLAIN_CONNECTION:
+            items = [(lower(n), w) for n, w in cast("Headers", given)]
             drop = _dropped(drop, items)
-            return [(k, v) for k, v in items if k not in drop]
-    return out
+            return [(n, w) for n, w in items if n not in drop]
+    return cast("Headers", out)
 
 
 def request_headers(

@@ -45,6 +45,7 @@ from meshkit.core.shapes import (
     MessagesBody,
     ResponsesBody,
 )
+from meshkit.core.unbound import find, isdigit, isspace
 from meshkit.errors import HeadersTooLarge, InvalidRequest, UnsupportedMediaType, body_over
 
 __all__ = [
@@ -66,7 +67,8 @@ __all__ = [
 MAX_JSON_DEPTH: Final = 64
 
 
-_ANY: Final = msgspec.json.Decoder(AnyBody)
+#: bound once: a call skips the lookup of ``decode`` (meshkit.core.unbound)
+_decode_any: Final = msgspec.json.Decoder(AnyBody).decode
 # Read per request: module globals are cheaper than enum members' attributes.
 _CANCEL: Final = Op.CANCEL
 _COUNT_TOKENS: Final = Op.COUNT_TOKENS
@@ -331,9 +333,9 @@ def declared_over(value: bytes, limit: int) -> bool:
     4,300 digits with a ValueError): past 18 significant digits, over 10¹⁸ bytes,
     it is over any limit (a limit is far below that).
     """
-    if not value.isdigit():  # the usual value is bare digits: one check
+    if not isdigit(value):  # the usual value is bare digits: one check
         value = value.strip(b" \t")
-        if not value.isdigit():
+        if not isdigit(value):
             return False
     if len(value) > 18:
         value = value.lstrip(b"0")
@@ -357,12 +359,12 @@ def _more_than(body: bytes, limit: int) -> bool:
     """
     n = 0
     for opener in (b"[", b"{"):
-        at = body.find(opener)
+        at = find(body, opener)
         while at >= 0:
             n += 1
             if n > limit:
                 return True
-            at = body.find(opener, at + 1)
+            at = find(body, opener, at + 1)
     return False
 
 
@@ -431,17 +433,17 @@ def parse_request(
     op = ep.op
     if not ep.has_body or op is _CANCEL:
         return view
-    if op is _CREATE_STATE and (not body or body.isspace()):
+    if op is _CREATE_STATE and (not body or isspace(body)):
         return view  # every field of a new conversation is optional, the body too
     parser = _PARSERS.get(ep.api) if op in _TYPED_OPS else None
     try:
-        if not body or body.isspace():  # strip() would copy a body ending in a newline
+        if not body or isspace(body):  # strip() would copy a body ending in a newline
             raise InvalidRequest("request body is empty; expected a JSON object")
         if _too_deep(body, max_depth):
             raise InvalidRequest(
                 f"request body nests arrays and objects deeper than {max_depth} levels"
             )
-        parsed = (_ANY if parser is None else parser[0]).decode(body)
+        parsed = _decode_any(body) if parser is None else parser[0](body)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(_validation_message(exc), param=_param_of(exc)) from None
     except msgspec.DecodeError as exc:
@@ -609,7 +611,7 @@ def _generate(view: RequestView, p: GenerateBody, want_text: bool) -> None:
 
 
 def _set_text(view: RequestView, parts: list[str], want_text: bool) -> None:
-    size = sum(len(s) for s in parts)
+    size = sum(len(s) for s in parts) + len(parts) - 1 if parts else 0  # the joined text's
     view.prompt_weight = view.prompt_weight or size
     if want_text:
         view.routing_text = "\n".join(parts)
@@ -621,14 +623,17 @@ def _dumps(value: Json) -> str:
 
 def _message_text(m: Json, out: list[str]) -> None:
     if isinstance(m, dict):
-        role = m.get("role")
-        prefix = role + "\n" if isinstance(role, str) else ""
         content = m.get("content")
         if content is None and m.get("type") not in (None, "message"):
             # function_call, function_call_output, reasoning...: keep their payload
             out.append(_dumps(m))
             return
-        out.append(prefix + _content_text(content))
+        role = m.get("role")
+        if isinstance(role, str):
+            # a part of its own: the newline that joins the parts puts it before its
+            # content, and the content is not copied into a new string to get there
+            out.append(role)
+        out.append(_content_text(content))
         calls = m.get("tool_calls")
         if calls:
             out.append(_dumps(calls))
@@ -656,13 +661,13 @@ def _content_text(content: Json) -> str:
     return ""
 
 
-#: the typed decoder of each API's create body, and what reads the result
-_PARSERS: Final[
-    dict[Api, tuple[msgspec.json.Decoder[Any], Callable[[RequestView, Any, bool], None]]]
-] = {
-    Api.CHAT: (msgspec.json.Decoder(ChatBody), _chat),
-    Api.COMPLETIONS: (msgspec.json.Decoder(CompletionBody), _completion),
-    Api.MESSAGES: (msgspec.json.Decoder(MessagesBody), _messages),
-    Api.RESPONSES: (msgspec.json.Decoder(ResponsesBody), _responses),
-    Api.GENERATE: (msgspec.json.Decoder(GenerateBody), _generate),
+#: the typed decode of each API's create body (bound: no lookup of ``decode`` per
+#: call), and what reads the result
+_Decode = Callable[[bytes], Any]
+_PARSERS: Final[dict[Api, tuple[_Decode, Callable[[RequestView, Any, bool], None]]]] = {
+    Api.CHAT: (msgspec.json.Decoder(ChatBody).decode, _chat),
+    Api.COMPLETIONS: (msgspec.json.Decoder(CompletionBody).decode, _completion),
+    Api.MESSAGES: (msgspec.json.Decoder(MessagesBody).decode, _messages),
+    Api.RESPONSES: (msgspec.json.Decoder(ResponsesBody).decode, _responses),
+    Api.GENERATE: (msgspec.json.Decoder(GenerateBody).decode, _generate),
 }

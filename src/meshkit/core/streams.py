@@ -121,8 +121,9 @@ _DECODE_ERRORS: Final = (msgspec.DecodeError, RecursionError)
 
 _lifecycle_decoder: Final = msgspec.json.Decoder(Lifecycle)
 _index_decoder: Final = msgspec.json.Decoder(Indexed)
-_answer_decoder: Final = msgspec.json.Decoder(Answer)
-_state_answer_decoder: Final = msgspec.json.Decoder(StateAnswer)
+#: bound once: a call skips the lookup of ``decode`` (meshkit.core.unbound)
+_decode_answer: Final = msgspec.json.Decoder(Answer).decode
+_decode_state_answer: Final = msgspec.json.Decoder(StateAnswer).decode
 
 # Read per request: a module global is cheaper than an enum member's attribute.
 _NONE: Final = StreamFormat.NONE
@@ -452,7 +453,7 @@ class StreamAccountant:
             # Maybe the first half of a CRLF: the next piece decides.
             data = data[:-1]
             self._cr = True
-        if b"\r" in data:
+        if 13 in data:  # CR (meshkit.core.unbound: a one-byte ``in``)
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         pending = self._buf
         if pending:
@@ -786,7 +787,7 @@ class StreamAccountant:
         few fields alone; False: read it whole (:meth:`_finish_body`)."""
         state = self.state_ids
         try:
-            ans = (_state_answer_decoder if state else _answer_decoder).decode(body)
+            ans = _decode_state_answer(body) if state else _decode_answer(body)
         except _DECODE_ERRORS:
             return False  # the whole read counts it
         if ans.error is not None or ans.object == "error":

@@ -40,6 +40,7 @@ from mypy_extensions import mypyc_attr
 
 from meshkit.core.endpoints import Match, shape_for_path
 from meshkit.core.requests import declared_over, head_error
+from meshkit.core.unbound import lower
 from meshkit.errors import (
     HeadersTooLarge,
     InvalidRequest,
@@ -128,6 +129,10 @@ class H1Conn(asyncio.Protocol):
         self.max_headers = bounds.max_headers
         self.max_body = bounds.max_body_bytes
         self.max_pipelined = server.max_pipelined
+        # The server's settings every request reads, copied: the server is an
+        # interpreted object, whose attributes are looked up at each read.
+        self.upstream = server.upstream
+        self.log_access = server.access_log
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.client = ""
@@ -292,7 +297,7 @@ class H1Conn(asyncio.Protocol):
         self._size += len(name) + len(value) + 4
         self._count += 1
         if self._size <= self.max_head and self._count <= self.max_headers:
-            self._headers.append((name.lower(), value))
+            self._headers.append((lower(name), value))
         elif self._size > self._head_limit:
             # A head that never ends: refuse with what was measured so far.
             raise _Refused(self._head_error())
@@ -480,7 +485,7 @@ class H1Conn(asyncio.Protocol):
             elif req.match is None:
                 await self.server.bridge(self, req)
             else:
-                routed = self.routed = Routed(self.mesh, self.server.upstream, req.match, self)
+                routed = self.routed = Routed(self.mesh, self.upstream, req.match, self)
                 await routed.run(req.method, req.body, req.headers, req.query.decode("latin-1"))
         except asyncio.CancelledError:
             self.keep_alive = False  # shutdown: no pipelined request starts after this one
@@ -500,7 +505,7 @@ class H1Conn(asyncio.Protocol):
         self.task = None
         self.routed = None
         self.req = None
-        if self.server.access_log and req.refusal is None:
+        if self.log_access and req.refusal is None:
             access_log.info(
                 '%s - "%s %s HTTP/%s" %d',
                 self.client,

@@ -1,0 +1,30 @@
+"""
+Builtin methods called without a method lookup
+==============================================
+
+``name.lower()`` in a compiled module looks ``lower`` up on the type of ``name``
+(the type's method cache, its dict on a miss) and then calls it. A request makes
+dozens of such calls, on a data cache that the kernel's work between two
+requests has mostly emptied. The unbound method, read once into a ``Final`` (a
+C static in a compiled build), is called with its object as the first argument
+and skips the lookup (``benchmarks/RESULTS.md``, "Builtin methods without a
+lookup").
+
+Only for values typed ``bytes``: the compiled build already refuses anything
+else there, and ``bytes.lower`` refuses a ``bytearray`` in the interpreted one
+alike.
+
+A one-byte ``in`` is written with the byte's number (``13 in data``): given a
+``bytes`` operand, CPython 3.11 first tries it as an integer, raising and
+clearing a TypeError before it searches.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+lower: Final = bytes.lower
+islower: Final = bytes.islower
+isdigit: Final = bytes.isdigit
+isspace: Final = bytes.isspace
+find: Final = bytes.find
