@@ -31,6 +31,7 @@ from meshkit.core.requests import (
     parse_request,
     query_streams,
 )
+from meshkit.core.unbound import lower
 from meshkit.errors import InvalidRequest, RequestTooLarge
 
 if TYPE_CHECKING:
@@ -53,6 +54,22 @@ _WANTED_HEADERS: Final = (b"content-type", b"content-encoding", b"idempotency-ke
 Job = Callable[[], RequestView | None]
 #: the values of the session, Idempotency-Key and x-mesh-wait headers (raw)
 _Heads = tuple[bytes | None, bytes | None, bytes | None]
+
+
+class _Wants:
+    """What a policy's :class:`Needs` asks of preparation, read once per change of
+    policy: ``Needs`` is an interpreted dataclass, whose every field read is a
+    lookup by name."""
+
+    __slots__ = ("kv", "needs", "text", "tokens")
+
+    def __init__(self, needs: Needs) -> None:
+        self.needs = needs
+        #: the routing text (the policy reads it, or tokenizes it)
+        self.text = needs.text or needs.prefix_tokens is not None
+        #: the leading token ids the policy reads (0: none)
+        self.tokens = needs.prefix_tokens or 0
+        self.kv = needs.kv_events
 
 
 class Preparer:
@@ -80,6 +97,7 @@ class Preparer:
         self._match_tokens = config.kv.match_tokens
         self.tokenizers = tokenizers
         self._needs = needs
+        self._wants: _Wants | None = None
         self._inline_bytes = config.prepare.inline_threshold_bytes
         self._max_tokenize = config.prepare.max_tokenize_bytes
         self._depth = config.bounds.max_json_depth
@@ -134,28 +152,38 @@ class Preparer:
             return heads, None, lambda: self._tokenize(match, body)
         if len(body) > self._inline_bytes:
             return heads, None, lambda: self._whole(match, body)
-        view = self._parse(match, body)
-        sizes = self._kv_wanted(view)
-        if self._prefix(view, fast_only=True) and not sizes:
+        wants = self._wanted()
+        view = self._parse(match, body, wants)
+        sizes = self._kv_wanted(view, wants)
+        if self._prefix(view, wants, fast_only=True) and not sizes:
             return heads, view, None
-        return heads, view, lambda: self._slow_prefix(view, sizes)
+        return heads, view, lambda: self._slow_prefix(view, wants, sizes)
 
-    def _slow_prefix(self, view: RequestView, sizes: frozenset[int]) -> None:
-        self._prefix(view, fast_only=False)
+    def _wanted(self) -> _Wants:
+        """What the policies read, asked once per request (a call through the router)."""
+        needs = self._needs()
+        wants = self._wants
+        if wants is None or wants.needs is not needs:
+            wants = self._wants = _Wants(needs)
+        return wants
+
+    def _slow_prefix(self, view: RequestView, wants: _Wants, sizes: frozenset[int]) -> None:
+        self._prefix(view, wants, fast_only=False)
         if sizes:
             self._engine_ids(view, sizes)
 
     def _whole(self, match: Match, body: bytes) -> RequestView:
-        view = self._parse(match, body)
-        self._slow_prefix(view, self._kv_wanted(view))
+        wants = self._wanted()
+        view = self._parse(match, body, wants)
+        self._slow_prefix(view, wants, self._kv_wanted(view, wants))
         return view
 
-    def _kv_wanted(self, view: RequestView) -> frozenset[int]:
+    def _kv_wanted(self, view: RequestView, wants: _Wants) -> frozenset[int]:
         """The block sizes to compute ``view``'s KV keys for (empty: none wanted):
         the policy matches KV events, some worker sends them, and a tokenizer
         renders this model's prompts as its engine does (or the request gives its
         token ids)."""
-        if not self._needs().kv_events or view.match.endpoint.api not in _KV_APIS:
+        if not wants.kv or view.match.endpoint.api not in _KV_APIS:
             return frozenset()
         sizes = self._kv_sizes()
         if not sizes:
@@ -197,12 +225,10 @@ class Preparer:
         root = self._kv_root(view.model)  # a LoRA adapter's blocks chain from its own
         view.kv_keys = {size: chain(ids, size, root) for size in sizes}
 
-    def _parse(self, match: Match, body: bytes) -> RequestView:
-        needs = self._needs()
-        want_text = needs.text or needs.prefix_tokens is not None
-        return parse_request(match, body, want_text=want_text, max_depth=self._depth)
+    def _parse(self, match: Match, body: bytes, wants: _Wants) -> RequestView:
+        return parse_request(match, body, want_text=wants.text, max_depth=self._depth)
 
-    def _prefix(self, view: RequestView, *, fast_only: bool) -> bool:
+    def _prefix(self, view: RequestView, wants: _Wants, *, fast_only: bool) -> bool:
         """The prefix token ids the policy reads, when it reads some.
 
         :param fast_only: only through tiktoken (``prefix_ids_fast``), as on the
@@ -210,7 +236,7 @@ class Preparer:
             the caller runs this on the pool.
         :returns: False when the fast path declined (the pool must run it).
         """
-        n = self._needs().prefix_tokens
+        n = wants.tokens
         if not n or view.token_ids is not None or not view.routing_text:
             return True
         tok = self.tokenizers.get(view.model)
@@ -268,7 +294,7 @@ class Preparer:
         for k, v in headers:
             if len(k) not in lens:
                 continue
-            lk = k.lower()
+            lk = lower(k)
             if lk == b"content-type":
                 ctype = v
             elif lk == b"content-encoding":
