@@ -84,6 +84,10 @@ class RequestSeries:
 
     def __init__(self, load: Callable[[], Mapping[str, int]] | None = None) -> None:
         self._lock = threading.Lock()
+        # Taken per request through bound methods, not a ``with`` block (as
+        # Router's; benchmarks/RESULTS.md, "Builtin methods without a lookup").
+        self._acquire = self._lock.acquire
+        self._unlock = self._lock.release
         self._requests: dict[tuple[str, str], int] = {}
         self._duration: dict[str, _Hist] = {}
         self._ttft: dict[str, _Hist] = {}
@@ -103,7 +107,8 @@ class RequestSeries:
         """One response ended (or was cut): count it, time it, add its usage."""
         key = (api, status)
         slot = _slot_of(_LATENCY, duration)
-        with self._lock:
+        self._acquire()
+        try:
             self._requests[key] = self._requests.get(key, 0) + 1
             h = self._duration.get(api)
             if h is None:
@@ -120,6 +125,8 @@ class RequestSeries:
                 self._input += tokens[0]
                 self._output += tokens[1]
                 self._cached += tokens[2]
+        finally:
+            self._unlock()
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

@@ -157,6 +157,13 @@ class Router:
         self.metrics = metrics
         self.on_wake = on_wake or (lambda worker_id: None)
         self._lock = threading.RLock()
+        # Bound once: the three methods every request calls (place, lease,
+        # release) take the lock through these. A ``with`` block looks
+        # ``__enter__``/``__exit__`` up on the lock's type at each entry and passes
+        # ``__exit__`` an argument tuple (benchmarks/RESULTS.md, "Builtin methods
+        # without a lookup").
+        self._acquire = self._lock.acquire
+        self._unlock = self._lock.release
         self._cond = threading.Condition(self._lock)
         self._sync_waiting = 0
         self._async_waiters: dict[str, list[_Waiter]] = {}
@@ -226,7 +233,8 @@ class Router:
         if attempt:
             self.metrics.retries.labels("failover").inc()
         now = self.clock()
-        with self._lock:
+        self._acquire()
+        try:
             owner = None
             sid = view.state_id
             if sid:
@@ -267,6 +275,8 @@ class Router:
             if self.hears_placed:
                 self._policy.on_placed(cand, view, now)
             return cand
+        finally:
+            self._unlock()
 
     @property
     def capture_limit(self) -> int:
@@ -284,7 +294,8 @@ class Router:
         """
         now = self.clock()
         fleet = self.fleet
-        with self._lock:
+        self._acquire()
+        try:
             if admission and fleet.at_limit(cand.worker):
                 refusal = admission_refusal(fleet, cand.worker)
                 # The one trial request of a half-open breaker, already placed, may
@@ -301,12 +312,15 @@ class Router:
             )
             if kind is not _JOINED:  # a join shares its twin's capacity
                 fleet.acquire(cand, entry.weight)
+        finally:
+            self._unlock()
         return Lease(self, cand, now, entry)
 
     def release(self, lease: Lease, verdict: Verdict) -> None:
         """(``Lease.release``) One lease reference ends with ``verdict`` on its worker."""
         now = self.clock()
-        with self._lock:
+        self._acquire()
+        try:
             if lease.released:
                 return
             lease.released = True
@@ -317,6 +331,8 @@ class Router:
             # and the next change that finds a waiter clears it.
             if states.changed and (self._sync_waiting or self._async_waiters):
                 self._changed()
+        finally:
+            self._unlock()
 
     def targets(self, view: RequestView) -> list[Candidate]:
         """One candidate per origin for fan-out: the known owner only, else healthy first."""
