@@ -113,11 +113,10 @@ class Routed:
                 await down.whole(local.status, list(local.headers), local.body)
                 return
             exchange = final.exchange
-            relay = self.relay = Relay(
-                mesh.account(view, final.attempt.lease, exchange.status), view
-            )
+            status = exchange.status  # read once: a protocol's attribute, looked up
+            relay = self.relay = Relay(mesh.account(view, final.attempt.lease, status), view)
             self.started = True
-            await down.start(exchange.status, served_headers(exchange.headers, exchange.status))
+            await down.start(status, served_headers(exchange.headers, status))
             data = exchange.whole()
             if data is not None:
                 # The common small answer, all here with its head: one write, no

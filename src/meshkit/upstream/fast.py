@@ -46,7 +46,7 @@ from collections import deque
 from typing import Final, cast
 
 from meshkit.config import UpstreamConfig
-from meshkit.core.forward import Failure
+from meshkit.core.forward import Attempt, Failure
 from meshkit.core.requests import Timeouts
 from meshkit.http1 import (
     PARSE_ERRORS,
@@ -79,6 +79,15 @@ _NO_HEADERS: Final[Headers] = []
 # Exchange._stalled: why a body failed for the worker's silence
 _OPERATOR: Final = 1
 _CLIENT: Final = 2
+
+
+def _fields(request: Request) -> tuple[str, str, Headers, bytes, Timeouts | None]:
+    """``request``'s method, URL, headers, body and timeouts. The flow's requests
+    are :class:`Attempt` objects, whose fields a compiled build reads directly;
+    through the :class:`Request` protocol each read is an attribute lookup."""
+    if isinstance(request, Attempt):
+        return request.method, request.url, request.headers, request.body, request.timeout
+    return request.method, request.url, request.headers, request.body, request.timeout
 
 
 class FastUpstream(AsyncUpstream):
@@ -120,21 +129,18 @@ class FastUpstream(AsyncUpstream):
         hub = self._hub
         if hub is None or hub.loop is not loop:
             hub = self._bind(loop)
-        url = request.url
+        method, url, headers, body, bounds = _fields(request)
         route = self._routes.get(url)
         if route is None:
             route = self._route(url, hub)
         pool, line = route
         if pool is None:
             return await self._other(request)
-        method = request.method
-        body = request.body
         try:
-            head = build_head(method, line, request.headers, len(body))
+            head = build_head(method, line, headers, len(body))
         except Unsendable:
             raise unsendable() from None
         head_only = method == "HEAD"
-        bounds = request.timeout
         conn = pool.take()
         reused = conn is not None
         if conn is None:
