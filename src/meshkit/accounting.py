@@ -35,6 +35,7 @@ from meshkit.core.endpoints import Api
 from meshkit.core.forward import Lease
 from meshkit.core.pd import PairLease
 from meshkit.core.policies.base import Completion
+from meshkit.core.relay import Books
 from meshkit.core.requests import RequestView
 from meshkit.core.streams import StreamAccountant
 
@@ -79,7 +80,7 @@ class CountedResponses:
         return len(self._ids)
 
 
-class Accounting:
+class Accounting(Books):
     """Follows one relayed response: TTFT, usage, errors; releases its lease once."""
 
     __slots__ = (

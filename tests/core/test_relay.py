@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from meshkit.core.endpoints import resolve
-from meshkit.core.relay import MID_STREAM_CODE, MID_STREAM_MESSAGE, Relay
+from meshkit.core.relay import MID_STREAM_CODE, MID_STREAM_MESSAGE, Books, Relay
 from meshkit.core.requests import RequestView, parse_request
 
 
-class FakeBooks:
+class FakeBooks(Books):
     def __init__(self, terminal: bool = False) -> None:
         self.fed: list[bytes] = []
         self.closed: list[str] = []

@@ -11,18 +11,16 @@ from typing import Any
 import pytest
 
 from meshkit.core.endpoints import resolve
-from meshkit.core.relay import Relay
+from meshkit.core.relay import NoBooks, Relay
 from meshkit.core.requests import RequestView, parse_request
-from meshkit.frontends.relay import _NoBooks
 
 #: the books' ``bounds.max_sse_line_bytes``, small here
 MAX_EVENT = 4096
 
 
-class Books(_NoBooks):
+def _books() -> NoBooks:
     """Books that keep nothing, but hold a stream's events up to ``MAX_EVENT``."""
-
-    max_event_bytes = MAX_EVENT
+    return NoBooks(MAX_EVENT)
 
 
 def _view(stream: bool = True) -> RequestView:
@@ -40,7 +38,7 @@ def test_every_write_ends_on_an_event_boundary(nl: bytes) -> None:
     stream = b"".join(e.replace(b"\n", nl) + nl + nl for e in EVENTS)
     ends = {i + 1 for i in range(len(stream)) if stream[: i + 1].endswith(nl + nl)}
     for size in (1, 2, 3, 7, len(stream)):
-        relay = Relay(Books(), _view())
+        relay = Relay(_books(), _view())
         written = b""
         for i in range(0, len(stream), size):
             out = relay.chunk(stream[i : i + size])
@@ -54,7 +52,7 @@ def test_every_write_ends_on_an_event_boundary(nl: bytes) -> None:
 def test_a_cut_drops_the_half_event_and_ends_with_the_error_event() -> None:
     stream = b"".join(e + b"\n\n" for e in EVENTS)
     for cut in range(len(stream)):
-        relay = Relay(Books(), _view())
+        relay = Relay(_books(), _view())
         written = relay.chunk(stream[:cut])
         whole = stream[: stream.rfind(b"\n\n", 0, cut) + 2] if b"\n\n" in stream[:cut] else b""
         assert written == whole
@@ -64,7 +62,7 @@ def test_a_cut_drops_the_half_event_and_ends_with_the_error_event() -> None:
 
 
 def test_a_body_that_is_not_sse_is_held_only_up_to_the_bound() -> None:
-    relay = Relay(Books(), _view())
+    relay = Relay(_books(), _view())
     big = b"x" * (MAX_EVENT + 1)
     assert relay.chunk(big[:10]) == b""
     assert relay.chunk(big[10:]) == big
@@ -73,7 +71,7 @@ def test_a_body_that_is_not_sse_is_held_only_up_to_the_bound() -> None:
 
 
 def test_a_whole_body_is_not_framed() -> None:
-    relay = Relay(Books(), _view(stream=False))
+    relay = Relay(_books(), _view(stream=False))
     assert relay.chunk(b'{"a":') == b""
     assert relay.chunk(b"1}") == b'{"a":'
     assert relay.end() == b"1}"

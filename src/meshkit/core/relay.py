@@ -37,14 +37,22 @@ The rules, written once:
 
 from __future__ import annotations
 
-from typing import Final, Protocol
+from typing import Final
 
 import msgspec
+from mypy_extensions import mypyc_attr
 
 from meshkit.core.endpoints import StreamFormat
 from meshkit.core.requests import RequestView
 
-__all__ = ["MID_STREAM_CODE", "MID_STREAM_MESSAGE", "Books", "Relay", "stream_error_event"]
+__all__ = [
+    "MID_STREAM_CODE",
+    "MID_STREAM_MESSAGE",
+    "Books",
+    "NoBooks",
+    "Relay",
+    "stream_error_event",
+]
 
 #: what a stream cut by the worker ends with, in every mode
 MID_STREAM_CODE: Final = "upstream_error"
@@ -87,29 +95,61 @@ def stream_error_event(fmt: StreamFormat, code: str, message: str) -> bytes:
     return b""
 
 
-class Books(Protocol):
+# A base class, not a Protocol: a compiled build calls a relay's books directly
+# (per chunk of a stream), where a protocol's method is looked up by name at each
+# call. Interpreted subclasses (tests' fakes) are allowed.
+@mypyc_attr(allow_interpreted_subclasses=True)
+class Books:
     """The accounting of one response (:class:`meshkit.accounting.Accounting`)."""
 
-    @property
-    def done(self) -> bool:
-        """Closed, or the stream carried its terminal event."""
-        ...
-
-    def feed(self, chunk: bytes) -> None: ...
-
-    def end(self) -> None: ...
-
-    def abort(self, *, client_left: bool = True) -> None: ...
-
-    @property
-    def stopped(self) -> bool:
-        """The stream reported its own failure: the books are closed, relay no more."""
-        ...
+    __slots__ = ()
 
     #: the most of an unfinished event the relay holds back (``bounds.max_sse_line_bytes``,
     #: the event the books parse whole); past it the bytes go on as they come (a
     #: body that is not SSE after all, e.g. a JSON answer to a stream request)
     max_event_bytes: int
+    #: the stream reported its own failure: the books are closed, relay no more
+    stopped: bool
+
+    @property
+    def done(self) -> bool:
+        """Closed, or the stream carried its terminal event."""
+        raise NotImplementedError
+
+    def feed(self, chunk: bytes) -> None:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        raise NotImplementedError
+
+    def abort(self, *, client_left: bool = True) -> None:
+        raise NotImplementedError
+
+
+class NoBooks(Books):
+    """The books of a body meshkit only passes through: none to keep.
+
+    :param max_event_bytes: 0 for a body passed through (its relay has no stream
+        format: nothing is held); tests give a stream's relay more."""
+
+    __slots__ = ("max_event_bytes", "stopped")
+
+    def __init__(self, max_event_bytes: int = 0) -> None:
+        self.max_event_bytes = max_event_bytes
+        self.stopped = False
+
+    @property
+    def done(self) -> bool:
+        return False
+
+    def feed(self, chunk: bytes) -> None:
+        return None
+
+    def end(self) -> None:
+        return None
+
+    def abort(self, *, client_left: bool = True) -> None:
+        return None
 
 
 class Relay:

@@ -28,7 +28,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from meshkit.core.forward import Failure
-from meshkit.core.relay import Relay
+from meshkit.core.relay import NoBooks, Relay
 from meshkit.upstream.base import AsyncExchange, SyncExchange, UpstreamFailure
 from meshkit.upstream.timeouts import ClientTimeout
 
@@ -38,25 +38,8 @@ Cut = Callable[[], BaseException] | None
 _TIMEOUT = Failure.TIMEOUT
 
 
-class _NoBooks:
-    """The books of a body meshkit only passes through: none to keep."""
-
-    done = False
-    stopped = False
-    max_event_bytes = 0  # passed through: never held (no stream format)
-
-    def feed(self, chunk: bytes) -> None:
-        return None
-
-    def end(self) -> None:
-        return None
-
-    def abort(self, *, client_left: bool = True) -> None:
-        return None
-
-
 #: for a request meshkit does not route (``Relay(NO_BOOKS, None)``)
-NO_BOOKS = _NoBooks()
+NO_BOOKS = NoBooks()
 
 
 def _failed(relay: Relay, exc: BaseException, stalled: Cut) -> tuple[bytes, Cut]:
