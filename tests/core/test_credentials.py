@@ -186,3 +186,14 @@ def test_a_served_response_drops_the_workers_date_a_relayed_one_keeps_it() -> No
     upstream = [(b"Date", b"Tue, 01 Dec 2026 00:00:00 GMT"), (b"x-a", b"1")]
     assert names(served_headers(upstream)) == [b"x-a"]
     assert names(response_headers(upstream)) == [b"date", b"x-a"]
+
+
+def test_kept_pairs_are_the_callers_own_tuples() -> None:
+    """A header kept as it came is the caller's pair, not a copy: a compiled build
+    unboxes a ``tuple[bytes, bytes]`` and boxed a new tuple per header when it
+    appended one (what ``_kept`` now walks as objects); a renamed one is new."""
+    given: H = [(b"accept", b"*/*"), (b"User-Agent", b"x"), (b"x-trace", b"1")]
+    out = request_headers(given, api_key=None, api=Api.CHAT)
+    assert out == [(b"accept", b"*/*"), (b"user-agent", b"x"), (b"x-trace", b"1")]
+    assert out[0] is given[0] and out[2] is given[2]
+    assert out[1] is not given[1]

@@ -200,7 +200,24 @@ def test_routing_text_is_in_prompt_order(match: Match, body: Any) -> None:
 def test_routing_text_only_when_wanted(match: Match, body: Any) -> None:
     v = parse(match, body, want_text=False)
     assert v.routing_text == ""
-    assert v.prompt_weight > 0
+    # the weight is the text's length whether it is built or not
+    assert v.prompt_weight == len(parse(match, body).routing_text) > 0
+
+
+def test_a_role_starts_its_line_of_the_routing_text() -> None:
+    """Each message reads "role\ncontent" (the role a part of its own, joined by
+    the same newline as the parts); a message without a string role is its content."""
+    body = {
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": ""},
+            {"content": "no role"},
+            {"role": "assistant", "content": [{"type": "text", "text": "A"}]},
+        ]
+    }
+    v = parse(CHAT, body)
+    assert v.routing_text == "system\nS\nuser\n\nno role\nassistant\nA"
+    assert v.prompt_weight == len(v.routing_text)
 
 
 def _common_prefix(a: str, b: str) -> str:

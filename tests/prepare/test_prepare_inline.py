@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from meshkit import Mesh
+from meshkit.core.policies.registry import create_policy
 from meshkit.errors import RequestTooLarge
 from meshkit.prepare.tokenizers import LoadedTokenizer
 
@@ -161,5 +162,23 @@ def test_the_tokenize_bound_counts_the_text_not_an_image_beside_it(qwen_path: Pa
         long = [{"role": "user", "content": "word " * 300}]
         with pytest.raises(RequestTooLarge):
             mesh.prepare(match, json.dumps({"model": "m", "messages": long}).encode(), HEADERS)
+    finally:
+        mesh.close()
+
+
+def test_a_policy_swapped_at_runtime_changes_what_is_prepared() -> None:
+    """What the policy needs is summarized once per policy (``pipeline._Wants``):
+    a new policy's needs apply from the next request, both ways."""
+    mesh = Mesh(workers=["http://127.0.0.1:9"], policy="round_robin")
+    try:
+        match = mesh.resolve("POST", "/v1/chat/completions")
+        assert match is not None
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        before = mesh.policy
+        assert mesh.prepare(match, body.encode(), HEADERS).routing_text == ""
+        mesh.policy = create_policy("cache_aware")  # reads the routing text
+        assert mesh.prepare(match, body.encode(), HEADERS).routing_text == "user\nhi"
+        mesh.policy = before
+        assert mesh.prepare(match, body.encode(), HEADERS).routing_text == ""
     finally:
         mesh.close()
