@@ -63,6 +63,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def user_system_seconds(root: int) -> tuple[float, float]:
+    """utime and stime of ``root`` and its descendants (all threads), in seconds."""
+    user = system = 0
+    for pid in proc_tree(root):
+        fields = _stat_fields(pid)
+        if fields is not None:
+            user += int(fields[11])
+            system += int(fields[12])
+    return user / CLK_TCK, system / CLK_TCK
+
+
 def proc_tree(root: int) -> list[int]:
     """``root`` and all its live descendants."""
     children: dict[int, list[int]] = {}
@@ -233,6 +244,19 @@ def distinct_bodies(
 
 
 # -- misc ----------------------------------------------------------------------
+
+
+def require_current_install() -> None:
+    """Exit unless the imported meshkit is this checkout's ``src/`` (or a build of
+    it, byte for byte): a benchmark of a stale build measures other code."""
+    from meshkit.testing.build import stale_files
+
+    stale = stale_files(Path(__file__).resolve().parents[1] / "src" / "meshkit")
+    if stale:
+        raise SystemExit(
+            f"the installed meshkit is older than src/ ({len(stale)} files differ, e.g. "
+            f"{stale[0]}): reinstall it (scripts/install-test-deps) before measuring it"
+        )
 
 
 def free_port() -> int:

@@ -55,6 +55,7 @@ from _common import (
     free_port,
     peak_rss_bytes,
     qwen_tokenizer_path,
+    require_current_install,
     reset_peak_rss,
 )
 from frontends.launch import FRONTENDS, Frontend, command, ensure_router
@@ -641,14 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         "when writing benchmarks/RESULTS.md)",
     )
     ns = ap.parse_args(argv)
-    from meshkit.testing.build import stale_files
-
-    stale = stale_files(REPO / "src" / "meshkit")
-    if stale:
-        raise SystemExit(
-            f"the installed meshkit is older than src/ ({len(stale)} files differ, e.g. "
-            f"{stale[0]}): reinstall it (scripts/install-test-deps) before measuring it"
-        )
+    require_current_install()
     # stop cleanly (the finally blocks stop every child) on SIGTERM, and on SIGINT
     # even when started in the background (where SIGINT is ignored)
     signal.signal(signal.SIGTERM, _interrupted)

@@ -76,11 +76,22 @@ class Point:
     errors: int
 
 
+def pinned(cpus: str | None) -> list[str]:
+    """The ``taskset`` prefix that runs a command on ``cpus`` (none: unpinned)."""
+    return ["taskset", "-c", cpus] if cpus and shutil.which("taskset") else []
+
+
 def _load(
-    loadgen: Path, port: int, clients: int, seconds: float, path: str, body: Path
+    loadgen: Path,
+    port: int,
+    clients: int,
+    seconds: float,
+    path: str,
+    body: Path,
+    cpus: str | None = None,
 ) -> dict[str, Any]:
     out = subprocess.run(
-        [str(loadgen), str(port), str(clients), str(seconds), path, str(body)],
+        [*pinned(cpus), str(loadgen), str(port), str(clients), str(seconds), path, str(body)],
         capture_output=True,
         text=True,
         check=True,
@@ -88,6 +99,11 @@ def _load(
     ).stdout
     result: dict[str, Any] = json.loads(out)
     return result
+
+
+def failed(got: dict[str, Any]) -> int:
+    """The load generator's failed requests, of every kind."""
+    return sum(int(got[k]) for k in ("client_errors", "server_errors", "broken", "unanswered"))
 
 
 def _cpu(workers: dict[int, int]) -> float:
@@ -115,7 +131,7 @@ def measure(
     finally:
         gw.close()
     done = max(1, int(got["ok"]))
-    errors = sum(int(got[k]) for k in ("client_errors", "server_errors", "broken", "unanswered"))
+    errors = failed(got)
     return Point(
         processes=n,
         round=rnd,

@@ -702,8 +702,9 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
             preparer._whole(match, b)
         out["heavy_decode_ms"] = timed(msgspec.json.decode, hb)
         out["heavy_whole_ms"] = timed(lambda b: preparer._whole(match, b), hb)
-        views = [preparer._parse(match, b) for b in hb]
-        out["heavy_parse_ms"] = timed(lambda b: preparer._parse(match, b), hb)
+        wants = preparer._wanted()
+        views = [preparer._parse(match, b, wants) for b in hb]
+        out["heavy_parse_ms"] = timed(lambda b: preparer._parse(match, b, wants), hb)
         assert tok is not None
         out["heavy_prefix_ms"] = timed(lambda v: tok.prefix_ids(v.routing_text, 256), views)
         out["small_prepare_us"] = timed(lambda b: mesh.prepare(match, b, headers), sb[100:]) * 1e3
