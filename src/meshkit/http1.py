@@ -303,8 +303,9 @@ def response_head(
     (HTTP/1.1) or ends with the connection (HTTP/1.0). ``bodyless`` (an answer to
     HEAD), 1xx, 204 and 304 answers have no body whatever the headers say.
     Header names and values come from workers (parsed by httptools, which refuses
-    CR/LF in them) or from meshkit; a line holding CR or LF is dropped anyway, so
-    nothing can split a response.
+    CR/LF in them), from meshkit, or unparsed from an app the server hosts
+    (``server/h1/bridge.py``); a line holding CR or LF is dropped, so nothing can
+    split a response.
     """
     declared = -1 if length is None else length
     alive = keep_alive
@@ -315,8 +316,11 @@ def response_head(
         name = item[0]
         if name == b"content-length":
             value = item[1]
-            if declared >= 0 or not isdigit(value):
-                continue  # ours, a repeat or not a length: one framing, stated once
+            if declared >= 0 or not isdigit(value) or len(value) > 18:
+                # ours, a repeat or not a length (past 18 digits, over 10^18 bytes:
+                # none a body has, and int() refuses over 4,300 digits): one
+                # framing, stated once
+                continue
             declared = int(value)
         elif name == b"transfer-encoding" or name == b"connection":
             continue  # ours to decide
