@@ -611,7 +611,8 @@ def _generate(view: RequestView, p: GenerateBody, want_text: bool) -> None:
 
 
 def _set_text(view: RequestView, parts: list[str], want_text: bool) -> None:
-    size = sum(len(s) for s in parts) + len(parts) - 1 if parts else 0  # the joined text's
+    # the joined text's length: the parts and a newline between each two
+    size = sum(len(s) for s in parts) + max(len(parts) - 1, 0)
     view.prompt_weight = view.prompt_weight or size
     if want_text:
         view.routing_text = "\n".join(parts)
