@@ -54,24 +54,24 @@ def _stat_fields(pid: int) -> list[str] | None:
     return raw.rsplit(b")", 1)[1].decode().split()
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (all its threads), in seconds; 0.0 when gone."""
+def _ticks(pid: int) -> tuple[int, int]:
+    """utime and stime of one process (all its threads), in clock ticks; 0 when gone."""
     fields = _stat_fields(pid)
     if fields is None:
-        return 0.0
+        return 0, 0
     # fields[0] is the state (field 3 of stat); utime/stime are fields 14/15
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[11]), int(fields[12])
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads), in seconds; 0.0 when gone."""
+    return sum(_ticks(pid)) / CLK_TCK
 
 
 def user_system_seconds(root: int) -> tuple[float, float]:
     """utime and stime of ``root`` and its descendants (all threads), in seconds."""
-    user = system = 0
-    for pid in proc_tree(root):
-        fields = _stat_fields(pid)
-        if fields is not None:
-            user += int(fields[11])
-            system += int(fields[12])
-    return user / CLK_TCK, system / CLK_TCK
+    ticks = [_ticks(pid) for pid in proc_tree(root)]
+    return sum(u for u, _ in ticks) / CLK_TCK, sum(s for _, s in ticks) / CLK_TCK
 
 
 def proc_tree(root: int) -> list[int]:
@@ -95,11 +95,7 @@ def proc_tree(root: int) -> list[int]:
 
 def tree_cpu_seconds(roots: Iterable[int]) -> float:
     """CPU seconds of the process trees under ``roots`` (live processes only)."""
-    total = 0.0
-    for root in roots:
-        for pid in proc_tree(root):
-            total += cpu_seconds(pid)
-    return total
+    return sum(sum(user_system_seconds(root)) for root in roots)
 
 
 def _status_kib(pid: int, key: str) -> int:
