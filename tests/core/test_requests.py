@@ -774,8 +774,9 @@ _json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers()
-    # strings full of what the scan looks for: brackets, quotes, backslashes
-    | st.text(alphabet='[]{}"\\ ab\u00e9', max_size=8),
+    # strings full of what the scan looks for: brackets, quotes, backslashes, the
+    # bytes of escapes (a newline, a tab, "/", "x")
+    | st.text(alphabet='[]{}"\\ ab\n\t/x\u00e9', max_size=8),
     lambda inner: (
         st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=4)
     ),
@@ -818,6 +819,63 @@ def test_too_deep_on_long_chains_and_wide_bodies(depth: int) -> None:
     ]
     for body in bodies:
         assert _too_deep(body.encode(), 64) == (depth > 64), body[:40]
+
+
+@pytest.mark.parametrize(
+    "string",
+    [
+        rb'"\/\b\f\n\r\t\u005b\\\"[[["',  # every escape, then brackets in the string
+        rb'"ends in a backslash \\"',
+        rb'"\\\""',  # an escaped backslash, an escaped quote
+        rb'"\n"',
+        rb'"\u00e9\ubfbf"',  # hex digits that are escape letters too
+        rb'"x\\\\\nx"',
+    ],
+)
+def test_too_deep_reads_every_escape(string: bytes) -> None:
+    # each string next to a structure 4 deep, on either side, in bodies with more
+    # openers than are counted before a scan
+    for body in (
+        b'{"s":' + string + b',"d":[[[1]]],"w":[' + b"{}," * 40 + b"{}]}",
+        b'{"d":[[[' + string + b"]]]," + b'"w":[' + b"[]," * 40 + b"[]]}",
+    ):
+        depth = _depth(json.loads(body))
+        assert depth == 4
+        assert _too_deep(body, 3)
+        assert not _too_deep(body, 4)
+
+
+def _agent_body(extra: Any) -> bytes:
+    """An agent's session: 100 turns of tool calls whose arguments and results are
+    JSON inside strings (escaped quotes, brackets), ~1,000 brackets in ~44 KiB:
+    more openers than are counted before a scan, with ``extra`` as one more field."""
+    messages: list[Any] = [{"role": "system", "content": "be brief"}]
+    for i in range(100):
+        args = json.dumps({"q": f"find {i}", "opts": {"tags": ["a", "b"], "n": [i]}})
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": args}}
+        messages.append({"role": "user", "content": [{"type": "text", "text": f"[{i}] {{go}}"}]})
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": f"c{i}", "content": json.dumps([args])})
+    return json.dumps({"model": "m", "messages": messages, "extra": extra}).encode()
+
+
+def _chain(depth: int) -> Any:
+    value: Any = 1
+    for i in range(depth):
+        value = [value] if i % 2 else {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("depth", [62, 63, 64, 200])
+def test_too_deep_in_a_long_agent_session(depth: int) -> None:
+    # the body's own nesting is 6 (itself, "messages", a message, "tool_calls", a
+    # call, "function"); a chain under "extra" (depth + 1 with the body) decides,
+    # and the same chain inside a string (as tool arguments carry JSON) never does
+    nested = _agent_body(_chain(depth))
+    assert len(nested) > 40_000
+    assert nested.count(b"{") + nested.count(b"[") > 1_000
+    assert _too_deep(nested, 64) == (depth + 1 > 64) == (_depth(json.loads(nested)) > 64)
+    assert not _too_deep(_agent_body(json.dumps(_chain(depth))), 64)
 
 
 # -- a declared Content-Length (every mode's 413 before the body) ----------------------
