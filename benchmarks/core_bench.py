@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from _common import bodies
+from _common import best_us, bodies
 
 from meshkit import Mesh
 from meshkit.core.credentials import response_headers
@@ -105,12 +105,7 @@ def run(
     try:
         for _ in range(2_000):
             one()
-        best = float("inf")
-        for _ in range(rounds):
-            t0 = time.process_time()
-            for _ in range(n):
-                one()
-            best = min(best, (time.process_time() - t0) / n)
+        best = best_us(one, rounds, n)
         if profile:
             prof = cProfile.Profile()
             prof.enable()
@@ -118,7 +113,7 @@ def run(
                 one()
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-        return best * 1e6
+        return best
     finally:
         mesh.close()
 

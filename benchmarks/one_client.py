@@ -3,7 +3,7 @@ CPU per request at one client, with a load side in C
 ====================================================
 
 ``python benchmarks/one_client.py [--frontends meshkit,vllm-router] [--base DIR]
-[--api chat] [--size 1024] [--clients 1] [--rounds 20] [--duration 8]``
+[--api chat] [--size 1024 | --shape NAME] [--clients 1] [--rounds 20] [--duration 8]``
 
 Issue 21's one-client point, measured apart. At one client a request's CPU is
 mostly the wake-ups around it, and ``run.py``'s Python load side (~80 µs per
@@ -18,6 +18,8 @@ Reported: per frontend the median CPU per request over the rounds, user and
 system apart (``/proc``: all the frontend's processes and threads); per round the
 first frontend's CPU over each other's, the median of those ratios and a bootstrap
 95 % interval of that median (how far the median can be trusted on a noisy host).
+``--shape NAME`` sends one of ``prepare_shapes.py``'s chat bodies (an agent's
+session, say) in place of the one-message body of ``--size`` bytes.
 ``meshkit-base`` is the gateway of another checkout (``--base``, with its own
 compiled ``.venv``), as in ``run.py``.
 """
@@ -49,6 +51,7 @@ from _common import (  # noqa: E402
     user_system_seconds,
 )
 from frontends.launch import FRONTENDS, command, ensure_router  # noqa: E402
+from prepare_shapes import SHAPES  # noqa: E402
 from scaling import _load, build, failed, pinned  # noqa: E402
 
 _WORKLOAD = {"chat": "chat", "completions": "proxy"}
@@ -167,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", help="the checkout meshkit-base runs (its own .venv)")
     ap.add_argument("--api", choices=sorted(_WORKLOAD), default="chat")
     ap.add_argument("--size", type=int, default=1024, help="request body bytes")
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), help="a chat body of prepare_shapes.py instead"
+    )
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2, help="C worker processes")
     ap.add_argument("--rounds", type=int, default=20)
@@ -192,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(tmp)
         loadgen, backend = build(out)
         body = out / "body.json"
-        body.write_bytes(bodies(ns.size, 1, api=ns.api)[0])
+        if ns.shape:
+            if ns.api != "chat":
+                ap.error("--shape is a chat body: --api chat")
+            body.write_bytes(SHAPES[ns.shape]())
+        else:
+            body.write_bytes(bodies(ns.size, 1, api=ns.api)[0])
         ports = [free_port() for _ in range(ns.workers)]
         workers = [subprocess.Popen([*pinned("1"), str(backend), str(p)]) for p in ports]
         urls = [f"http://127.0.0.1:{p}" for p in ports]

@@ -25,17 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
+from _common import best_us
 
 from meshkit import Mesh
 
-HERE = Path(__file__).resolve().parent
 WORKERS = [f"http://127.0.0.1:{port}" for port in (1, 2, 3, 4)]
 CHAT = "/v1/chat/completions"
 
@@ -108,14 +107,7 @@ def _best(fn: Callable[[], object], rounds: int, budget_s: float = 0.2) -> float
     t0 = time.process_time()
     fn()
     once = max(time.process_time() - t0, 1e-6)
-    n = max(3, int(budget_s / once))
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.process_time()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.process_time() - t0) / n)
-    return best * 1e6
+    return best_us(fn, rounds, max(3, int(budget_s / once)))
 
 
 def measure(policy: str, rounds: int, loop_s: float = 0.2) -> dict[str, dict[str, float]]:
@@ -168,7 +160,6 @@ def main() -> int:
     if ns.emit_json:
         print(json.dumps(measure(ns.policy, ns.rounds, ns.loop_s)))
         return 0
-    sys.path.insert(0, str(HERE))
     from _common import require_current_install
 
     require_current_install()
