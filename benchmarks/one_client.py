@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each")
     ap.add_argument("--json", help="also write the rounds here")
     ns = ap.parse_args(argv)
+    if ns.shape and ns.api != "chat":
+        ap.error("--shape is a chat body: --api chat")
     require_current_install()
     keys = [k.strip() for k in ns.frontends.split(",") if k.strip()]
     unknown = [k for k in keys if k not in FRONTENDS]
@@ -199,8 +201,6 @@ def main(argv: list[str] | None = None) -> int:
         loadgen, backend = build(out)
         body = out / "body.json"
         if ns.shape:
-            if ns.api != "chat":
-                ap.error("--shape is a chat body: --api chat")
             body.write_bytes(SHAPES[ns.shape]())
         else:
             body.write_bytes(bodies(ns.size, 1, api=ns.api)[0])

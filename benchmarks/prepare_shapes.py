@@ -34,6 +34,7 @@ import msgspec
 from _common import best_us
 
 from meshkit import Mesh
+from meshkit.core import requests as core_requests
 
 WORKERS = [f"http://127.0.0.1:{port}" for port in (1, 2, 3, 4)]
 CHAT = "/v1/chat/completions"
@@ -87,7 +88,7 @@ def _conversation(turns: int, *, parts: bool = False, tools: int = 0) -> bytes:
 
 def _one_message(size: int) -> bytes:
     head = json.dumps({"model": "m", "messages": [{"role": "user", "content": ""}]}).encode()
-    text = (_words(3, size // 6 + 1))[: size - len(head)]
+    text = _words(3, size // 6 + 1)[: size - len(head)]
     return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
 
 
@@ -111,8 +112,6 @@ def _best(fn: Callable[[], object], rounds: int, budget_s: float = 0.2) -> float
 
 
 def measure(policy: str, rounds: int, loop_s: float = 0.2) -> dict[str, dict[str, float]]:
-    from meshkit.core import requests as core_requests
-
     too_deep: Callable[[bytes, int], bool] = core_requests._too_deep
     mesh = Mesh(workers=WORKERS, policy=policy, lifecycle={"probe": False})
     match = mesh.resolve("POST", CHAT)
