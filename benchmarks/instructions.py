@@ -22,8 +22,8 @@ checkout at ``DIR`` (each with its own ``.venv``), on three paths:
   ``N`` (each also served 300 warm-up requests; its periodic timers add a little).
   ``--api chat`` sends chat bodies (``_common.bodies``) instead of completions.
 
-``--rust NAME`` counts a Rust router from ``benchmarks/.venvs/NAME`` (installed by
-``run.py``) on the gateway path too, same loop, same workers, round robin: what it
+``--rust NAME`` counts a Rust router from ``benchmarks/.venvs/NAME`` (installed there
+on first use, as ``run.py`` does) on the gateway path too, same loop, same workers, round robin: what it
 executes per request beside meshkit's. ``--base`` is optional. ``--this DIR``
 counts another checkout (say, one whose ``.venv`` runs another interpreter) as this
 one. ``--simulate`` runs the gateways under cachegrind instead, with its simulated
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _common import API_PATHS, bodies, free_port
-from frontends.launch import FRONTENDS, command
+from frontends.launch import FRONTENDS, command, ensure_router
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -190,8 +190,9 @@ def _rust_argv(name: str, workers: list[str], port: int) -> list[str]:
     if fe is None or fe.kind != "rust":
         raise SystemExit(f"{name} is not one of run.py's Rust routers")
     venvs = HERE / ".venvs"
-    if not (venvs / name).exists():
-        raise SystemExit(f"{venvs / name} is missing: run benchmarks/run.py once to install it")
+    version, why = ensure_router(fe, venvs, HERE / "install.log")  # as run.py does
+    if version is None:
+        raise SystemExit(f"{name}: {why}")
     launch = command(
         fe,
         port=port,
