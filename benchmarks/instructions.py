@@ -23,8 +23,8 @@ checkout at ``DIR`` (each with its own ``.venv``), on three paths:
   ``--api chat`` sends chat bodies (``_common.bodies``) instead of completions.
 
 ``--rust NAME`` counts a Rust router from ``benchmarks/.venvs/NAME`` (installed there
-on first use, as ``run.py`` does) on the gateway path too, same loop, same workers, round robin: what it
-executes per request beside meshkit's. ``--base`` is optional. ``--this DIR``
+on first use, as ``run.py`` does) on the gateway path too, same loop, same workers,
+round robin: what it executes per request beside meshkit's. ``--base`` is optional. ``--this DIR``
 counts another checkout (say, one whose ``.venv`` runs another interpreter) as this
 one. ``--simulate`` runs the gateways under cachegrind instead, with its simulated
 caches and branch predictor: misses and mispredictions per request, beside ``Ir``.

@@ -3,16 +3,20 @@ CPU per request at one client, with a load side in C
 ====================================================
 
 ``python benchmarks/one_client.py [--frontends meshkit,vllm-router] [--base DIR]
-[--api chat] [--size 1024 | --shape NAME] [--clients 1] [--rounds 20] [--duration 8]``
+[--api chat] [--size 1024 | --shape NAME] [--clients 1] [--rounds 20] [--duration 8]
+[--windows 1]``
 
 Issue 21's one-client point, measured apart. At one client a request's CPU is
 mostly the wake-ups around it, and ``run.py``'s Python load side (~80 µs per
 request, on the other core) adds its own noise to every round. Here the load
 generator and the workers are ``scaling.py``'s C programs (``benchmarks/native/``,
 built with ``cc`` on every run, ~20 to 30 µs per request), the frontend is pinned to
-CPU 0 and the load side to CPU 1, and every round starts each frontend afresh, in
-alternating order, for ``--warmup`` seconds of load and then a ``--duration``
-window.
+CPU 0 and the load side to CPU 1, and every round starts each frontend afresh
+and gives it ``--warmup`` seconds of load, then ``--duration`` seconds measured.
+``--windows W`` cuts that into W windows, the frontends loaded in turns (the order
+alternating from window to window and from round to round): both then meet the
+host's slower drifts alike, which a window of several seconds each apart does not
+(a round's ratio on this VM moved from 0.81 to 1.29 with one window of 8 s).
 
 Reported: per frontend the median CPU per request over the rounds, user and
 system apart (``/proc``: all the frontend's processes and threads); per round the
@@ -65,6 +69,7 @@ class Round:
     system_us: float
     rps: float
     errors: int
+    requests: int = 0  # answered in the window(s)
 
     @property
     def cpu_us(self) -> float:
@@ -84,49 +89,92 @@ def _ready(port: int, proc: subprocess.Popen[bytes], within_s: float = 60.0) -> 
     raise SystemExit(f"a frontend did not answer /health on port {port}")
 
 
-def measure(
-    ns: argparse.Namespace, key: str, rnd: int, loadgen: Path, urls: list[str], body: Path
-) -> Round:
-    """One frontend, started afresh, under load: its CPU over the window."""
-    port = free_port()
-    launch = command(
-        FRONTENDS[key],
-        port=port,
-        workers=urls,
-        workload=_WORKLOAD[ns.api],
-        cpus="0",
-        processes=1,
-        tokenizer=None,
-        venvs=HERE / ".venvs",
-        prometheus_port=free_port(),
-    )
-    env = dict(os.environ, **launch.env)
-    proc = subprocess.Popen(
-        launch.argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        _ready(port, proc)
-        path = API_PATHS[ns.api]
-        _load(loadgen, port, ns.clients, ns.warmup, path, body, cpus="1")
-        user0, system0 = user_system_seconds(proc.pid)
-        got = _load(loadgen, port, ns.clients, ns.duration, path, body, cpus="1")
-        user1, system1 = user_system_seconds(proc.pid)
-    finally:
-        proc.send_signal(signal.SIGTERM)
+class Running:
+    """A frontend started for a round, pinned to CPU 0, answering on ``port``."""
+
+    def __init__(self, key: str, urls: list[str], api: str) -> None:
+        self.key = key
+        self.port = free_port()
+        launch = command(
+            FRONTENDS[key],
+            port=self.port,
+            workers=urls,
+            workload=_WORKLOAD[api],
+            cpus="0",
+            processes=1,
+            tokenizer=None,
+            venvs=HERE / ".venvs",
+            prometheus_port=free_port(),
+        )
+        env = dict(os.environ, **launch.env)
+        self.proc = subprocess.Popen(
+            launch.argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        _ready(self.port, self.proc)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(30)
+            self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            self.proc.kill()
+            self.proc.wait()
+
+
+def window(
+    ns: argparse.Namespace, fe: Running, rnd: int, seconds: float, loadgen: Path, body: Path
+) -> Round:
+    """``fe`` under load for ``seconds``: its CPU over that window."""
+    user0, system0 = user_system_seconds(fe.proc.pid)
+    got = _load(loadgen, fe.port, ns.clients, seconds, API_PATHS[ns.api], body, cpus="1")
+    user1, system1 = user_system_seconds(fe.proc.pid)
     done = max(1, int(got["ok"]))
-    errors = failed(got)
     return Round(
-        frontend=key,
+        frontend=fe.key,
         round=rnd,
         user_us=1e6 * (user1 - user0) / done,
         system_us=1e6 * (system1 - system0) / done,
         rps=got["ok_in_window"] / got["window_s"],
-        errors=errors,
+        errors=failed(got),
+        requests=done,
+    )
+
+
+def measure_round(
+    ns: argparse.Namespace, keys: list[str], rnd: int, loadgen: Path, urls: list[str], body: Path
+) -> list[Round]:
+    """One round: every frontend started afresh and warmed up, then ``--windows``
+    measured windows each, taken in turns (the order alternates from window to
+    window and from round to round), so the frontends share the host's slower
+    drifts; per frontend the round's CPU per request is over all its windows."""
+    running: list[Running] = []
+    try:
+        for key in keys:
+            fe = Running(key, urls, ns.api)
+            running.append(fe)
+            _load(loadgen, fe.port, ns.clients, ns.warmup, API_PATHS[ns.api], body, cpus="1")
+        got: dict[str, list[Round]] = {key: [] for key in keys}
+        for w in range(ns.windows):
+            order = running if (rnd + w) % 2 == 0 else running[::-1]
+            for fe in order:
+                got[fe.key].append(window(ns, fe, rnd, ns.duration / ns.windows, loadgen, body))
+    finally:
+        for fe in running:
+            fe.stop()
+    return [_merged(parts) for parts in got.values()]
+
+
+def _merged(parts: list[Round]) -> Round:
+    """The round's windows as one: CPU over all their requests."""
+    n = sum(p.requests for p in parts)
+    return Round(
+        frontend=parts[0].frontend,
+        round=parts[0].round,
+        user_us=sum(p.user_us * p.requests for p in parts) / n,
+        system_us=sum(p.system_us * p.requests for p in parts) / n,
+        rps=sum(p.rps for p in parts) / len(parts),
+        errors=sum(p.errors for p in parts),
+        requests=n,
     )
 
 
@@ -176,12 +224,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2, help="C worker processes")
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--duration", type=float, default=8.0, help="seconds measured per frontend")
+    ap.add_argument(
+        "--duration", type=float, default=8.0, help="seconds measured per frontend and round"
+    )
+    ap.add_argument(
+        "--windows",
+        type=int,
+        default=1,
+        help="the round's --duration cut into this many windows, the frontends in turns",
+    )
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each")
     ap.add_argument("--json", help="also write the rounds here")
     ns = ap.parse_args(argv)
     if ns.shape and ns.api != "chat":
         ap.error("--shape is a chat body: --api chat")
+    if ns.windows < 1:
+        ap.error("--windows is at least 1")
     require_current_install()
     keys = [k.strip() for k in ns.frontends.split(",") if k.strip()]
     unknown = [k for k in keys if k not in FRONTENDS]
@@ -211,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             time.sleep(0.3)
             for rnd in range(ns.rounds):
-                for key in keys if rnd % 2 == 0 else keys[::-1]:
-                    r = measure(ns, key, rnd, loadgen, urls, body)
+                for r in measure_round(ns, keys, rnd, loadgen, urls, body):
                     rounds.append(r)
                     print(
                         f"round {rnd} {key}: {r.cpu_us:.1f} µs/req (user {r.user_us:.1f}, "
