@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 for r in measure_round(ns, keys, rnd, loadgen, urls, body):
                     rounds.append(r)
                     print(
-                        f"round {rnd} {key}: {r.cpu_us:.1f} µs/req (user {r.user_us:.1f}, "
+                        f"round {rnd} {r.frontend}: {r.cpu_us:.1f} µs/req (user {r.user_us:.1f}, "
                         f"system {r.system_us:.1f}), {r.rps:,.0f} req/s, {r.errors} errors",
                         file=sys.stderr,
                         flush=True,
