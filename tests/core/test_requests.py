@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from meshkit.core.endpoints import Match, resolve
 from meshkit.core.requests import (
+    _REPLACE_COUNTS_MAX,
     RequestView,
     _too_deep,
     check_declared,
@@ -819,6 +820,19 @@ def test_too_deep_on_long_chains_and_wide_bodies(depth: int) -> None:
     ]
     for body in bodies:
         assert _too_deep(body.encode(), 64) == (depth > 64), body[:40]
+
+
+@pytest.mark.parametrize("depth", [63, 64, 65, 300])
+@pytest.mark.parametrize("extra", [-1, 0, 1, 40_000])
+def test_too_deep_either_side_of_the_replace_count_bound(depth: int, extra: int) -> None:
+    # the same chain padded to just under, at and just over the size up to which
+    # brackets are counted with replace (find past it), and far past it
+    chain = json.dumps(_chain(depth), separators=(",", ":"))
+    frame = '{"p":"","x":' + chain + "}"
+    size = _REPLACE_COUNTS_MAX + extra
+    body = ('{"p":"' + "x" * (size - len(frame)) + '","x":' + chain + "}").encode()
+    assert len(body) == size
+    assert _too_deep(body, 64) == (depth + 1 > 64) == (_depth(json.loads(body)) > 64)
 
 
 @pytest.mark.parametrize(
