@@ -30,7 +30,7 @@ from urllib.parse import quote, urlsplit
 
 import httptools
 
-from meshkit.core.unbound import isdigit, lower
+from meshkit.core.unbound import count_upto, isdigit, lower
 
 __all__ = [
     "LAST_CHUNK",
@@ -98,7 +98,8 @@ def build_head(method: str, line: bytes, headers: Headers, size: int) -> bytes:
     # The joints put exactly len(headers) - 1 of each; any other is in a header
     # (checked once, on the joined block).
     joints = len(headers) - 1
-    if block.count(b"\n") != joints or block.count(b"\r") != joints:
+    over = joints + 1
+    if count_upto(block, b"\n", over) != joints or count_upto(block, b"\r", over) != joints:
         raise Unsendable("a header holds CR or LF")
     if bare:
         return b"%s%s%s\r\n\r\n" % (m, line, block)
@@ -188,10 +189,12 @@ class ResponseParser:
     __slots__ = (
         "_headers",
         "_interim",
+        "_keeps_alive",
         "_on_end",
         "_on_head",
         "_on_unasked",
         "_parser",
+        "_status",
         "feed",
         "head_only",
         "on_body",
@@ -211,8 +214,10 @@ class ResponseParser:
         self.waiting = False
         #: the waiting request is a HEAD
         self.head_only = False
-        self._parser = httptools.HttpResponseParser(self)
-        self.feed = self._parser.feed_data
+        self._parser = parser = httptools.HttpResponseParser(self)
+        self.feed = parser.feed_data
+        self._status = parser.get_status_code
+        self._keeps_alive = parser.should_keep_alive
 
     # httptools callbacks
 
@@ -221,7 +226,7 @@ class ResponseParser:
 
     def on_headers_complete(self) -> None:
         headers, self._headers = self._headers, []
-        status = self._parser.get_status_code()
+        status = self._status()
         if status < 200:
             # RFC 9110 §15.2: an interim response precedes the final one; skipped.
             self._interim = True
@@ -242,7 +247,7 @@ class ResponseParser:
             self._interim = False
         elif self.waiting:
             self.waiting = False
-            self._on_end(self._parser.should_keep_alive())
+            self._on_end(self._keeps_alive())
 
 
 # -- responses, written ------------------------------------------------------------------
@@ -355,7 +360,7 @@ def response_head(
     # Each line holds just the CRLF that ends it: one more CR or LF means a name or
     # value held one (checked once on the whole head, not per header). Rare: the
     # head is built again without those lines, as nothing may split a response.
-    if head.count(b"\n") != ends or head.count(b"\r") != ends:
+    if count_upto(head, b"\n", ends + 1) != ends or count_upto(head, b"\r", ends + 1) != ends:
         clean = [item for item in headers if not _splits(item[0]) and not _splits(item[1])]
         return response_head(
             status, clean, keep_alive=keep_alive, http11=http11, length=length, bodyless=bodyless

@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 
 import httpx2
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness import wait_until
 from meshkit import Mesh, MeshMiddleware
@@ -361,6 +363,28 @@ def test_response_heads_never_split() -> None:
     headers = [(b"x-a", b"1\r\nset-cookie: evil"), (b"x-b\n", b"2"), (b"x-c", b"ok")]
     head, *_ = response_head(200, headers, keep_alive=True, http11=True, length=0)
     assert b"evil" not in head and b"x-b" not in head and b"x-c: ok\r\n" in head
+
+
+_fields = st.text(alphabet="ab\r\n", min_size=1, max_size=5).map(str.encode)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_fields, _fields), max_size=6))
+def test_heads_keep_exactly_the_header_lines_without_a_line_break(
+    headers: list[tuple[bytes, bytes]],
+) -> None:
+    clean = [(n, v) for n, v in headers if not any(c in n + v for c in b"\r\n")]
+    head, *_ = response_head(200, headers, keep_alive=True, http11=True, length=0)
+    lines = head.split(b"\r\n")
+    assert lines[-2:] == [b"", b""] and not any(13 in x or 10 in x for x in lines)
+    assert lines[1:-3] == [n + b": " + v for n, v in clean]
+    line = b" / HTTP/1.1\r\nhost: w\r\n"
+    if clean != headers:
+        with pytest.raises(Unsendable):
+            build_head("POST", line, headers, 0)
+    else:
+        sent = build_head("POST", line, headers, 0).split(b"\r\n")
+        assert sent[2:-3] == [n + b": " + v for n, v in headers]
 
 
 @pytest.mark.parametrize(
