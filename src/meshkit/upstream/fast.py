@@ -443,7 +443,7 @@ class Conn(asyncio.Protocol):
         hub = pool.hub
         self._pool = pool
         self.loop = hub.loop
-        self._time = hub.loop.time
+        self._time = hub.time
         self._timeout = hub.read_timeout
         self._high_water = hub.high_water
         self.low_water = hub.high_water // 4
@@ -670,6 +670,7 @@ class Hub:
         "pools",
         "read_timeout",
         "sweeper",
+        "time",
         "total",
         "waiters",
     )
@@ -685,6 +686,10 @@ class Hub:
         high_water: int,
     ) -> None:
         self.loop = loop
+        #: the loop's clock, bound once (the loop is an interpreted object: a call
+        #: through it looks ``time`` up each time; a connection is taken and put
+        #: back once per request)
+        self.time = loop.time
         self.high_water = high_water  # unread bytes of one response before reading pauses
         self.limit = limit  # 0 = unbounded
         self.per_limit = per_limit
@@ -764,7 +769,8 @@ class Pool:
             return None
         conn = idle.pop()
         conn.pooled = False
-        if self.hub.loop.time() - conn.idle_since < self.hub.idle_timeout and not conn.closed:
+        hub = self.hub
+        if hub.time() - conn.idle_since < hub.idle_timeout and not conn.closed:
             return conn
         stale = [conn, *idle]
         idle.clear()
@@ -778,7 +784,7 @@ class Pool:
         if hub.closed or hub.idle_timeout <= 0:
             conn.close()
             return
-        conn.idle_since = hub.loop.time()
+        conn.idle_since = hub.time()
         conn.pooled = True
         self.idle.append(conn)
         if hub.sweeper is None:

@@ -133,7 +133,13 @@ class H1Conn(asyncio.Protocol):
         # interpreted object, whose attributes are looked up at each read.
         self.upstream = server.upstream
         self.log_access = server.access_log
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser = parser = httptools.HttpRequestParser(self)
+        # Bound once: a call through the parser (or the loop, both compiled
+        # elsewhere) looks its method up on every request.
+        self._feed = parser.feed_data
+        self._get_method = parser.get_method
+        self._keeps_alive = parser.should_keep_alive
+        self._new_future = self.loop.create_future
         self.transport: asyncio.Transport | None = None
         self.client = ""
         self.closed = False
@@ -222,7 +228,7 @@ class H1Conn(asyncio.Protocol):
             # httptools keeps whole until its line ends (an endless one grew).
             self._framing_bytes += len(data)
         try:
-            self.parser.feed_data(data)
+            self._feed(data)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
             if isinstance(cause, _Refused):
@@ -329,7 +335,7 @@ class H1Conn(asyncio.Protocol):
         raw_path, _, self._query = url.partition(b"?")
         self._raw_path = raw_path
         self._path = path = raw_path.decode("latin-1")
-        self._method = method = self.parser.get_method().decode("latin-1")
+        self._method = method = self._get_method().decode("latin-1")
         try:
             self._match = self.mesh.resolve(method, path)
         except MeshError as exc:
@@ -385,7 +391,7 @@ class H1Conn(asyncio.Protocol):
         parts = self._body
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         parser = self.parser
-        keep_alive = parser.should_keep_alive()
+        keep_alive = self._keeps_alive()
         # llhttp keeps an HTTP/1.0 connection only when a Connection or
         # Proxy-Connection field asks to: without one, a kept connection is
         # HTTP/1.1 and its version need not be asked (get_http_version formats a
@@ -473,7 +479,7 @@ class H1Conn(asyncio.Protocol):
                 if req is None:
                     if self.closed:
                         return
-                    waiter = self._waiter = self.loop.create_future()
+                    waiter = self._waiter = self._new_future()
                     req = await waiter
         finally:
             self._runner = self._waiter = None
