@@ -360,18 +360,19 @@ _DEPTH_STEP: Final = {ord("["): 1, ord("]"): -1}
 _FINDS: Final = 4
 _BYTES_PER_FIND_BITS: Final = 7
 #: the largest body whose brackets are counted with ``replace`` (see _more_than)
-_REPLACE_COUNTS_MAX: Final = 65536
+_REPLACE_COUNTS_MAX: Final = 2048
 
 
 def _more_than(body: bytes, limit: int) -> bool:
     """Whether ``body`` holds more than ``limit`` opening brackets.
 
     Up to ``_REPLACE_COUNTS_MAX`` bytes, each bracket with one ``count_upto``
-    (``replace``, memchr-fast), whose copy costs less than what ``find`` spends on
-    each call's arguments (a tuple, then a format string's parse): 2.7K against
-    6.0K instructions on a 1 KiB chat body, compiled. Past that size the copy
-    costs more than the calls: ``find``, memchr-fast too (``bytes.count`` of one
-    byte is a plain loop: 40 µs for both brackets on a 64 KiB body, twice the
+    (``replace``, memchr-fast): 2.7K against 6.0K instructions on a 1 KiB chat
+    body, compiled, as ``find`` builds a tuple of each call's arguments and parses
+    it. Timed with warm caches the two are level at 1 to 2 KiB (0.64 against 0.66
+    µs, then 0.70 against 0.67), and past that the copy costs more than the calls
+    (1.73 against 0.86 µs at 16 KiB): ``find``, memchr-fast too (``bytes.count`` of
+    one byte is a plain loop: 40 µs for both brackets on a 64 KiB body, twice the
     decode). Stops at ``limit + 1``.
     """
     if len(body) <= _REPLACE_COUNTS_MAX:
@@ -392,7 +393,7 @@ def _too_deep(body: bytes, max_depth: int) -> bool:
     """Whether ``body`` nests arrays/objects deeper than ``max_depth`` (cheap, pure).
 
     A body with few brackets is not scanned: it cannot nest deeper than it has
-    openers. They are counted (:func:`_more_than`) up to ``max_depth``, past 64 KiB
+    openers. They are counted (:func:`_more_than`) up to ``max_depth``, past 2 KiB
     only up to a few per KiB: there each one costs a ``find`` call, and past that
     many the calls cost more than the scan, whose passes are linear.
 

@@ -36,7 +36,8 @@ def count_upto(data: bytes, byte: bytes, limit: int) -> int:
 
     By a ``replace`` of it by nothing: its arguments are parsed as a fast call and
     it finds the byte with memchr, while ``count`` parses a tuple of arguments and
-    compares byte after byte (1.2K against 0.6K instructions on a 150-byte head,
-    compiled). Its copy is made and freed at once: for data of some KiB at most.
+    compares byte after byte (1.25K against 1.6K instructions per call on a
+    response head, compiled; 165 against 185 ns on 109 bytes). Its copy is made and
+    freed at once: for data of a KiB or two at most (``requests._more_than``).
     """
     return len(data) - len(replace(data, byte, b"", limit))
