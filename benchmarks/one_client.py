@@ -4,7 +4,7 @@ CPU per request at one client, with a load side in C
 
 ``python benchmarks/one_client.py [--frontends meshkit,vllm-router] [--base DIR]
 [--api chat] [--size 1024 | --shape NAME] [--clients 1] [--rounds 20] [--duration 8]
-[--windows 1]``
+[--windows 16]``
 
 Issue 21's one-client point, measured apart. At one client a request's CPU is
 mostly the wake-ups around it, and ``run.py``'s Python load side (~80 µs per
@@ -230,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--windows",
         type=int,
-        default=1,
-        help="the round's --duration cut into this many windows, the frontends in turns",
+        default=16,
+        help="the round's --duration cut into this many windows, the frontends in turns "
+        "(1: each measured whole, one after the other)",
     )
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each")
     ap.add_argument("--json", help="also write the rounds here")
