@@ -129,10 +129,18 @@ class UvicornThread:
         self.thread.join(10)
 
 
+#: How often a test's socketserver (werkzeug's, http.server's) looks for its
+#: ``shutdown()``: at socketserver's default, 0.5 s, stopping one cost every test
+#: that did half a second.
+SHUTDOWN_POLL_S = 0.05
+
+
 class WerkzeugThread:
     def __init__(self, app: Any) -> None:
         self.server = make_server("127.0.0.1", 0, app, threaded=True)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True
+        )
 
     def __enter__(self) -> str:
         self.thread.start()
