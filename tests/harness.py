@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -112,6 +113,12 @@ def _wsgi_host_app(environ: Any, start_response: Any) -> list[bytes]:
 SHUTDOWN_POLL_S = 0.02
 
 
+def serve_thread(server: socketserver.BaseServer) -> threading.Thread:
+    """A daemon thread (not started) that serves ``server`` until its
+    ``shutdown()``, looking for it every SHUTDOWN_POLL_S."""
+    return threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True)
+
+
 class _QuickUvicorn(uvicorn.Server):
     """uvicorn's server, looking for ``should_exit`` every SHUTDOWN_POLL_S: uvicorn
     looks every 0.1 s, which every ASGI-mode test waited out as it stopped."""
@@ -149,9 +156,7 @@ class UvicornThread:
 class WerkzeugThread:
     def __init__(self, app: Any) -> None:
         self.server = make_server("127.0.0.1", 0, app, threaded=True)
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True
-        )
+        self.thread = serve_thread(self.server)
 
     def __enter__(self) -> str:
         self.thread.start()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from harness import SHUTDOWN_POLL_S
+from harness import serve_thread
 from meshkit.mock import MockConfig, MockWorkerThread
 from meshkit.testing import envoy as envoy_module
 from meshkit.testing.envoy import DESTINATION_HEADER, EnvoyProcess, envoy_binary
@@ -241,7 +241,7 @@ def worker() -> Iterator[MockWorkerThread]:
 @pytest.fixture(scope="module")
 def echo_worker() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoHeaders)
-    thread = threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True)
+    thread = serve_thread(server)
     thread.start()
     yield f"127.0.0.1:{server.server_address[1]}"
     server.shutdown()

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from harness import SHUTDOWN_POLL_S
+from harness import serve_thread
 
 
 class QuietHandler(BaseHTTPRequestHandler):
@@ -41,9 +41,7 @@ class Served:
     def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.daemon_threads = True
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, args=(SHUTDOWN_POLL_S,), daemon=True
-        )
+        self.thread = serve_thread(self.server)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_port}"
 
