@@ -89,6 +89,7 @@ COMPILED = (
     "src/meshkit/frontends/routed.py",
     "src/meshkit/frontends/wsgi.py",
     "src/meshkit/http1.py",
+    "src/meshkit/inline.py",
     "src/meshkit/mesh.py",
     "src/meshkit/metrics.py",
     "src/meshkit/prepare/pipeline.py",

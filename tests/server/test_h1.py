@@ -455,9 +455,12 @@ def test_the_server_relays_without_asking_for_the_running_loop(
     assert_settled(mesh)
 
 
-def test_one_task_answers_a_connection_in_turn_and_ends_with_it(gateway: Any) -> None:
-    """A connection's requests, one after another or pipelined, run in one task
-    that idles between them and ends with the connection: none is left behind."""
+def test_one_runner_answers_a_connection_in_turn_and_ends_with_it(gateway: Any) -> None:
+    """A connection's requests, one after another or pipelined, run on one runner,
+    stepped where their bytes arrive (no asyncio Task per request, none while it
+    idles), which ends with the connection: nothing is left behind. The first
+    request opens the worker's connection, an await that hands it to a Task: the
+    requests after it start a new runner, stepped inline again."""
     served, _, mesh = gateway(output_tokens=3)
 
     def tasks() -> int:
@@ -469,24 +472,28 @@ def test_one_task_answers_a_connection_in_turn_and_ends_with_it(gateway: Any) ->
     assert raw.response().status == 200
     conn = served.conn_of(raw)
     assert conn is not None
+    assert wait_until(lambda: tasks() == before)  # the connect's Task has ended
 
     def runner() -> int:
         return int(served.call(lambda: id(conn._runner)))
 
-    runners = {runner()}
+    runners = set()
     for i in range(2):
         raw.send(request("POST", PATH, chat(f"q{i}")))
         assert raw.response().status == 200
         runners.add(runner())
+        assert tasks() == before
     raw.send(b"".join(request("POST", PATH, chat(f"p{i}")) for i in range(3)))
     for _ in range(3):
         assert raw.response().status == 200
     runners.add(runner())
     assert len(runners) == 1
-    assert wait_until(lambda: tasks() == before + 1)  # the idle runner
+    assert tasks() == before
+    assert served.call(lambda: conn._runner is not None and not conn._runner.done())
     raw.close()
     assert wait_until(lambda: served.conns() == 0)
-    assert wait_until(lambda: tasks() == before)
+    assert wait_until(lambda: served.call(lambda: conn._runner is None))
+    assert tasks() == before
     assert_settled(mesh)
 
 

@@ -56,6 +56,7 @@ from meshkit.http1 import (
     build_head,
     ends_with_connection,
 )
+from meshkit.inline import CURRENT, Inline, in_task
 from meshkit.upstream.base import (
     HEAD_OK,
     HEAD_PROTOCOL,
@@ -148,6 +149,9 @@ class FastUpstream(AsyncUpstream):
         while True:
             fut: asyncio.Future[int] = loop.create_future()
             ex = Exchange(conn, fut)
+            runner = ex._runner = CURRENT.inline
+            if runner is not None:
+                runner.park(fut)  # resumed where the head arrives (meshkit.inline)
             if bounds is not None and bounds.read is not None:
                 conn.bound(bounds.read)
             conn.send(ex, head, body, head_only)
@@ -182,6 +186,7 @@ class FastUpstream(AsyncUpstream):
     async def _other(self, request: Request) -> AsyncExchange:
         if self._fallback is None:
             raise UpstreamFailure(Failure.CONNECT)
+        await in_task()  # httpcore's pools run on anyio
         return await self._fallback.asend(request)
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> Hub:
@@ -319,6 +324,7 @@ class Exchange:
         "_done",
         "_failed",
         "_head",
+        "_runner",
         "_stalled",
         "_waiter",
         "headers",
@@ -339,6 +345,8 @@ class Exchange:
         self._failed = False
         self._stalled = 0  # _OPERATOR or _CLIENT: the body failed for a silence
         self._waiter: asyncio.Future[None] | None = None
+        #: what steps the request (meshkit.inline) while it waits here; None: a Task
+        self._runner: Inline | None = None
 
     def chunks(self) -> Exchange:
         return self
@@ -378,6 +386,9 @@ class Exchange:
             if self._failed or conn is None:
                 raise _broken(self._stalled)
             waiter = self._waiter = conn.loop.create_future()
+            runner = self._runner = CURRENT.inline
+            if runner is not None:
+                runner.park(waiter)
             await waiter
 
     async def read(self, limit: int) -> bytes:
@@ -405,12 +416,33 @@ class Exchange:
             self._failed = True
             conn.abandon()
 
-    def _wake(self) -> None:
+    def _wake(self, conn: Conn | None) -> None:
+        """Resume the body's reader; ``conn``: the connection whose bytes are being
+        parsed (the reader runs when that parse is done), None: on the loop."""
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+                _resume(self._runner, conn)
+
+    def _answer(self, code: int, conn: Conn | None) -> None:
+        """The head's outcome (``HEAD_OK`` or why not); ``conn`` as in :meth:`_wake`."""
+        head = self._head
+        if head is not None:
+            self._head = None
+            if not head.done():
+                head.set_result(code)
+                _resume(self._runner, conn)
+
+
+def _resume(runner: Inline | None, conn: Conn | None) -> None:
+    if runner is None:
+        return  # a Task waits: the future's callback wakes it
+    if conn is not None and conn._feeding:
+        conn._woken = runner
+    else:
+        runner.wake()
 
 
 class Conn(asyncio.Protocol):
@@ -420,6 +452,7 @@ class Conn(asyncio.Protocol):
     __slots__ = (
         "_ex",
         "_feed",
+        "_feeding",
         "_high_water",
         "_last_io",
         "_on_timer",
@@ -429,6 +462,7 @@ class Conn(asyncio.Protocol):
         "_time",
         "_timeout",
         "_timer",
+        "_woken",
         "closed",
         "idle_since",
         "loop",
@@ -455,6 +489,9 @@ class Conn(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._last_io = 0.0
         self._replied = False  # a byte of the current response arrived
+        # while data_received parses: the request to step once it is done
+        self._feeding = False
+        self._woken: Inline | None = None
         self.closed = False
         self.paused = False
         self.pooled = False
@@ -527,14 +564,11 @@ class Conn(asyncio.Protocol):
         self._ex = None
         if ex is not None:
             ex._conn = None
-            head = ex._head
-            if head is not None:
-                ex._head = None
-                if not head.done():
-                    head.set_result(code)
+            if ex._head is not None:
+                ex._answer(code, self)
             else:
                 ex._failed = True
-                ex._wake()
+                ex._wake(self)
         self._close(abort=True)
 
     def _fire(self) -> None:
@@ -577,17 +611,14 @@ class Conn(asyncio.Protocol):
             return
         self._ex = None
         ex._conn = None
-        head = ex._head
-        if head is not None:
-            ex._head = None
-            if not head.done():
-                head.set_result(HEAD_PROTOCOL if self._replied else HEAD_RESET)
+        if ex._head is not None:
+            ex._answer(HEAD_PROTOCOL if self._replied else HEAD_RESET, None)
             return
         if exc is None and ends_with_connection(ex.headers):
             ex._done = True  # a body delimited by the end of the connection
         else:
             ex._failed = True
-        ex._wake()
+        ex._wake(None)
 
     def data_received(self, data: bytes) -> None:
         if self._ex is None:
@@ -596,10 +627,18 @@ class Conn(asyncio.Protocol):
         self._replied = True
         if self._timer is not None:
             self._last_io = self._time()
+        self._feeding = True
         try:
             self._feed(data)
         except PARSE_ERRORS:
             self._fail(HEAD_PROTOCOL)
+        finally:
+            self._feeding = False
+        woken = self._woken
+        if woken is not None:
+            # The request waiting on this response runs now, its bytes all parsed.
+            self._woken = None
+            woken.step()
 
     # -- the parser's sink -----------------------------------------------------------
 
@@ -609,10 +648,7 @@ class Conn(asyncio.Protocol):
             return
         ex.status = status
         ex.headers = headers
-        head = ex._head
-        ex._head = None
-        if head is not None and not head.done():
-            head.set_result(HEAD_OK)
+        ex._answer(HEAD_OK, self)
 
     def on_body(self, body: bytes) -> None:
         ex = self._ex
@@ -624,7 +660,7 @@ class Conn(asyncio.Protocol):
             self.paused = True
             self.transport.pause_reading()
         if ex._waiter is not None:
-            ex._wake()
+            ex._wake(self)
 
     def on_end(self, keep_alive: bool) -> None:
         ex = self._ex
@@ -633,7 +669,7 @@ class Conn(asyncio.Protocol):
         self._ex = None
         ex._conn = None
         ex._done = True
-        ex._wake()
+        ex._wake(self)
         if keep_alive and not self.closed:
             if self.paused:
                 self.resume()

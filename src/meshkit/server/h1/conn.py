@@ -50,6 +50,7 @@ from meshkit.errors import (
 )
 from meshkit.frontends.routed import Headers, Routed, error_reply
 from meshkit.http1 import LAST_CHUNK, Framing, chunk, date_header, response_head
+from meshkit.inline import CURRENT, Inline, in_task
 from meshkit.server.h1.bridge import INTERNAL
 
 if TYPE_CHECKING:
@@ -132,6 +133,7 @@ class H1Conn(asyncio.Protocol):
         # The server's settings every request reads, copied: the server is an
         # interpreted object, whose attributes are looked up at each read.
         self.upstream = server.upstream
+        self.inline = server.inline
         self.log_access = server.access_log
         self.parser = parser = httptools.HttpRequestParser(self)
         # Bound once: a call through the parser (or the loop, both compiled
@@ -174,12 +176,17 @@ class H1Conn(asyncio.Protocol):
         self._head_limit = 2 * self.max_head + 65536
         # the request being answered, and those parsed behind it
         self.queue: deque[Request] = deque()
-        #: the task answering a request (None when idle): the connection's runner
-        self.task: asyncio.Task[None] | None = None
-        # One runner task per connection answers its requests in turn (a task per
-        # request costs more than waking one); it idles on _waiter between them.
-        self._runner: asyncio.Task[None] | None = None
+        #: what answers a request (None when idle): the connection's runner
+        self.task: Inline | None = None
+        # One runner per connection answers its requests in turn (one per request
+        # costs more than waking one); it idles on _waiter between them. It is
+        # stepped here, where the request arrives (meshkit.inline), until a request
+        # hands it to a Task: then a new one takes the requests after that one.
+        self._runner: Inline | None = None
         self._waiter: asyncio.Future[Request | None] | None = None
+        # while data_received parses: a runner to step once it is done
+        self._reading = False
+        self._woken: Inline | None = None
         self.routed: Routed | None = None
         self.req: Request | None = None
         self.framing = Framing.LENGTH
@@ -212,6 +219,8 @@ class H1Conn(asyncio.Protocol):
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)  # the idle runner ends
+            if self._runner is not None:
+                self._runner.wake()
         self._wake_writer()
 
     def eof_received(self) -> bool | None:
@@ -227,6 +236,18 @@ class H1Conn(asyncio.Protocol):
             # What is not body: chunk framing and the trailer section, which
             # httptools keeps whole until its line ends (an endless one grew).
             self._framing_bytes += len(data)
+        self._reading = True
+        try:
+            self._parse(data)
+        finally:
+            self._reading = False
+        woken = self._woken
+        if woken is not None:
+            # The request parsed from these bytes runs now, not on the loop's next turn.
+            self._woken = None
+            woken.step()
+
+    def _parse(self, data: bytes) -> None:
         try:
             self._feed(data)
         except httptools.HttpParserCallbackError as exc:
@@ -464,33 +485,50 @@ class H1Conn(asyncio.Protocol):
         self.status = 0
         runner = self._runner
         if runner is None:
-            runner = self._runner = self.loop.create_task(self._serve(req))
+            runner = self._runner = Inline(self.loop, self._serve(req))
+            self._go(runner)
         elif self._waiter is not None:
             waiter, self._waiter = self._waiter, None
             waiter.set_result(req)
+            self._go(runner)
         # else: _finish started a pipelined request; the runner takes it next
         self.task = runner
 
+    def _go(self, runner: Inline) -> None:
+        if self._reading:
+            self._woken = runner  # data_received steps it when its parse is done
+        else:
+            runner.wake()
+
     async def _serve(self, req: Request | None) -> None:
+        runner = self._runner
         try:
             while req is not None:
                 await self._run(req)
                 req = self.req  # the pipelined request _finish started, if any
                 if req is None:
-                    if self.closed:
+                    if self.closed or runner is None or CURRENT.inline is not runner:
+                        # Handed to a Task (or closing): the next request starts a
+                        # new runner, stepped inline again.
                         return
                     waiter = self._waiter = self._new_future()
+                    runner.park(waiter)
                     req = await waiter
         finally:
-            self._runner = self._waiter = None
+            if self._runner is runner:
+                self._runner = None
+            self._waiter = None
 
     async def _run(self, req: Request) -> None:
         try:
             if req.refusal is not None:
                 await self.whole(*error_reply(self.mesh, req.refusal, req.shape))
             elif req.match is None:
+                await in_task()  # the gateway's ASGI app, as an ASGI server runs it
                 await self.server.bridge(self, req)
             else:
+                if not self.inline:
+                    await in_task()
                 routed = self.routed = Routed(self.mesh, self.upstream, req.match, self)
                 await routed.run(req.method, req.body, req.headers, req.query.decode("latin-1"))
         except asyncio.CancelledError:

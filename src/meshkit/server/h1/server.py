@@ -56,6 +56,9 @@ class H1Server:
         self.gateway = gateway
         self.mesh = gateway.mesh
         self.upstream = gateway.upstream
+        #: meshkit's own client: a routed request is stepped inline (meshkit.inline);
+        #: any other (a transport given to the gateway) runs its requests in Tasks
+        self.inline = isinstance(self.upstream, FastUpstream)
         #: what answers the non-inference routes (``app``: another view of them, as
         #: the siblings' private socket of ``serve --processes`` serves)
         self.app = app if app is not None else gateway.app
@@ -134,7 +137,7 @@ class H1Server:
         for task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
+            await asyncio.wait([task.finished() for task in tasks], timeout=5.0)
         for conn in list(self.conns):
             conn.close()
         if self._sweeper is not None:
