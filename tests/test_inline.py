@@ -3,7 +3,7 @@
 On asyncio's own loop and on uvloop (the gateway's): what a Task would do must hold
 on both sides of the hand-over (current task, cancellation and its count,
 ``asyncio.timeout``), and a step must never run inside a task or resume a
-coroutine whose future is not done.
+coroutine that was not given its value.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from meshkit.inline import CURRENT, Inline
+from meshkit.inline import CURRENT, Inline, in_task
 
 Loop = asyncio.AbstractEventLoop
 
@@ -31,37 +31,45 @@ def run(loop: Loop, body: Callable[[], Coroutine[Any, Any, None]]) -> None:
     loop.run_until_complete(asyncio.wait_for(body(), 5.0))
 
 
+async def parked() -> Any:
+    """What a protocol's waiter does: wait on the Inline stepping this coroutine."""
+    inline = CURRENT.inline
+    assert inline is not None
+    return await inline
+
+
 def test_a_parked_wait_resumes_in_step_itself_with_no_task(loop: Loop) -> None:
     seen: list[Any] = []
 
-    async def coro(fut: asyncio.Future[int]) -> None:
+    async def coro() -> None:
         seen.append(asyncio.current_task())
-        assert CURRENT.inline is not None
-        CURRENT.inline.park(fut)
-        seen.append(await fut)
+        seen.append(await parked())
         seen.append(asyncio.current_task())
+        seen.append(await parked())
 
     async def body() -> None:
         before = asyncio.all_tasks()
-        fut: asyncio.Future[int] = loop.create_future()
-        # Stepped from a callback, as a protocol's data_received would.
-        inline = Inline(loop, coro(fut))
-        loop.call_soon(inline.step)
+        inline = Inline(loop, coro())
+        loop.call_soon(inline.step)  # from a callback, as data_received would
         await asyncio.sleep(0.01)
         assert seen == [inline]
         assert asyncio.all_tasks() == before  # no Task was made
-        fut.set_result(7)
         stepped = loop.create_future()
 
-        def resolve_and_step() -> None:
+        def give_and_step(value: int) -> None:
+            inline.give(value)
             inline.step()
             stepped.set_result(list(seen))  # what ran inside step() itself
 
-        loop.call_soon(resolve_and_step)
+        loop.call_soon(give_and_step, 7)
         assert await stepped == [inline, 7, inline]
-        assert inline.done()
-        assert CURRENT.inline is None
+        assert not inline.done()
+        inline.give(8)
+        inline.wake()  # through the loop
         await inline.finished()
+        assert seen == [inline, 7, inline, 8]
+        assert asyncio.all_tasks() == before
+        assert CURRENT.inline is None
 
     run(loop, body)
 
@@ -69,23 +77,20 @@ def test_a_parked_wait_resumes_in_step_itself_with_no_task(loop: Loop) -> None:
 def test_an_early_or_stale_step_does_not_resume(loop: Loop) -> None:
     resumed: list[int] = []
 
-    async def coro(fut: asyncio.Future[int]) -> None:
-        assert CURRENT.inline is not None
-        CURRENT.inline.park(fut)
-        resumed.append(await fut)
+    async def coro() -> None:
+        resumed.append(await parked())
 
     async def body() -> None:
-        fut: asyncio.Future[int] = loop.create_future()
-        inline = Inline(loop, coro(fut))
+        inline = Inline(loop, coro())
         loop.call_soon(inline.step)
         await asyncio.sleep(0)
         for _ in range(3):
-            loop.call_soon(inline.step)  # the future is not done: nothing happens
+            loop.call_soon(inline.step)  # nothing was given: nothing happens
         await asyncio.sleep(0.01)
         assert resumed == []
         assert not inline.done()
-        fut.set_result(1)
-        inline.wake()  # through the loop
+        inline.give(1)
+        inline.wake()
         await inline.finished()
         assert resumed == [1]
         loop.call_soon(inline.step)  # after the end: nothing either
@@ -99,9 +104,9 @@ def test_any_other_wait_hands_the_coroutine_to_a_task(loop: Loop) -> None:
 
     async def coro() -> None:
         seen.append(asyncio.current_task())
-        await asyncio.sleep(0.01)  # not parked: a Task takes over when it is done
+        await asyncio.sleep(0.01)  # a future: a Task takes over when it is done
         seen.append(asyncio.current_task())
-        await asyncio.sleep(0)
+        await in_task()  # already in one: at once
         seen.append("end")
 
     async def body() -> None:
@@ -116,16 +121,30 @@ def test_any_other_wait_hands_the_coroutine_to_a_task(loop: Loop) -> None:
     run(loop, body)
 
 
+def test_in_task_hands_over_at_once(loop: Loop) -> None:
+    seen: list[Any] = []
+
+    async def coro() -> None:
+        await in_task()
+        seen.append(asyncio.current_task())
+
+    async def body() -> None:
+        inline = Inline(loop, coro())
+        loop.call_soon(inline.step)
+        await inline.finished()
+        assert isinstance(seen[0], asyncio.Task)
+
+    run(loop, body)
+
+
 def test_a_cancel_while_parked_raises_at_the_await_and_uncancels_like_a_task(
     loop: Loop,
 ) -> None:
     seen: list[Any] = []
 
-    async def coro(fut: asyncio.Future[int]) -> None:
-        assert CURRENT.inline is not None
-        CURRENT.inline.park(fut)
+    async def coro() -> None:
         try:
-            await fut
+            await parked()
         except asyncio.CancelledError:
             task = asyncio.current_task()
             assert task is not None
@@ -134,37 +153,33 @@ def test_a_cancel_while_parked_raises_at_the_await_and_uncancels_like_a_task(
         seen.append("went on")
 
     async def body() -> None:
-        fut: asyncio.Future[int] = loop.create_future()
-        inline = Inline(loop, coro(fut))
+        inline = Inline(loop, coro())
         loop.call_soon(inline.step)
         await asyncio.sleep(0)
         assert inline.cancel()
         await inline.finished()
         assert seen == [1, 0, "went on"]
-        assert fut.cancelled()
         assert not inline.cancel()  # done: nothing to cancel
 
     run(loop, body)
 
 
-def test_a_cancel_after_the_future_is_done_still_lands(loop: Loop) -> None:
+def test_a_cancel_after_the_value_was_given_still_lands(loop: Loop) -> None:
     seen: list[Any] = []
 
-    async def coro(fut: asyncio.Future[int]) -> None:
-        assert CURRENT.inline is not None
-        CURRENT.inline.park(fut)
+    async def coro() -> None:
         try:
-            seen.append(await fut)
+            seen.append(await parked())
         except asyncio.CancelledError:
             seen.append("cancelled")
             raise
 
     async def body() -> None:
-        fut: asyncio.Future[int] = loop.create_future()
-        inline = Inline(loop, coro(fut))
+        inline = Inline(loop, coro())
         loop.call_soon(inline.step)
         await asyncio.sleep(0)
-        fut.set_result(3)  # resolved, its step not yet run
+        inline.give(3)  # its step not yet run
+        inline.wake()
         inline.cancel()
         await inline.finished()
         assert seen == ["cancelled"]
@@ -204,11 +219,13 @@ def test_a_timeout_entered_inline_expires_after_the_hand_over(loop: Loop) -> Non
 
     async def coro() -> None:
         try:
-            async with asyncio.timeout(0.02):  # asks the current task: the Inline
+            async with asyncio.timeout(0.02):  # asks for the current task: the Inline
                 await asyncio.sleep(10)  # handed to a Task here
         except TimeoutError:
             seen.append("timed out")
-        seen.append(asyncio.current_task().cancelling())  # type: ignore[union-attr]
+        task = asyncio.current_task()
+        assert task is not None
+        seen.append(task.cancelling())
 
     async def body() -> None:
         inline = Inline(loop, coro())

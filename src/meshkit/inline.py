@@ -11,12 +11,13 @@ GIL taken back for it, the task bookkeeping: ~13K instructions per request of th
 protocol's ``data_received``, so :class:`Inline` resumes the coroutine right there,
 once that callback has finished with its own state.
 
-Only futures named with :meth:`Inline.park` (the built-in server's wait for the
-next request, the fast upstream's waits for a head and for body bytes) are resumed
-that way, and their owner calls :meth:`Inline.step` (at the end of its callback) or
-:meth:`Inline.wake` (anywhere else: through the loop) after resolving one. Any other
-future the coroutine awaits (a connection being made, a pool slot, the prepare pool,
-a sleep, a write waiting to drain) hands the coroutine to an asyncio Task once that
+Only a wait on the Inline itself (``await inline``: the built-in server's wait for
+the next request, the fast upstream's waits for a head and for body bytes) is
+resumed that way: its owner hands the value over with :meth:`Inline.give` and
+calls :meth:`Inline.step` (at the end of its callback) or :meth:`Inline.wake`
+(anywhere else). No future is made for it, and none is resolved. Any other future
+the coroutine awaits (a connection being made, a pool slot, the prepare pool, a
+sleep, a write waiting to drain) hands the coroutine to an asyncio Task once that
 future is done, and it runs on there as it always did: a slow path keeps the loop's
 exact semantics, and only the common path is stepped here.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 from asyncio import tasks
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Final
 
 __all__ = ["CURRENT", "Inline", "in_task"]
@@ -40,9 +41,9 @@ _enter_task: Final[Callable[[asyncio.AbstractEventLoop, Any], None]] = tasks._en
 _leave_task: Final[Callable[[asyncio.AbstractEventLoop, Any], None]] = tasks._leave_task
 
 # states
-_READY: Final = 0  # parked (or not started): step() resumes it once its future is done
+_READY: Final = 0  # parked (or not started): step() resumes it once given its value
 _RUNNING: Final = 1
-_WAITING: Final = 2  # on a future that is not parked: handed to a Task when it is done
+_WAITING: Final = 2  # on a future: handed to a Task when it is done
 _ADOPTED: Final = 3  # a Task runs it now
 _DONE: Final = 4
 
@@ -67,10 +68,12 @@ class Inline:
         "_cancels",
         "_coro",
         "_finished",
+        "_given",
         "_must_cancel",
         "_parked",
         "_state",
         "_task",
+        "_value",
         "_waited",
         "loop",
     )
@@ -79,25 +82,35 @@ class Inline:
         self.loop = loop
         self._coro = coro
         self._state = _READY
-        self._parked: asyncio.Future[Any] | None = None
+        self._parked = False  # in `await self`, until give()
+        self._given = False
+        self._value: Any = None
         self._waited: asyncio.Future[Any] | None = None
         self._task: asyncio.Task[None] | None = None
         self._cancels = 0
         self._must_cancel = False
         self._finished: asyncio.Future[None] | None = None
 
-    def park(self, fut: asyncio.Future[Any]) -> None:
-        """The coroutine's next wait is on ``fut``: it stays here, no callback on
-        ``fut``; its owner resumes it with :meth:`step` or :meth:`wake`."""
-        self._parked = fut
+    def __await__(self) -> Generator[Any, None, Any]:
+        """Wait, parked here, for what the owner will :meth:`give` (only the
+        coroutine this steps awaits it: ``CURRENT.inline`` is this object)."""
+        self._parked = True
+        self._given = False
+        yield self
+        value = self._value
+        self._value = None
+        return value
+
+    def give(self, value: Any) -> None:
+        """What the parked ``await`` returns; resume it with :meth:`step` (at the end
+        of the owner's callback) or :meth:`wake` (anywhere else)."""
+        self._value = value
+        self._given = True
 
     def step(self) -> None:
-        """Run the coroutine to its next wait, if it is parked on a done future
-        (a wake-up that is early or stale does nothing). Never inside a task."""
-        if self._state != _READY:
-            return
-        parked = self._parked
-        if parked is not None and not parked.done() and not self._must_cancel:
+        """Run the coroutine to its next wait, if it was given its value (a wake-up
+        that is early or stale does nothing). Never inside a task."""
+        if self._state != _READY or (self._parked and not self._given and not self._must_cancel):
             return
         loop = self.loop
         if CURRENT.inline is not None:
@@ -109,6 +122,7 @@ class Inline:
             loop.call_soon(self.step)  # asked for inside a task
             return
         self._state = _RUNNING
+        self._parked = False
         CURRENT.inline = self
         coro = self._coro
         try:
@@ -132,12 +146,12 @@ class Inline:
         finally:
             CURRENT.inline = None
             _leave_task(loop, self)
-        if waited is not None and waited is self._parked:
+        if waited is self:
             self._state = _READY
             if self._must_cancel:
                 loop.call_soon(self.step)
             return
-        self._parked = None
+        self._parked = False
         self._state = _WAITING
         if waited is None:  # a bare yield (asyncio.sleep(0)): the loop's next turn
             loop.call_soon(self._adopt, None)
@@ -170,7 +184,8 @@ class Inline:
 
     def _end(self) -> None:
         self._state = _DONE
-        self._parked = None
+        self._parked = False
+        self._value = None
         finished = self._finished
         if finished is not None and not finished.done():
             finished.set_result(None)
@@ -191,12 +206,8 @@ class Inline:
         if task is not None:
             return task.cancel(msg)
         self._cancels += 1
-        self._must_cancel = True
+        self._must_cancel = True  # thrown in at the next step, as a Task does
         if state == _READY:
-            parked = self._parked
-            if parked is not None and not parked.done():
-                parked.cancel()  # its await raises CancelledError, as a Task's would
-                self._must_cancel = False
             self.loop.call_soon(self.step)
         elif state == _WAITING:
             waited = self._waited

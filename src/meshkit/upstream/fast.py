@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import socket
 from collections import deque
-from typing import Final, cast
+from typing import Any, Final, cast
 
 from meshkit.config import UpstreamConfig
 from meshkit.core.forward import Attempt, Failure
@@ -147,16 +147,18 @@ class FastUpstream(AsyncUpstream):
         if conn is None:
             conn = await self._acquire(pool, loop, bounds, fresh=False)
         while True:
-            fut: asyncio.Future[int] = loop.create_future()
-            ex = Exchange(conn, fut)
-            runner = ex._runner = CURRENT.inline
-            if runner is not None:
-                runner.park(fut)  # resumed where the head arrives (meshkit.inline)
+            # Stepped inline (meshkit.inline): resumed where the head arrives, no
+            # future; in a Task: a future.
+            runner = CURRENT.inline
+            waits: Inline | asyncio.Future[int] = (
+                runner if runner is not None else loop.create_future()
+            )
+            ex = Exchange(conn, waits)
             if bounds is not None and bounds.read is not None:
                 conn.bound(bounds.read)
             conn.send(ex, head, body, head_only)
             try:
-                code = await fut
+                code: int = await waits
             except BaseException:
                 # Cancelled (the client left) while the worker may be working.
                 ex.abandon()
@@ -324,7 +326,6 @@ class Exchange:
         "_done",
         "_failed",
         "_head",
-        "_runner",
         "_stalled",
         "_waiter",
         "headers",
@@ -334,19 +335,19 @@ class Exchange:
     status: int
     headers: Headers
 
-    def __init__(self, conn: Conn, head: asyncio.Future[int]) -> None:
+    def __init__(self, conn: Conn, head: Inline | asyncio.Future[int]) -> None:
         self.status = 0
         self.headers = _NO_HEADERS
         self._conn: Conn | None = conn  # None once the body ended (or failed)
-        self._head: asyncio.Future[int] | None = head  # None once the head arrived
+        #: what waits for the head (None once it arrived)
+        self._head: Inline | asyncio.Future[int] | None = head
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._done = False
         self._failed = False
         self._stalled = 0  # _OPERATOR or _CLIENT: the body failed for a silence
-        self._waiter: asyncio.Future[None] | None = None
-        #: what steps the request (meshkit.inline) while it waits here; None: a Task
-        self._runner: Inline | None = None
+        #: what waits for body bytes (None: nobody)
+        self._waiter: Inline | asyncio.Future[None] | None = None
 
     def chunks(self) -> Exchange:
         return self
@@ -385,10 +386,11 @@ class Exchange:
             conn = self._conn
             if self._failed or conn is None:
                 raise _broken(self._stalled)
-            waiter = self._waiter = conn.loop.create_future()
-            runner = self._runner = CURRENT.inline
-            if runner is not None:
-                runner.park(waiter)
+            runner = CURRENT.inline
+            waiter: Inline | asyncio.Future[None] = (
+                runner if runner is not None else conn.loop.create_future()
+            )
+            self._waiter = waiter
             await waiter
 
     async def read(self, limit: int) -> bytes:
@@ -422,27 +424,26 @@ class Exchange:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-                _resume(self._runner, conn)
+            _resume(waiter, None, conn)
 
     def _answer(self, code: int, conn: Conn | None) -> None:
         """The head's outcome (``HEAD_OK`` or why not); ``conn`` as in :meth:`_wake`."""
         head = self._head
         if head is not None:
             self._head = None
-            if not head.done():
-                head.set_result(code)
-                _resume(self._runner, conn)
+            _resume(head, code, conn)
 
 
-def _resume(runner: Inline | None, conn: Conn | None) -> None:
-    if runner is None:
-        return  # a Task waits: the future's callback wakes it
+def _resume(waiter: Inline | asyncio.Future[Any], value: Any, conn: Conn | None) -> None:
+    if not isinstance(waiter, Inline):
+        if not waiter.done():  # a Task waits: the future's callback wakes it
+            waiter.set_result(value)
+        return
+    waiter.give(value)
     if conn is not None and conn._feeding:
-        conn._woken = runner
+        conn._woken = waiter  # stepped when the parse is done
     else:
-        runner.wake()
+        waiter.wake()
 
 
 class Conn(asyncio.Protocol):

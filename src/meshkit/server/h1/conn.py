@@ -141,7 +141,6 @@ class H1Conn(asyncio.Protocol):
         self._feed = parser.feed_data
         self._get_method = parser.get_method
         self._keeps_alive = parser.should_keep_alive
-        self._new_future = self.loop.create_future
         self.transport: asyncio.Transport | None = None
         self.client = ""
         self.closed = False
@@ -179,11 +178,11 @@ class H1Conn(asyncio.Protocol):
         #: what answers a request (None when idle): the connection's runner
         self.task: Inline | None = None
         # One runner per connection answers its requests in turn (one per request
-        # costs more than waking one); it idles on _waiter between them. It is
-        # stepped here, where the request arrives (meshkit.inline), until a request
-        # hands it to a Task: then a new one takes the requests after that one.
+        # costs more than waking one); it idles, parked, between them (_idle). It
+        # is stepped here, where the request arrives (meshkit.inline), until a
+        # request hands it to a Task: then a new one takes the requests after it.
         self._runner: Inline | None = None
-        self._waiter: asyncio.Future[Request | None] | None = None
+        self._idle = False
         # while data_received parses: a runner to step once it is done
         self._reading = False
         self._woken: Inline | None = None
@@ -216,11 +215,11 @@ class H1Conn(asyncio.Protocol):
             if self.routed is not None:
                 self.routed.client_left = True
             self.task.cancel()
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)  # the idle runner ends
-            if self._runner is not None:
-                self._runner.wake()
+        runner = self._runner
+        if self._idle and runner is not None:
+            self._idle = False
+            runner.give(None)  # the idle runner ends
+            runner.wake()
         self._wake_writer()
 
     def eof_received(self) -> bool | None:
@@ -487,9 +486,9 @@ class H1Conn(asyncio.Protocol):
         if runner is None:
             runner = self._runner = Inline(self.loop, self._serve(req))
             self._go(runner)
-        elif self._waiter is not None:
-            waiter, self._waiter = self._waiter, None
-            waiter.set_result(req)
+        elif self._idle:
+            self._idle = False
+            runner.give(req)
             self._go(runner)
         # else: _finish started a pipelined request; the runner takes it next
         self.task = runner
@@ -511,13 +510,12 @@ class H1Conn(asyncio.Protocol):
                         # Handed to a Task (or closing): the next request starts a
                         # new runner, stepped inline again.
                         return
-                    waiter = self._waiter = self._new_future()
-                    runner.park(waiter)
-                    req = await waiter
+                    self._idle = True
+                    req = await runner
         finally:
             if self._runner is runner:
                 self._runner = None
-            self._waiter = None
+            self._idle = False
 
     async def _run(self, req: Request) -> None:
         try:
