@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from meshkit.inline import CURRENT, Inline, in_task
+from meshkit.inline import CURRENT, Inline, in_task, stepping
 
 Loop = asyncio.AbstractEventLoop
 
@@ -269,3 +269,30 @@ def test_an_error_ends_it_and_reaches_the_loops_handler(loop: Loop) -> None:
         assert isinstance(caught[0]["exception"], ValueError)
 
     run(loop, body)
+
+
+def test_another_threads_step_is_not_taken_for_this_loops(loop: Loop) -> None:
+    """CURRENT is one slot for the process: the lifecycle's loop (another thread)
+    asking while the gateway's Inline steps must not see it as its own."""
+    seen: list[Any] = []
+    other = asyncio.new_event_loop()
+
+    async def coro() -> None:
+        seen.append(stepping(loop))
+        seen.append(stepping(other))
+        CURRENT.inline = None  # another thread's step ended meanwhile
+        await in_task()  # still handed over: decided per loop
+        seen.append(asyncio.current_task())
+
+    async def body() -> None:
+        inline = Inline(loop, coro())
+        loop.call_soon(inline.step)
+        await inline.finished()
+        assert seen[0] is inline
+        assert seen[1] is None
+        assert isinstance(seen[2], asyncio.Task)
+
+    try:
+        run(loop, body)
+    finally:
+        other.close()

@@ -34,7 +34,7 @@ from asyncio import tasks
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Final
 
-__all__ = ["CURRENT", "Inline", "in_task"]
+__all__ = ["CURRENT", "Inline", "in_task", "stepping"]
 
 # asyncio's current-task registry (C functions): typed to take any task-like object
 _enter_task: Final[Callable[[asyncio.AbstractEventLoop, Any], None]] = tasks._enter_task
@@ -49,7 +49,8 @@ _DONE: Final = 4
 
 
 class _Current:
-    """The Inline stepping right now (a compiled attribute read, not a global lookup)."""
+    """The Inline stepping right now, in whichever thread (a compiled attribute read,
+    not a global or thread-local lookup): read it through :func:`stepping`."""
 
     __slots__ = ("inline",)
 
@@ -57,8 +58,20 @@ class _Current:
         self.inline: Inline | None = None
 
 
-#: ``CURRENT.inline``: the Inline whose step is running, None in a Task or a callback
+#: ``CURRENT.inline``: the Inline whose step is running, None in a Task or a callback.
+#: One for the process: another thread's loop (the lifecycle's, another gateway's)
+#: may step its own Inline while this one runs, so a reader checks the loop.
 CURRENT: Final = _Current()
+
+
+def stepping(loop: asyncio.AbstractEventLoop) -> Inline | None:
+    """The Inline stepping on ``loop`` now; None in a Task (or when another thread's
+    step overwrote the slot: the caller then waits as a Task would, which hands
+    the coroutine over, a slower path and never a wrong one)."""
+    inline = CURRENT.inline
+    if inline is not None and inline.loop is loop:
+        return inline
+    return None
 
 
 class Inline:
@@ -113,7 +126,7 @@ class Inline:
         if self._state != _READY or (self._parked and not self._given and not self._must_cancel):
             return
         loop = self.loop
-        if CURRENT.inline is not None:
+        if stepping(loop) is not None:
             loop.call_soon(self.step)  # asked for inside another's step
             return
         try:
@@ -243,5 +256,5 @@ async def in_task() -> None:
     """Go on in an asyncio Task (at once when already in one). Code that is not
     meshkit's runs there: anyio, under httpcore and the frameworks, keeps state per
     task (by weak reference) that an Inline does not have."""
-    if CURRENT.inline is not None:
+    if not isinstance(asyncio.current_task(), asyncio.Task):  # per loop, unlike CURRENT
         await asyncio.sleep(0)  # a bare yield: handed over on the loop's next turn

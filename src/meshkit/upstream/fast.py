@@ -56,7 +56,7 @@ from meshkit.http1 import (
     build_head,
     ends_with_connection,
 )
-from meshkit.inline import CURRENT, Inline, in_task
+from meshkit.inline import Inline, in_task, stepping
 from meshkit.upstream.base import (
     HEAD_OK,
     HEAD_PROTOCOL,
@@ -149,7 +149,7 @@ class FastUpstream(AsyncUpstream):
         while True:
             # Stepped inline (meshkit.inline): resumed where the head arrives, no
             # future; in a Task: a future.
-            runner = CURRENT.inline
+            runner = stepping(loop)
             waits: Inline | asyncio.Future[int] = (
                 runner if runner is not None else loop.create_future()
             )
@@ -386,7 +386,7 @@ class Exchange:
             conn = self._conn
             if self._failed or conn is None:
                 raise _broken(self._stalled)
-            runner = CURRENT.inline
+            runner = stepping(conn.loop)
             waiter: Inline | asyncio.Future[None] = (
                 runner if runner is not None else conn.loop.create_future()
             )
