@@ -256,5 +256,9 @@ async def in_task() -> None:
     """Go on in an asyncio Task (at once when already in one). Code that is not
     meshkit's runs there: anyio, under httpcore and the frameworks, keeps state per
     task (by weak reference) that an Inline does not have."""
-    if not isinstance(asyncio.current_task(), asyncio.Task):  # per loop, unlike CURRENT
+    try:
+        task = asyncio.current_task()  # per loop, unlike CURRENT
+    except RuntimeError:
+        return  # no asyncio loop runs (trio): no Inline either
+    if isinstance(task, Inline):
         await asyncio.sleep(0)  # a bare yield: handed over on the loop's next turn
