@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from meshkit.inline import CURRENT, Inline, in_task, stepping
+from meshkit.inline import CURRENT, Inline, at_once, in_task, stepping
 
 Loop = asyncio.AbstractEventLoop
 
@@ -296,3 +296,19 @@ def test_another_threads_step_is_not_taken_for_this_loops(loop: Loop) -> None:
         run(loop, body)
     finally:
         other.close()
+
+
+def test_wake_ups_are_stepped_at_once_only_while_one_request_runs() -> None:
+    """The built-in server counts its running requests in CURRENT.busy: a request
+    about to start is stepped in its callback only when none runs, a running one
+    only while it is alone (with more, the loop runs the woken ones together)."""
+    before = CURRENT.busy
+    try:
+        CURRENT.busy = 0
+        assert at_once(0) and at_once()
+        CURRENT.busy = 1
+        assert not at_once(0) and at_once()
+        CURRENT.busy = 2
+        assert not at_once()
+    finally:
+        CURRENT.busy = before

@@ -37,7 +37,7 @@ from asyncio import tasks
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Final
 
-__all__ = ["CURRENT", "Inline", "in_task", "stepping"]
+__all__ = ["CURRENT", "Inline", "at_once", "in_task", "stepping"]
 
 # asyncio's current-task registry (C functions): typed to take any task-like object
 _enter_task: Final[Callable[[asyncio.AbstractEventLoop, Any], None]] = tasks._enter_task
@@ -55,16 +55,29 @@ class _Current:
     """The Inline stepping right now, in whichever thread (a compiled attribute read,
     not a global or thread-local lookup): read it through :func:`stepping`."""
 
-    __slots__ = ("inline",)
+    __slots__ = ("busy", "inline")
 
     def __init__(self) -> None:
         self.inline: Inline | None = None
+        #: requests the built-in server is answering (all its connections)
+        self.busy = 0
 
 
 #: ``CURRENT.inline``: the Inline whose step is running, None in a Task or a callback.
 #: One for the process: another thread's loop (the lifecycle's, another gateway's)
 #: may step its own Inline while this one runs, so a reader checks the loop.
 CURRENT: Final = _Current()
+
+
+def at_once(running: int = 1) -> bool:
+    """Whether a wake-up steps its Inline at the end of the callback that brought it
+    (else on the loop's next turn, still with no future or Task): only while the
+    server answers no more than ``running`` requests (the woken one's own included
+    once it runs). With several in flight, stepping each inside its callback
+    interleaves whole requests with the loop's reads, which cost more CPU per
+    request than the loop running the woken ones together (16 clients: 1.2x the CPU
+    of Tasks; ``benchmarks/RESULTS.md``)."""
+    return CURRENT.busy <= running
 
 
 def stepping(loop: asyncio.AbstractEventLoop) -> Inline | None:

@@ -56,7 +56,7 @@ from meshkit.http1 import (
     build_head,
     ends_with_connection,
 )
-from meshkit.inline import Inline, in_task, stepping
+from meshkit.inline import Inline, at_once, in_task, stepping
 from meshkit.upstream.base import (
     HEAD_OK,
     HEAD_PROTOCOL,
@@ -440,7 +440,7 @@ def _resume(waiter: Inline | asyncio.Future[Any], value: Any, conn: Conn | None)
             waiter.set_result(value)
         return
     waiter.give(value)
-    if conn is not None and conn._feeding:
+    if conn is not None and conn._feeding and at_once():
         conn._woken = waiter  # stepped when the parse is done
     else:
         waiter.wake()

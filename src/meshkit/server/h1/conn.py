@@ -50,7 +50,7 @@ from meshkit.errors import (
 )
 from meshkit.frontends.routed import Headers, Routed, error_reply
 from meshkit.http1 import LAST_CHUNK, Framing, chunk, date_header, response_head
-from meshkit.inline import CURRENT, Inline, in_task
+from meshkit.inline import CURRENT, Inline, at_once, in_task
 from meshkit.server.h1.bridge import INTERNAL
 
 if TYPE_CHECKING:
@@ -494,7 +494,7 @@ class H1Conn(asyncio.Protocol):
         self.task = runner
 
     def _go(self, runner: Inline) -> None:
-        if self._reading:
+        if self._reading and at_once(0):  # the request is not running yet
             self._woken = runner  # data_received steps it when its parse is done
         else:
             runner.wake()
@@ -518,6 +518,7 @@ class H1Conn(asyncio.Protocol):
             self._idle = False
 
     async def _run(self, req: Request) -> None:
+        CURRENT.busy += 1
         try:
             if req.refusal is not None:
                 await self.whole(*error_reply(self.mesh, req.refusal, req.shape))
@@ -541,6 +542,7 @@ class H1Conn(asyncio.Protocol):
                 self.pending = b""
                 await self.whole(500, [(b"content-type", b"application/json")], INTERNAL)
         finally:
+            CURRENT.busy -= 1
             self._finish(req)
 
     def _finish(self, req: Request) -> None:
